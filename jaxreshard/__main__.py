@@ -1,0 +1,3 @@
+from jaxreshard._cli import main
+
+raise SystemExit(main())

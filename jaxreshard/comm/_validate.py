@@ -1,0 +1,147 @@
+"""An independent check of a plan: data provenance, coverage and timing.
+
+It shares no code with the planner's decomposition or simulator, so a bug there shows up here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxreshard.comm._cluster import Cluster
+from jaxreshard.comm._layout import Index, Layout, format_index
+
+_EPS = 1e-9
+
+
+def validate_plan(plan: Any) -> list[str]:
+    """Return the problems of a `Plan` (empty when it is valid). See `validate_ops`."""
+    return validate_ops(plan.src, plan.dst, plan.cluster, plan.ops, plan.timeline, plan.itemsize)
+
+
+def validate_ops(
+    src: Layout,
+    dst: Layout,
+    cluster: Cluster,
+    ops: Sequence[Any],
+    timeline: Sequence[tuple[float, float]],
+    itemsize: int,
+) -> list[str]:
+    """Check that the ops, run at their (start, end) times, deliver `dst` from `src`.
+
+    Rules:
+    1. A sender (or each allgather participant, for its part) holds what it sends when the op
+       starts: from the source layout, or delivered by an op that ended by then.
+    2. Every destination device holds its whole region once all ops have ended.
+    3. Every op lasts at least its bytes over the slowest link it crosses, plus the latency.
+    4. No two ops use the same host NIC direction at the same time.
+    Elements are compared on the grid of every boundary in the layouts and ops, so that every
+    region involved is a union of grid cells and the checks are exact.
+    """
+    problems: list[str] = []
+    shape = src.shape
+    cuts = _grid(
+        shape, [*src.indices, *dst.indices, *(r for op in ops for r in (op.index, *op.parts))]
+    )
+    held: dict[int, list[tuple[float, Index]]] = {}
+    for device, index in zip(src.devices, src.indices):
+        held.setdefault(device, []).append((-1.0, index))
+    for op, (_start, end) in zip(ops, timeline):
+        for device in op.receivers:  # allgather: every participant ends with the whole index
+            held.setdefault(device, []).append((end, op.index))
+
+    def holds(device: int, index: Index, at: float) -> bool:
+        regions = [r for t, r in held.get(device, []) if t <= at + _EPS]
+        return all(any(_contains(r, cell) for r in regions) for cell in _cells(index, cuts))
+
+    for i, (op, (start, _end)) in enumerate(zip(ops, timeline)):
+        if op.kind == "allgather":
+            for device, part in zip(op.devices, op.parts):
+                if not holds(device, part, start):
+                    problems.append(
+                        f"op {i} ({op}): participant {device} lacks its part "
+                        f"{format_index(part)} at {start:.6g} s"
+                    )
+        elif not holds(op.src_device, op.index, start):
+            problems.append(
+                f"op {i} ({op}): sender {op.src_device} does not hold {format_index(op.index)} "
+                f"at {start:.6g} s"
+            )
+    last = max((end for _, end in timeline), default=0.0)
+    for device, index in zip(dst.devices, dst.indices):
+        if not holds(device, index, last):
+            problems.append(
+                f"destination device {device} never receives all of {format_index(index)}"
+            )
+
+    problems += _check_timing(cluster, ops, timeline, itemsize)
+    return problems
+
+
+def _check_timing(cluster, ops, timeline, itemsize) -> list[str]:
+    problems = []
+    busy: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    for i, (op, (start, end)) in enumerate(zip(ops, timeline)):
+        if end < start:
+            problems.append(f"op {i} ends before it starts")
+            continue
+        if op.kind == "allgather":
+            k = len(op.devices)
+            largest = max(_volume(p) for p in op.parts) * itemsize
+            need = (k - 1) * largest / cluster.intra_host_bytes_per_s
+            hosts = {cluster.host_of(d) for d in op.devices}
+            if len(hosts) > 1:
+                problems.append(f"op {i}: allgather spans hosts {sorted(hosts)}")
+        else:
+            chain = (op.src_device, *op.dst_devices)
+            slowest = cluster.intra_host_bytes_per_s
+            for a, b in itertools.pairwise(chain):
+                ha, hb = cluster.host_of(a), cluster.host_of(b)
+                if ha != hb:
+                    slowest = min(slowest, cluster.inter_host_bytes_per_s)
+                    busy.setdefault(("out", ha), []).append((start, end, i))
+                    busy.setdefault(("in", hb), []).append((start, end, i))
+            need = op.nbytes / slowest + cluster.latency_s
+        if end - start < need * (1 - 1e-9) - 1e-12:
+            problems.append(
+                f"op {i} ({op}) lasts {end - start:.6g} s, less than the {need:.6g} s its bytes "
+                "need on its slowest link"
+            )
+    for (direction, host), spans in busy.items():
+        spans.sort()
+        for (s1, e1, i1), (s2, _e2, i2) in itertools.pairwise(spans):
+            if s2 < e1 - _EPS:
+                problems.append(
+                    f"ops {i1} and {i2} overlap on host {host}'s NIC-{direction} "
+                    f"({s1:.6g}-{e1:.6g} s vs from {s2:.6g} s)"
+                )
+    return problems
+
+
+def _grid(shape: tuple[int, ...], regions: Iterable[Index]) -> tuple[tuple[int, ...], ...]:
+    points = [{0, n} for n in shape]
+    for region in regions:
+        for dim, (a, b) in enumerate(region):
+            points[dim].update((a, b))
+    return tuple(tuple(sorted(p)) for p in points)
+
+
+def _cells(index: Index, cuts: tuple[tuple[int, ...], ...]) -> Iterable[Index]:
+    ranges = []
+    for (a, b), c in zip(index, cuts):
+        lo, hi = bisect.bisect_left(c, a), bisect.bisect_left(c, b)
+        ranges.append([(c[k], c[k + 1]) for k in range(lo, hi)])
+    return itertools.product(*ranges)
+
+
+def _contains(outer: Index, inner: Index) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def _volume(index: Index) -> int:
+    n = 1
+    for a, b in index:
+        n *= b - a
+    return n

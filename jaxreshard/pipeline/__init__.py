@@ -1,0 +1,1 @@
+"""Pipeline schedules as data (pure Python: needs neither JAX, Ray nor CuPy)."""

@@ -1,0 +1,18 @@
+import subprocess
+import sys
+
+
+def _modules_after(statement):
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_planner_imports_neither_ray_nor_cupy():
+    modules = _modules_after("import jaxreshard.comm")
+    assert "ray" not in modules and "cupy" not in modules
+
+
+def test_top_level_import_is_light():
+    modules = _modules_after("import jaxreshard")
+    assert "ray" not in modules and "cupy" not in modules

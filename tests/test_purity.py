@@ -16,3 +16,10 @@ def test_planner_imports_neither_ray_nor_cupy():
 def test_top_level_import_is_light():
     modules = _modules_after("import jaxreshard")
     assert "ray" not in modules and "cupy" not in modules
+
+
+def test_schedules_need_neither_jax_nor_ray():
+    modules = _modules_after(
+        "import jaxreshard.pipeline as p; p.check_schedule(p.build_schedule('zb_h1', 4, 8))"
+    )
+    assert not {"jax", "ray", "cupy", "matplotlib"} & modules

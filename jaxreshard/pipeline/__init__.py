@@ -1,1 +1,30 @@
-"""Pipeline schedules as data (pure Python: needs neither JAX, Ray nor CuPy)."""
+"""Pipeline schedules as data (pure Python: needs neither JAX, Ray nor CuPy).
+
+A schedule is one ordered list of actions (`2F0`: stage 2, forward, micro-batch 0) per stage;
+transfers are derived from it. Schedules are built by name, checked, and simulated under a cost
+model before anything runs.
+"""
+
+from jaxreshard.pipeline._action import Action as Action
+from jaxreshard.pipeline._check import check_schedule as check_schedule
+from jaxreshard.pipeline._costs import Costs as Costs
+from jaxreshard.pipeline._schedule import Schedule as Schedule
+from jaxreshard.pipeline._schedule import Transfer as Transfer
+from jaxreshard.pipeline._schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
+from jaxreshard.pipeline._schedules import build_schedule as build_schedule
+from jaxreshard.pipeline._simulate import ScheduleError as ScheduleError
+from jaxreshard.pipeline._simulate import Timeline as Timeline
+from jaxreshard.pipeline._simulate import simulate as simulate
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Costs",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "Transfer",
+    "build_schedule",
+    "check_schedule",
+    "simulate",
+]

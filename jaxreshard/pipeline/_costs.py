@@ -1,0 +1,111 @@
+"""The schedule cost model: compute time per stage and action kind, transfer time per boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT
+
+
+def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
+    values = (value,) * n if isinstance(value, (int, float)) else tuple(value)
+    if len(values) != n:
+        raise ValueError(f"Costs: {name} has {len(values)} entries, expected {n} (or one number)")
+    values = tuple(float(v) for v in values)
+    if any(not v >= 0 for v in values):
+        raise ValueError(f"Costs: {name}={list(values)} must be >= 0")
+    return values
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Costs:
+    """Per-stage compute times and per-boundary transfer times (any time unit, e.g. seconds).
+
+    Attributes:
+        forward: forward time of one micro-batch, per stage.
+        backward: the whole backward of one micro-batch, per stage.
+        weight_grad: the weight-gradient part of `backward`, per stage. With the backward split,
+            `B` lasts `backward - weight_grad` and `W` lasts `weight_grad`.
+        comm: transfer time of one micro-batch's tensors across each boundary (stage b to b+1,
+            and its gradient back), per boundary.
+        apply: apply-gradient (optimizer) time, per stage.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    comm: tuple[float, ...]
+    apply: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        if n < 1:
+            raise ValueError("Costs: need at least one stage")
+        for name in ("backward", "weight_grad", "apply"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Costs: {name} must have one entry per stage ({n})")
+        if len(self.comm) != n - 1:
+            raise ValueError(f"Costs: comm must have one entry per boundary ({n - 1})")
+        for s, (b, w) in enumerate(zip(self.backward, self.weight_grad)):
+            if w > b:
+                raise ValueError(
+                    f"Costs: stage {s} weight_grad={w} exceeds its whole backward={b}; "
+                    "weight_grad is the part of backward spent on weight gradients"
+                )
+
+    @classmethod
+    def make(
+        cls,
+        num_stages: int,
+        *,
+        forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 2.0,
+        weight_grad: float | Sequence[float] | None = None,
+        comm: float | Sequence[float] = 0.0,
+        apply: float | Sequence[float] = 0.0,
+    ) -> Costs:
+        """Costs from numbers (uniform) or per-stage / per-boundary sequences.
+
+        `weight_grad` defaults to half of `backward`.
+        """
+        if num_stages < 1:
+            raise ValueError(f"num_stages={num_stages} must be >= 1")
+        backward_t = _per(backward, num_stages, "backward")
+        if weight_grad is None:
+            weight_grad = [b / 2 for b in backward_t]
+        return cls(
+            forward=_per(forward, num_stages, "forward"),
+            backward=backward_t,
+            weight_grad=_per(weight_grad, num_stages, "weight_grad"),
+            comm=_per(comm, num_stages - 1, "comm"),
+            apply=_per(apply, num_stages, "apply"),
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    def duration(self, stage: int, kind: str, split: bool) -> float:
+        """How long one action of `kind` takes on `stage` (`split`: backward split into B/W)."""
+        if kind == FORWARD:
+            return self.forward[stage]
+        if kind == BACKWARD:
+            return self.backward[stage] - (self.weight_grad[stage] if split else 0.0)
+        if kind == WEIGHT:
+            return self.weight_grad[stage]
+        assert kind == APPLY
+        return self.apply[stage]
+
+    def to_json(self) -> dict[str, Any]:
+        def compact(values: tuple[float, ...]) -> float | list[float]:
+            return values[0] if values and len(set(values)) == 1 else list(values)
+
+        return {
+            "forward": compact(self.forward),
+            "backward": compact(self.backward),
+            "weight_grad": compact(self.weight_grad),
+            "comm": compact(self.comm) if self.comm else 0.0,
+            "apply": compact(self.apply),
+        }

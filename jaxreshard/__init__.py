@@ -1,3 +1,39 @@
-"""jaxreshard: pipeline-parallel JAX training across device meshes with optimised resharding."""
+"""jaxreshard: pipeline-parallel JAX training across device meshes with optimised resharding.
+
+Attributes load lazily, so that `import jaxreshard` (and the CLI) stays quick and the pure
+parts (`jaxreshard.pipeline`) work without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "reshard": "jaxreshard._reshard",
+    "init": "jaxreshard.runtime._api",
+    "shutdown": "jaxreshard.runtime._api",
+    "current_runtime": "jaxreshard.runtime._api",
+    "RemoteArray": "jaxreshard.runtime._remote",
+    "Cluster": "jaxreshard.comm",
+    "VirtualMesh": "jaxreshard.comm",
+    "VirtualSharding": "jaxreshard.comm",
+    "plan_reshard": "jaxreshard.comm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxreshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

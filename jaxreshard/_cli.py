@@ -28,7 +28,7 @@ def _bench_reshard(args: argparse.Namespace) -> int:
         names = {c.name for c in cases}
         unknown = sorted(set(args.only) - names)
         if unknown:
-            raise SystemExit(f"--only {unknown}: no such case; the file has {sorted(names)}")
+            raise ValueError(f"--only {unknown}: no such case; the file has {sorted(names)}")
         cases = [c for c in cases if c.name in args.only]
     strategies = tuple(check_strategy(s, "--strategies") for s in args.strategies)
     options = PlannerOptions(seed=args.seed)
@@ -50,11 +50,57 @@ def _bench_reshard(args: argparse.Namespace) -> int:
     ]
     if invalid:
         console.print(f"[red]invalid plans: {invalid}")
+    failed = []
+    if args.execute:
+        failed = _execute_cases(args, cases, cluster, results, console)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        _write_json(args.out, results)
         console.print(f"wrote {args.out}")
-    return 1 if invalid else 0
+    return 1 if invalid or failed else 0
+
+
+def _execute_cases(args, cases, cluster, results, console) -> list[str]:
+    from rich.progress import track
+
+    from jaxreshard import _bench_exec as ex
+
+    scaled = [ex.scale_case(c, args.scale) for c in cases]
+    runtime = None
+    if args.execute == "local":
+        import jax
+
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_num_cpu_devices", ex.devices_needed(scaled))
+        run = lambda case: ex.run_local(case, args.repeats)
+    else:
+        from jaxreshard.runtime._ray import RayRuntime
+
+        num_hosts, per_host = ex.ray_shape(scaled)
+        links = {k: v for k, v in cluster.items() if k != "devices_per_host"}
+        with console.status(f"starting Ray: {num_hosts} host actors x {per_host} devices"):
+            runtime = RayRuntime(
+                num_hosts=num_hosts,
+                devices_per_host=per_host,
+                cluster_links=links,
+                timeout_s=args.timeout,
+                emulate_network_gbps=args.emulate_network,
+                object_store_memory=args.object_store_mib * 2**20,
+            )
+        run = lambda case: ex.run_ray(runtime, case, args.repeats)
+    try:
+        results["memcpy_gbytes_per_s"] = ex.memcpy_gbytes_per_s()
+        results["scale"] = args.scale
+        results["emulate_network_gbps"] = args.emulate_network
+        by_name = {c["name"]: c for c in results["cases"]}
+        for case in track(scaled, description=f"executing ({args.execute})", console=console):
+            record = run(case)
+            record.update(shape=list(case.shape), bytes=ex.dst_bytes(case))
+            by_name[case.name]["executed"] = record
+    finally:
+        if runtime is not None:
+            runtime.shutdown()
+    console.print(ex.executed_table(results))
+    return [c["name"] for c in results["cases"] if not c["executed"]["correct"]]
 
 
 def _floats(text: str) -> float | list[float]:
@@ -165,6 +211,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reshard.add_argument("--only", nargs="+", metavar="CASE", help="run only these cases")
     reshard.add_argument("--seed", type=int, default=0, help="seed of the greedy balancer")
+    reshard.add_argument(
+        "--execute",
+        choices=("local", "ray"),
+        default=None,
+        help="also run every case for real on this runtime and check it",
+    )
+    reshard.add_argument(
+        "--scale", type=int, default=2, help="with --execute: divide every dim by this (default 2)"
+    )
+    reshard.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="with --execute: timed runs per case (median reported)",
+    )
+    reshard.add_argument(
+        "--timeout", type=float, default=300.0, help="with --execute ray: seconds any wait may take"
+    )
+    reshard.add_argument(
+        "--emulate-network",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="with --execute ray: give every host an emulated NIC of GBPS GB/s (transfers wait "
+        "for it; no CPU burned)",
+    )
+    reshard.add_argument(
+        "--object-store-mib",
+        type=int,
+        default=2048,
+        help="with --execute ray: object store of each emulated node, in MiB",
+    )
     reshard.set_defaults(run=_bench_reshard)
 
     schedule = commands.add_parser(

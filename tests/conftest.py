@@ -23,3 +23,31 @@ def cpu_devices():
     devices = jax.devices("cpu")
     assert len(devices) >= NUM_CPU_DEVICES, "conftest must set the device count before JAX starts"
     return devices
+
+
+RAY_CONFIG = dict(
+    backend="ray", num_hosts=4, devices_per_host=2, timeout_s=60, object_store_memory=256 * 2**20
+)
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    """Shut the shared Ray runtime down at the end of the session."""
+    import jaxreshard
+
+    yield
+    jaxreshard.shutdown()
+
+
+@pytest.fixture
+def ray_runtime(_ray_session):
+    """The shared local Ray runtime (4 host actors x 2 fake CPU devices, one Ray node each),
+    started on first use; a test that kills it starts a new one with `RAY_CONFIG`."""
+    import jaxreshard
+    from jaxreshard.runtime import _api
+
+    current = _api._current
+    if current is None or not current.is_alive or getattr(current, "_broken", None):
+        jaxreshard.shutdown()
+        current = jaxreshard.init(**RAY_CONFIG)
+    return current

@@ -1,0 +1,228 @@
+"""`jaxreshard bench reshard --execute {local,ray}`: run the cases for real and check them.
+
+Each case is scaled down (every dim divided by `scale`, kept divisible by its shardings), run
+with the `auto` plan on the chosen runtime, compared element-wise with the source, and timed side
+by side with a baseline: `jax.device_put(x, dst_sharding)` in the same process for `local`, and
+"every receiving host pulls the whole tensor" for `ray`. The machine's memory-copy bandwidth is
+measured once as the physical limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxreshard._cases import Case
+from jaxreshard.comm import Layout, VirtualSharding
+from jaxreshard.comm._layout import spec_axes
+
+
+def scale_case(case: Case, scale: int) -> Case:
+    """Divide every dim by `scale`, rounded down to a multiple of what its shardings need."""
+    if scale < 1:
+        raise ValueError(f"--scale {scale}: must be an int >= 1")
+    factors = [1] * len(case.shape)
+    for sharding in (case.src, case.dst):
+        sizes = sharding.mesh.shape
+        for dim, entry in enumerate(sharding.spec):
+            factors[dim] = math.lcm(factors[dim], math.prod(sizes[a] for a in spec_axes(entry)))
+    shape = tuple(max(f, (n // scale) // f * f) for n, f in zip(case.shape, factors))
+    return dataclasses.replace(case, shape=shape)
+
+
+def memcpy_gbytes_per_s(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best copy rate of `nbytes` into a warm buffer on this machine (GB/s, 1e9 bytes)."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def source_data(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """Deterministic, position-dependent data (so a misplaced slice shows up)."""
+    n = math.prod(shape)
+    return (np.arange(n, dtype=np.int64) % 65_521).astype(dtype).reshape(tuple(shape))
+
+
+def dst_bytes(case: Case) -> int:
+    layout = Layout.from_sharding(case.dst, case.shape)
+    itemsize = np.dtype(_dtype(case.dtype)).itemsize
+    return sum(math.prod(b - a for a, b in index) for index in layout.indices) * itemsize
+
+
+def _dtype(name: str) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return times, out
+
+
+def devices_needed(cases: Sequence[Case]) -> int:
+    return max(d for c in cases for d in (*_ids(c.src), *_ids(c.dst))) + 1
+
+
+def _ids(sharding: VirtualSharding) -> list[int]:
+    return [d.id for d in sharding.mesh.devices.flat]
+
+
+def run_local(case: Case, repeats: int) -> dict[str, Any]:
+    """Execute the case's `auto` plan with the local runtime, next to `jax.device_put`."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    from jaxreshard._reshard import execute
+    from jaxreshard.comm import plan_reshard
+
+    devices = {d.id: d for d in jax.devices()}
+
+    def real(sharding: VirtualSharding) -> NamedSharding:
+        grid = np.vectorize(lambda d: devices[d.id], otypes=[object])(sharding.mesh.devices)
+        return NamedSharding(Mesh(grid, sharding.mesh.axis_names), sharding.spec)
+
+    src, dst = real(case.src), real(case.dst)
+    data = source_data(case.shape, _dtype(case.dtype))
+    x = jax.device_put(data, src)
+    x.block_until_ready()
+    plan = plan_reshard(case.shape, case.dtype, src, dst, cluster=case.cluster, strategy="auto")
+    ours, theirs = [], []
+    y = None
+    for _ in range(repeats):  # alternate, so both see the same machine state
+        t, y = _timed(lambda: execute(plan, x, dst).block_until_ready(), 1)
+        ours += t
+        del y
+        t, z = _timed(lambda: jax.device_put(x, dst).block_until_ready(), 1)
+        theirs += t
+        del z
+    y = execute(plan, x, dst)
+    correct = y.sharding == dst and all(
+        np.array_equal(np.asarray(s.data), data[s.index]) for s in y.addressable_shards
+    )
+    return {
+        "runtime": "local",
+        "strategy": plan.chosen,
+        "seconds": statistics.median(ours),
+        "baseline": "jax.device_put",
+        "baseline_seconds": statistics.median(theirs),
+        "correct": bool(correct),
+        "all_seconds": ours,
+        "all_baseline_seconds": theirs,
+    }
+
+
+def run_ray(runtime: Any, case: Case, repeats: int) -> dict[str, Any]:
+    """Execute the case's `auto` plan on the Ray runtime, next to the naive every-host-pulls."""
+    mapping = map_devices(case, runtime)
+
+    def remote(sharding: VirtualSharding) -> VirtualSharding:
+        ids = [mapping[d.id] for d in sharding.mesh.devices.flat]
+        mesh = runtime.mesh(sharding.mesh.devices.shape, sharding.mesh.axis_names, ids)
+        return VirtualSharding(mesh, sharding.spec)
+
+    src, dst = remote(case.src), remote(case.dst)
+    data = source_data(case.shape, _dtype(case.dtype))
+    x = runtime.put(data, src)
+    ours, theirs = [], []
+    plan = runtime.plan(x, dst)
+    for _ in range(repeats):
+        t, y = _timed(lambda: runtime.reshard(x, dst), 1)
+        ours += t
+        y.free()
+        t, z = _timed(lambda: runtime.reshard_naive(x, dst), 1)
+        theirs += t
+        z.free()
+    y = runtime.reshard(x, dst)
+    correct = bool(np.array_equal(y.fetch(), data))
+    y.free()
+    x.free()
+    return {
+        "runtime": "ray",
+        "strategy": plan.chosen,
+        "seconds": statistics.median(ours),
+        "baseline": "naive: every receiving host pulls the whole tensor",
+        "baseline_seconds": statistics.median(theirs),
+        "correct": correct,
+        "all_seconds": ours,
+        "all_baseline_seconds": theirs,
+    }
+
+
+def map_devices(case: Case, runtime: Any) -> dict[int, int]:
+    """Case device -> runtime device, keeping hosts: the k-th device of case host h becomes the
+    k-th device of runtime host h."""
+    mapping = {}
+    for h, devices in enumerate(case.cluster.hosts):
+        if h >= len(runtime.hosts) or len(devices) > len(runtime.hosts[h]):
+            raise ValueError(
+                f"case {case.name} needs host {h} with {len(devices)} devices; the runtime has "
+                f"{runtime.cluster.describe()}"
+            )
+        for k, d in enumerate(devices):
+            mapping[d] = runtime.hosts[h][k]
+    return mapping
+
+
+def ray_shape(cases: Sequence[Case]) -> tuple[int, int]:
+    """Hosts and devices per host a Ray runtime needs to run every case."""
+    return (
+        max(c.cluster.num_hosts for c in cases),
+        max(len(h) for c in cases for h in c.cluster.hosts),
+    )
+
+
+def executed_table(results: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    limit = results["memcpy_gbytes_per_s"]
+    runtime = results["cases"][0]["executed"]["runtime"] if results["cases"] else "?"
+    table = Table(
+        title=f"Executed resharding ({runtime} runtime, scale 1/{results['scale']} per "
+        f"dim); memcpy limit {limit:.2f} GB/s"
+    )
+    for column in (
+        "case",
+        "shape",
+        "MiB written",
+        "plan",
+        "seconds",
+        "GB/s",
+        "of memcpy",
+        "baseline s",
+        "speedup",
+        "correct",
+    ):
+        table.add_column(column, justify="left" if column in ("case", "plan") else "right")
+    for c in results["cases"]:
+        e = c["executed"]
+        rate = e["bytes"] / e["seconds"] / 1e9 if e["seconds"] else math.inf
+        table.add_row(
+            c["name"],
+            "x".join(map(str, e["shape"])),
+            f"{e['bytes'] / 2**20:.0f}",
+            e["strategy"],
+            f"{e['seconds']:.4f}",
+            f"{rate:.2f}",
+            f"{rate / limit:.0%}",
+            f"{e['baseline_seconds']:.4f}",
+            f"{e['baseline_seconds'] / e['seconds']:.2f}x" if e["seconds"] else "-",
+            "yes" if e["correct"] else "[red]NO",
+        )
+    return table

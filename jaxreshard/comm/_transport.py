@@ -1,0 +1,366 @@
+"""One host's part of a resharding, and the transports that move its bytes between hosts.
+
+A host runs its `HostWork` (its steps of the plan, see `_order.host_programs`) in order:
+`local` steps copy between its own devices, `send`/`recv` steps go through the object-store
+transport, `collective` steps through NCCL. Every wait has a deadline that names what it waited
+for. This module imports neither Ray nor CuPy at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard.comm._emulate import sleep_until
+from jaxreshard.comm._layout import Index, format_index, index_size
+from jaxreshard.comm._local import aligned_empty, contains, relative_slices, split_region
+from jaxreshard.comm._order import COLLECTIVE, LOCAL, RECV, SEND, Step
+from jaxreshard.comm._plan import Op
+
+
+@dataclasses.dataclass(frozen=True)
+class HostWork:
+    """What one host needs to know of a resharding: only its part of the plan."""
+
+    work_id: str
+    host: int
+    shape: tuple[int, ...]
+    dtype: str
+    steps: tuple[Step, ...]
+    ops: Mapping[int, Op]
+    src_regions: Mapping[int, Index]  # this host's source devices
+    dst_regions: Mapping[int, Index]  # this host's destination devices
+    src_array: str
+    dst_array: str
+    timeout_s: float
+    describe: str = ""  # the tensor, for messages
+    chunk_bytes: int = 8 * 2**20  # larger slices travel in chunks of about this size
+    batch_bytes: int = 8 * 2**20  # smaller sends to one peer share one object up to this size
+
+    def where(self, i: int) -> str:
+        op = self.ops[i]
+        return f"op {i} ({op.kind} {format_index(op.index)}) of {self.describe or self.work_id}"
+
+
+class Transport:
+    """Moves one op's slice between hosts; implementations: object store (CPU), NCCL (GPU).
+
+    A transport implements `send`/`recv` (point to point) or `collective`; the defaults raise.
+    """
+
+    name: str
+
+    def send(self, work: HostWork, step: Step, data: Any) -> None:
+        raise NotImplementedError(f"{self.name} transport has no point-to-point sends")
+
+    def recv(
+        self,
+        work: HostWork,
+        step: Step,
+        deadline: float,
+        write: Callable[[Index, Any], None],
+        forward_to: tuple[int, ...] = (),
+    ) -> None:
+        """Receive op `step.op`'s slice (in pieces), `write` each piece, forward to `forward_to`."""
+        raise NotImplementedError(f"{self.name} transport has no point-to-point receives")
+
+    def flush(self, work: HostWork) -> None:
+        """Deliver what `send` may have held back to batch."""
+
+    def collective(self, work: HostWork, step: Step, data: HostData, deadline: float) -> None:
+        raise NotImplementedError(f"{self.name} transport has no collectives")
+
+    def abort(self, work_id: str, reason: str = "a peer failed") -> None:
+        """Wake every wait of `work_id` with an error (called when a peer failed)."""
+        raise NotImplementedError
+
+
+class HostData:
+    """The source shards and destination buffers of one resharding on one host.
+
+    On CPU, sources are zero-copy numpy views and destinations 64-byte-aligned numpy buffers
+    that JAX adopts without a copy (see [Note: local execution]). `xp` is the array module
+    (numpy; CuPy for the NCCL transport).
+    """
+
+    def __init__(
+        self,
+        work: HostWork,
+        src: Mapping[int, jax.Array],
+        devices: Mapping[int, Any],
+        xp: Any = np,
+        to_xp: Callable[[jax.Array], Any] = np.asarray,
+    ):
+        self.work, self.devices, self.xp = work, devices, xp
+        self.views = {d: (work.src_regions[d], to_xp(src[d])) for d in work.src_regions}
+        self.buffers: dict[int, tuple[Index, Any]] = {}
+        dtype = jax.numpy.dtype(work.dtype)
+        for d, region in work.dst_regions.items():
+            shape = [b - a for a, b in region]
+            self.buffers[d] = (
+                region,
+                aligned_empty(shape, dtype)
+                if xp is np
+                else _empty_on(xp, devices[d], shape, dtype),
+            )
+
+    def read(self, device: int, index: Index) -> Any:
+        """The slice `index` as `device` holds it now (its source shard, or delivered data)."""
+        if device in self.views and contains(self.views[device][0], index):
+            region, array = self.views[device]
+        else:
+            region, array = self.buffers[device]
+        return array[relative_slices(index, region)]
+
+    def write(self, device: int, index: Index, data: Any) -> None:
+        region, buffer = self.buffers[device]
+        target = buffer[relative_slices(index, region)]
+        if tuple(target.shape) != tuple(data.shape) or target.dtype != data.dtype:
+            raise ValueError(
+                f"{self.work.describe}: device {device} expects {target.dtype}{list(target.shape)} "
+                f"for {format_index(index)} but got {data.dtype}{list(data.shape)}"
+            )
+        if self.xp is np:
+            np.copyto(target, data)
+        else:
+            target[...] = data
+
+    def local(self, op: Op) -> None:
+        """Run an op whose devices are all on this host (copies)."""
+        if op.kind == "allgather":
+            for device in op.devices:
+                for owner, part in zip(op.devices, op.parts):
+                    if owner != device and all(b > a for a, b in part):
+                        self.write(device, part, self.read(owner, part))
+            return
+        data = self.read(op.src_device, op.index)
+        for device in op.dst_devices:
+            if device in self.buffers:
+                self.write(device, op.index, data)
+
+    def finish(self) -> dict[int, jax.Array]:
+        """The destination shards as JAX arrays on their devices (zero-copy on CPU)."""
+        out = {}
+        for d, (_, buffer) in self.buffers.items():
+            if self.xp is np:
+                out[d] = jax.device_put(buffer, self.devices[d], may_alias=True)
+            else:
+                out[d] = jax.dlpack.from_dlpack(buffer)
+        return out
+
+
+def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[str, float]:
+    """Run a host's steps in order; return byte and time counters.
+
+    A `recv` directly followed by a `send` of the same op is a relay: each chunk is written to
+    this host's receivers and forwarded as soon as it arrives, so a broadcast chain pipelines.
+    Before any wait, the host flushes the sends it has batched, so no peer waits on them.
+    """
+    deadline = time.monotonic() + work.timeout_s
+    stats = {"sent_bytes": 0.0, "received_bytes": 0.0, "seconds": 0.0}
+    start = time.perf_counter()
+    steps = work.steps
+    position = 0
+    while position < len(steps):
+        step = steps[position]
+        op = work.ops[step.op]
+        if step.role == LOCAL:
+            data.local(op)
+        elif step.role == SEND:
+            transport.send(work, step, data.read(op.src_device, op.index))
+            stats["sent_bytes"] += op.nbytes
+        elif step.role == RECV:
+            transport.flush(work)
+            following = steps[position + 1] if position + 1 < len(steps) else None
+            relay = (
+                following
+                if following is not None and following.role == SEND and following.op == step.op
+                else None
+            )
+
+            def write(region: Index, array: Any, op: Op = op) -> None:
+                for device in op.receivers:
+                    if device in data.buffers:
+                        data.write(device, region, array)
+
+            transport.recv(work, step, deadline, write, relay.peers if relay else ())
+            stats["received_bytes"] += op.nbytes
+            if relay is not None:
+                stats["sent_bytes"] += op.nbytes
+                position += 1
+        elif step.role == COLLECTIVE:
+            transport.collective(work, step, data, deadline)
+        else:  # pragma: no cover
+            raise AssertionError(step)
+        position += 1
+    transport.flush(work)
+    stats["seconds"] = time.perf_counter() - start
+    return stats
+
+
+def expected_chunks(work: HostWork, op: Op) -> list[Index]:
+    """The pieces an op's slice travels in; sender and receiver compute the same ones."""
+    itemsize = op.nbytes // max(1, index_size(op.index))
+    return split_region(op.index, itemsize, work.chunk_bytes)
+
+
+class ObjectStoreTransport(Transport):
+    """CPU transport over Ray's object store.
+
+    A slice is put into the object store once, and its reference travels to the next host of
+    the op's chain, which fetches it (Ray moves it between nodes; processes of one node share it
+    in shared memory), writes it into its receivers and, for a broadcast, hands the reference on.
+    Slices larger than `chunk_bytes` go in chunks, so the chain pipelines; smaller ones to one
+    peer share one object (and one message) until `batch_bytes`. Receivers on the sender's own
+    host never touch the store: they copy from the source view.
+    """
+
+    name = "object_store"
+
+    def __init__(self, peers: Callable[[int], Any], host: int = -1, emulator: Any = None):
+        self._peers = peers  # host -> actor handle
+        self._host = host
+        self._emulator = emulator  # a LinkEmulator actor, see [Note: network emulation]
+        self._mailbox: dict[tuple[str, int], list[tuple[Index, Any, int | None, float]]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[int, Index, Any]]] = {}
+        self._fetched: dict[Any, Any] = {}
+        self._aborted: dict[str, str] = {}
+        self._cond = threading.Condition()
+
+    def send(self, work: HostWork, step: Step, data: Any) -> None:
+        import ray
+
+        op = work.ops[step.op]
+        (peer,) = step.peers
+        chunks = expected_chunks(work, op)
+        relayed = op.kind == "broadcast" and len({*op.dst_devices}) > 1
+        if len(chunks) > 1 or relayed or op.nbytes >= work.batch_bytes:
+            for region in chunks:
+                piece = np.ascontiguousarray(data[relative_slices(region, op.index)])
+                ref = ray.put(piece)
+                ready = self._book(peer, piece.nbytes)
+                self._peers(peer).deliver.remote(
+                    work.work_id, [(step.op, region, None)], [ref], ready
+                )
+            return
+        batch = self._pending.setdefault((work.work_id, peer), [])
+        batch.append((step.op, op.index, np.ascontiguousarray(data)))
+        if sum(a.nbytes for _, _, a in batch) >= work.batch_bytes:
+            self._flush_peer(work.work_id, peer)
+
+    def flush(self, work: HostWork) -> None:
+        for work_id, peer in [k for k in self._pending if k[0] == work.work_id]:
+            self._flush_peer(work_id, peer)
+
+    def _flush_peer(self, work_id: str, peer: int) -> None:
+        import ray
+
+        batch = self._pending.pop((work_id, peer), [])
+        if batch:
+            ref = ray.put([array for _, _, array in batch])
+            items = [(op, region, k) for k, (op, region, _) in enumerate(batch)]
+            ready = self._book(peer, sum(array.nbytes for _, _, array in batch))
+            self._peers(peer).deliver.remote(work_id, items, [ref], ready)
+
+    def _book(self, peer: int, nbytes: int) -> float:
+        """When a transfer to `peer` may be used: at once, or when the emulated NICs are done."""
+        if self._emulator is None:
+            return 0.0
+        import ray
+
+        _, end = ray.get(self._emulator.reserve.remote(self._host, peer, nbytes))
+        return end
+
+    def deliver(
+        self,
+        work_id: str,
+        items: list[tuple[int, Index, int | None]],
+        boxed: list[Any],
+        ready: float = 0.0,
+    ) -> None:
+        (ref,) = boxed
+        with self._cond:
+            for op, region, position in items:
+                self._mailbox.setdefault((work_id, op), []).append((region, ref, position, ready))
+            self._cond.notify_all()
+
+    def recv(
+        self,
+        work: HostWork,
+        step: Step,
+        deadline: float,
+        write: Callable[[Index, Any], None],
+        forward_to: tuple[int, ...] = (),
+    ) -> None:
+        import ray
+
+        op = work.ops[step.op]
+        missing = set(expected_chunks(work, op))
+        key = (work.work_id, step.op)
+        while missing:
+            with self._cond:
+                while not self._mailbox.get(key):
+                    self._check_wait(work, step, deadline)
+                    self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
+                arrived = self._mailbox.pop(key)
+            for region, ref, position, ready in arrived:
+                sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
+                if forward_to:
+                    nbytes = index_size(region) * (op.nbytes // max(1, index_size(op.index)))
+                    for peer in forward_to:  # hand the chunk on before copying it here
+                        self._peers(peer).deliver.remote(
+                            work.work_id,
+                            [(step.op, region, position)],
+                            [ref],
+                            self._book(peer, nbytes),
+                        )
+                try:
+                    value = self._fetched.get(ref)
+                    if value is None:
+                        value = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+                        if position is not None:
+                            self._fetched[ref] = value
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(
+                        f"host {work.host}: {work.where(step.op)} could not fetch a slice from "
+                        f"host {step.peers[0]} within {work.timeout_s:g} s"
+                    ) from None
+                write(region, value if position is None else value[position])
+                missing.discard(region)
+
+    def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
+        if work.work_id in self._aborted:
+            raise RuntimeError(
+                f"host {work.host}: {work.where(step.op)} aborted while waiting for host "
+                f"{step.peers[0]}: {self._aborted[work.work_id]}"
+            )
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"host {work.host}: {work.where(step.op)} waited {work.timeout_s:g} s for the "
+                f"slice from host {step.peers[0]}, which never sent it"
+            )
+
+    def abort(self, work_id: str, reason: str = "a peer failed") -> None:
+        with self._cond:
+            self._aborted[work_id] = reason
+            self._cond.notify_all()
+
+    def forget(self, work_id: str) -> None:
+        with self._cond:
+            self._aborted.pop(work_id, None)
+            for key in [k for k in self._mailbox if k[0] == work_id]:
+                del self._mailbox[key]
+            for key in [k for k in self._pending if k[0] == work_id]:
+                del self._pending[key]
+            self._fetched.clear()
+
+
+def _empty_on(xp: Any, device: Any, shape: list[int], dtype: Any) -> Any:
+    with xp.cuda.Device(device.local_hardware_id if hasattr(device, "local_hardware_id") else 0):
+        return xp.empty(shape, dtype=dtype)

@@ -1,0 +1,1 @@
+"""Runtimes: where plans and pipeline programs run (this process, or Ray host actors)."""

@@ -1,0 +1,93 @@
+"""`jaxreshard.init` / `shutdown`: choose where plans and pipelines run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BACKENDS = ("local", "ray")
+
+_current: Any = None
+
+
+class LocalRuntime:
+    """Every mesh is a set of this process's devices (the default)."""
+
+    backend = "local"
+    is_alive = True
+
+    def __init__(self) -> None:
+        import jax
+
+        self.devices = tuple(jax.local_devices())
+
+    def shutdown(self) -> None:
+        self.is_alive = False
+
+    def __repr__(self) -> str:
+        return f"LocalRuntime({len(self.devices)} {self.devices[0].platform} devices)"
+
+
+def init(
+    backend: str = "local",
+    *,
+    address: str | None = None,
+    num_hosts: int | None = None,
+    devices_per_host: int | None = None,
+    **options: Any,
+) -> Any:
+    """Start the runtime that later calls use, and return it.
+
+    Args:
+        backend: `local` (this process's devices) or `ray` (one host actor per Ray node).
+        address: Ray only: the cluster to join (`'auto'`, or `'HOST:PORT'` of `ray start
+            --head`); one host actor per live node, owning that node's GPUs (or
+            `devices_per_host` CPU devices). Without it, a local Ray instance starts with
+            `num_hosts` host actors of `devices_per_host` devices each (fake CPU devices when the
+            machine has no GPUs): a multi-host cluster emulated on one machine.
+        num_hosts: Ray only: how many hosts (local: required; cluster: at most the live nodes).
+        devices_per_host: Ray only: devices each host actor owns.
+        **options: Ray only: `timeout_s` (every wait; default 120), `transport` (`auto`,
+            `object_store` or `nccl`), `object_store_memory`, `cluster_links` (bandwidths for
+            the planner's cost model, as in `Cluster`).
+
+    Raises:
+        RuntimeError: a runtime is already running (call `jaxreshard.shutdown()` first).
+        ValueError: an unknown backend or bad sizes.
+    """
+    global _current
+    if backend not in BACKENDS:
+        raise ValueError(f"init(backend={backend!r}): choose one of {', '.join(BACKENDS)}")
+    if _current is not None and _current.is_alive:
+        raise RuntimeError(
+            f"jaxreshard is already initialised ({_current!r}); call jaxreshard.shutdown() first"
+        )
+    if backend == "local":
+        if address is not None or num_hosts is not None or devices_per_host is not None or options:
+            raise ValueError(
+                "init(backend='local') takes no address/num_hosts/devices_per_host/options; "
+                "those are for backend='ray'"
+            )
+        _current = LocalRuntime()
+    else:
+        from jaxreshard.runtime._ray import RayRuntime
+
+        _current = RayRuntime(
+            address=address, num_hosts=num_hosts, devices_per_host=devices_per_host, **options
+        )
+    return _current
+
+
+def shutdown() -> None:
+    """Stop the current runtime (host actors and Ray, for the Ray backend). Idempotent."""
+    global _current
+    if _current is not None:
+        runtime, _current = _current, None
+        runtime.shutdown()
+
+
+def current_runtime() -> Any:
+    """The running runtime, starting the local one if none was initialised."""
+    global _current
+    if _current is None or not _current.is_alive:
+        _current = LocalRuntime()
+    return _current

@@ -1,0 +1,204 @@
+"""The host actor: one per host (Ray node), owning that host's devices and their shards.
+
+It runs in its own process. Its JAX sees only this host's devices (on a CPU-only machine, as many
+fake CPU devices as asked for); global device ids are `first_device + local index`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+class HostActor:
+    """Ray actor body (wrapped with `ray.remote` by the driver; threaded, so deliveries from
+    peers arrive while a plan runs)."""
+
+    def __init__(
+        self,
+        host: int,
+        first_device: int,
+        num_devices: int | None,
+        platform: str,
+        enable_x64: bool = False,
+    ):
+        import jax
+
+        if platform == "cpu" and num_devices:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", num_devices)
+        # The driver's setting, so that 64-bit data is never narrowed on the way.
+        jax.config.update("jax_enable_x64", enable_x64)
+
+        local = jax.local_devices(backend=platform) if platform != "auto" else jax.local_devices()
+        if num_devices is not None:
+            if len(local) < num_devices:
+                raise RuntimeError(
+                    f"host {host} ({socket.gethostname()}) has {len(local)} {local[0].platform} "
+                    f"devices, but {num_devices} were asked for"
+                )
+            local = local[:num_devices]
+        self.host = host
+        self.devices = {first_device + k: d for k, d in enumerate(local)}
+        self.platform = local[0].platform
+        self.arrays: dict[str, dict[int, Any]] = {}
+        self.peers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._transport: Any = None
+        self._emulator: Any = None
+        self._nccl: Any = None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "platform": self.platform,
+            "devices": {gid: str(d) for gid, d in self.devices.items()},
+        }
+
+    def set_peers(self, peers: Mapping[int, Any], emulator: Any = None) -> None:
+        from jaxreshard.comm._transport import ObjectStoreTransport
+
+        self.peers = dict(peers)
+        self._emulator = emulator
+        self._transport = ObjectStoreTransport(self.peers.__getitem__, self.host, emulator)
+
+    # -- arrays --------------------------------------------------------------------------------
+
+    def put_shards(self, array_id: str, dtype: str, shards: Mapping[int, Any]) -> None:
+        """Store `shards` (global device id -> host data) on this host's devices."""
+        import jax
+
+        out = {}
+        for gid, data in shards.items():
+            out[gid] = jax.device_put(
+                np.asarray(data, dtype=jax.numpy.dtype(dtype)), self.devices[gid]
+            )
+        with self._lock:
+            self.arrays.setdefault(array_id, {}).update(out)
+
+    def fetch_shards(self, array_id: str, devices: list[int]) -> dict[int, np.ndarray]:
+        shards = self._array(array_id)
+        return {gid: np.asarray(shards[gid]) for gid in devices}
+
+    def free(self, array_id: str) -> None:
+        with self._lock:
+            self.arrays.pop(array_id, None)
+
+    def array_ids(self) -> list[str]:
+        return sorted(self.arrays)
+
+    def _array(self, array_id: str) -> dict[int, Any]:
+        try:
+            return self.arrays[array_id]
+        except KeyError:
+            raise KeyError(
+                f"host {self.host} holds no array {array_id!r} (freed, or never put here)"
+            ) from None
+
+    # -- resharding ----------------------------------------------------------------------------
+
+    def deliver(self, work_id: str, items: list[Any], boxed: list[Any], ready: float = 0.0) -> None:
+        """A peer hands over slices of `work_id` (see `ObjectStoreTransport.deliver`)."""
+        self._transport.deliver(work_id, items, boxed, ready)
+
+    def abort(self, work_id: str, reason: str) -> None:
+        self._transport.abort(work_id, reason)
+        if self._nccl is not None:
+            self._nccl.abort(work_id, reason)
+
+    def run(self, work: Any, transport: str = "object_store") -> dict[str, float]:
+        """Run this host's part of a resharding; keep the result as `work.dst_array`."""
+        from jaxreshard.comm._transport import HostData, run_host_work
+
+        src = self._array(work.src_array) if work.src_regions else {}
+        try:
+            if transport == "nccl":
+                from jaxreshard.comm._nccl import cupy_modules, cupy_view
+
+                cupy, _ = cupy_modules()
+                data = HostData(work, src, self.devices, xp=cupy, to_xp=cupy_view)
+                stats = run_host_work(work, data, self._nccl)
+            else:
+                data = HostData(work, src, self.devices)
+                stats = run_host_work(work, data, self._transport)
+            result = data.finish()
+        finally:
+            self._transport.forget(work.work_id)
+        with self._lock:
+            self.arrays.setdefault(work.dst_array, {}).update(result)
+        return stats
+
+    # -- the naive baseline of the executed benchmark ------------------------------------------
+
+    def publish(self, array_id: str, devices: list[int]) -> dict[int, list[Any]]:
+        """Put these source shards into the object store once; return their references."""
+        import ray
+
+        shards = self._array(array_id)
+        return {d: [ray.put(np.asarray(shards[d]))] for d in devices}
+
+    def pull_whole(
+        self,
+        array_id: str,
+        dtype: str,
+        refs: list[tuple[Any, list[Any]]],
+        regions: Mapping[int, Any],
+    ) -> None:
+        """Fetch every source region (the whole tensor) and keep this host's regions of it."""
+        import jax
+        import ray
+
+        from jaxreshard.comm._local import aligned_empty, relative_slices
+
+        buffers = {
+            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype))
+            for d, r in regions.items()
+        }
+        from jaxreshard.comm._emulate import sleep_until
+
+        for src_index, (ref,), src_host in refs:
+            if self._emulator is not None and src_host != self.host:
+                nbytes = math.prod(b - a for a, b in src_index) * jax.numpy.dtype(dtype).itemsize
+                _, end = ray.get(self._emulator.reserve.remote(src_host, self.host, nbytes))
+                sleep_until(end)
+            data = ray.get(ref)
+            for d, region in regions.items():
+                part = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(src_index, region))
+                if all(b > a for a, b in part):
+                    np.copyto(
+                        buffers[d][relative_slices(part, region)],
+                        data[relative_slices(part, src_index)],
+                    )
+        result = {d: jax.device_put(buffers[d], self.devices[d], may_alias=True) for d in buffers}
+        with self._lock:
+            self.arrays[array_id] = result
+
+    # -- NCCL ----------------------------------------------------------------------------------
+
+    def nccl_unique_id(self) -> Any:
+        from jaxreshard.comm._nccl import NcclTransport
+
+        return NcclTransport.unique_id()
+
+    def nccl_create(self, group: tuple[int, ...], uid: Any) -> None:
+        from jaxreshard.comm._nccl import NcclTransport
+
+        if self._nccl is None:
+            self._nccl = NcclTransport(self.devices)
+        self._nccl.create(tuple(group), uid)
+
+    def ping(self) -> int:
+        return self.host
+
+    def exit(self) -> None:
+        os._exit(0)

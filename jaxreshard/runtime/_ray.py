@@ -1,0 +1,566 @@
+"""The Ray runtime's driver: host actors, remote arrays, and multi-host plan execution.
+
+[Note: Ray runtime]
+One `HostActor` per host owns that host's devices. The driver plans (the planner sees the
+runtime's devices as `VirtualDevice`s with their host), derives each host's program from the plan
+(`_order.host_programs`), proves the programs cannot hang (`_order.check_programs`), and sends
+each host only its part. Hosts then exchange slices among themselves (object store or NCCL),
+without the driver. The driver waits with a deadline, notices a failed or dead host at once,
+tells the others to stop waiting, and raises an error that names the host and the op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxreshard.comm import Cluster, Layout, VirtualDevice, VirtualMesh, VirtualSharding
+from jaxreshard.comm import plan_reshard as _plan_reshard
+from jaxreshard.comm._order import check_programs, host_programs
+from jaxreshard.comm._plan import Plan
+from jaxreshard.comm._transport import HostWork
+from jaxreshard.runtime._remote import RemoteArray
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RuntimeBroken(RuntimeError):
+    """A host actor died; the runtime must be shut down and started again."""
+
+
+class RayRuntime:
+    """Host actors on a Ray cluster (or a local Ray instance that emulates one)."""
+
+    backend = "ray"
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        num_hosts: int | None = None,
+        devices_per_host: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: str = "auto",
+        object_store_memory: int | None = None,
+        cluster_links: dict[str, float] | None = None,
+        start_timeout_s: float = 180.0,
+        nodes: str = "per_host",
+        emulate_network_gbps: float | None = None,
+    ):
+        import ray
+
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        for name, value in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"init(backend='ray', {name}={value!r}): must be an int >= 1")
+        if ray.is_initialized():
+            raise RuntimeError(
+                "Ray is already initialised in this process; jaxreshard.init(backend='ray') "
+                "starts or joins the cluster itself. Call ray.shutdown() first."
+            )
+        import jax
+
+        self.timeout_s = timeout_s
+        self.enable_x64 = bool(jax.config.jax_enable_x64)
+        self._broken: str | None = None
+        self._closed = False
+        self._ids = itertools.count()
+        self._local_cluster: Any = None
+        local = address is None
+        if nodes not in ("per_host", "single"):
+            raise ValueError(f"init(nodes={nodes!r}): choose 'per_host' or 'single'")
+        if local:
+            if num_hosts is None:
+                raise ValueError(
+                    "init(backend='ray') without an address starts a local Ray instance and needs "
+                    "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
+                    "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
+                )
+            if nodes == "per_host":
+                self._local_cluster = _start_local_nodes(num_hosts, object_store_memory)
+                ray.init(
+                    address=self._local_cluster.address,
+                    logging_level=logging.WARNING,
+                    namespace="jaxreshard",
+                )
+            else:
+                ray.init(
+                    num_cpus=max(num_hosts, os.cpu_count() or 1),
+                    include_dashboard=False,
+                    object_store_memory=object_store_memory,
+                    logging_level=logging.WARNING,
+                    namespace="jaxreshard",
+                )
+        else:
+            ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard")
+        self.emulate_network_gbps = emulate_network_gbps
+        try:
+            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s)
+        except BaseException:
+            self._kill_all()
+            ray.shutdown()
+            if self._local_cluster is not None:
+                self._local_cluster.shutdown()
+            self._closed = True
+            raise
+        self.cluster = Cluster(self.hosts, **(cluster_links or {}))
+        platform = self.infos[0]["platform"]
+        self.transport = (
+            transport if transport != "auto" else ("object_store" if platform == "cpu" else "nccl")
+        )
+        if self.transport not in ("object_store", "nccl"):
+            raise ValueError(f"transport={transport!r}: choose 'auto', 'object_store' or 'nccl'")
+        self._communicators: set[tuple[int, ...]] = set()
+
+    def _start_actors(
+        self,
+        local: bool,
+        num_hosts: int | None,
+        devices_per_host: int | None,
+        start_timeout_s: float,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from jaxreshard.runtime._host import HostActor
+
+        nodes = sorted(
+            (n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"]
+        )
+        gpus_per_node = [int(n["Resources"].get("GPU", 0)) for n in nodes]
+        if local:
+            use_gpu = gpus_per_node and gpus_per_node[0] >= (devices_per_host or 1) * num_hosts
+            placements: list[Any] = [None] * num_hosts  # type: ignore[operator]
+            counts = [devices_per_host or 1] * num_hosts  # type: ignore[operator]
+            gpus = [counts[0] if use_gpu else 0] * num_hosts  # type: ignore[operator]
+        else:
+            if num_hosts is not None and num_hosts > len(nodes):
+                raise ValueError(
+                    f"init(num_hosts={num_hosts}): the cluster has only {len(nodes)} live nodes"
+                )
+            nodes = nodes[: num_hosts or len(nodes)]
+            placements = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
+            use_gpu = all(g > 0 for g in gpus_per_node[: len(nodes)])
+            counts = [
+                gpus_per_node[i] if use_gpu else (devices_per_host or 1) for i in range(len(nodes))
+            ]
+            if use_gpu and devices_per_host is not None:
+                counts = [min(c, devices_per_host) for c in counts]
+            gpus = counts if use_gpu else [0] * len(nodes)
+        platform = "gpu" if use_gpu else "cpu"
+        remote_cls = ray.remote(HostActor)
+        self.actors: list[Any] = []
+        hosts, first = [], 0
+        for h, (count, placement) in enumerate(zip(counts, placements)):
+            env = {"JAX_PLATFORMS": "cuda" if use_gpu else "cpu"}
+            if not use_gpu:
+                env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+            options: dict[str, Any] = dict(
+                max_concurrency=16, num_cpus=0, num_gpus=gpus[h], runtime_env={"env_vars": env}
+            )
+            if placement is not None:
+                options["scheduling_strategy"] = placement
+            elif self._local_cluster is not None:
+                options["resources"] = {f"{_HOST_RESOURCE}{h}": 1}
+            self.actors.append(
+                remote_cls.options(**options).remote(
+                    h,
+                    first,
+                    count if not use_gpu else None,
+                    platform if not use_gpu else "auto",
+                    self.enable_x64,
+                )
+            )
+            hosts.append(tuple(range(first, first + count)))
+            first += count
+        self.infos = self._wait(
+            {h: a.info.remote() for h, a in enumerate(self.actors)},
+            "starting the host actors",
+            start_timeout_s,
+        )
+        self.infos = [self.infos[h] for h in range(len(self.actors))]
+        for h, info in enumerate(self.infos):
+            got = sorted(info["devices"])
+            if got != list(hosts[h]):
+                hosts[h] = tuple(got)
+        self.hosts = tuple(hosts)
+        handles = dict(enumerate(self.actors))
+        self.emulator = None
+        if self.emulate_network_gbps is not None:
+            from jaxreshard.comm._emulate import LinkEmulator
+
+            self.emulator = (
+                ray.remote(LinkEmulator).options(num_cpus=0).remote(self.emulate_network_gbps)
+            )
+        self._wait(
+            {h: a.set_peers.remote(handles, self.emulator) for h, a in handles.items()},
+            "introducing the host actors",
+            start_timeout_s,
+        )
+        self.devices = tuple(
+            VirtualDevice(d, h, self.infos[h]["platform"])
+            for h, ds in enumerate(self.hosts)
+            for d in ds
+        )
+
+    # -- meshes and arrays ---------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed
+
+    def mesh(
+        self, shape: Sequence[int], axis_names: Sequence[str], devices: Sequence[int] | None = None
+    ) -> VirtualMesh:
+        """A mesh over the runtime's devices (global ids; default: the first ones)."""
+        self._check_usable()
+        size = math.prod(shape)
+        ids = list(devices) if devices is not None else [d.id for d in self.devices[:size]]
+        unknown = sorted(set(ids) - {d.id for d in self.devices})
+        if unknown:
+            raise ValueError(
+                f"mesh devices {unknown} do not exist; this runtime has devices "
+                f"{[d.id for d in self.devices]} ({self.cluster.describe()})"
+            )
+        if len(ids) != size:
+            raise ValueError(f"mesh shape {tuple(shape)} needs {size} devices, got {len(ids)}")
+        return VirtualMesh.from_ids(
+            shape, axis_names, ids, {d.id: d.process_index for d in self.devices}
+        )
+
+    def sharding(self, mesh: VirtualMesh, spec: PartitionSpec) -> VirtualSharding:
+        return VirtualSharding(mesh, spec)
+
+    def put(self, value: Any, sharding: VirtualSharding) -> RemoteArray:
+        """Place a numpy array on the hosts with `sharding`."""
+        self._check_usable()
+        value = np.asarray(value)
+        wide = (np.float64, np.int64, np.uint64, np.complex128)
+        if value.dtype in wide and not self.enable_x64:
+            raise ValueError(
+                f"put: {value.dtype} needs 64-bit JAX on the hosts, but jax_enable_x64 was off "
+                "when the runtime started; call jax.config.update('jax_enable_x64', True) "
+                "before jaxreshard.init, or cast to a 32-bit type first"
+            )
+        self._check_sharding(sharding, "sharding")
+        layout = Layout.from_sharding(sharding, value.shape, what="sharding")
+        array_id = self._new_id("put")
+        per_host: dict[int, dict[int, np.ndarray]] = {}
+        for device, index in zip(layout.devices, layout.indices):
+            region = value[tuple(slice(a, b) for a, b in index)]
+            per_host.setdefault(self.cluster.host_of(device), {})[device] = region
+        calls = {
+            h: self.actors[h].put_shards.remote(array_id, value.dtype.name, shards)
+            for h, shards in per_host.items()
+        }
+        self._wait(calls, f"putting {value.dtype}{list(value.shape)}")
+        return RemoteArray(self, array_id, value.shape, value.dtype, sharding)
+
+    def fetch(self, array: RemoteArray) -> np.ndarray:
+        """Gather a remote array into one numpy array on the driver."""
+        self._check_array(array)
+        layout = Layout.from_sharding(array.sharding, array.shape)
+        out = np.empty(array.shape, dtype=array.dtype)
+        needed: dict[int, list[tuple[int, Any]]] = {}
+        seen = set()
+        for device, index in zip(layout.devices, layout.indices):
+            if index not in seen:  # one replica per region
+                seen.add(index)
+                needed.setdefault(self.cluster.host_of(device), []).append((device, index))
+        calls = {
+            h: self.actors[h].fetch_shards.remote(array.array_id, [d for d, _ in items])
+            for h, items in needed.items()
+        }
+        shards = self._wait(calls, f"fetching {array!r}")
+        for h, items in needed.items():
+            for device, index in items:
+                out[tuple(slice(a, b) for a, b in index)] = shards[h][device]
+        return out
+
+    def free(self, array: RemoteArray, *, wait: bool = True) -> None:
+        if self._closed or self._broken:
+            return
+        calls = {h: a.free.remote(array.array_id) for h, a in enumerate(self.actors)}
+        if wait:
+            self._wait(calls, f"freeing {array.array_id}")
+
+    # -- resharding ----------------------------------------------------------------------------
+
+    def plan(
+        self, array: RemoteArray, dst_sharding: VirtualSharding, *, strategy: str = "auto"
+    ) -> Plan:
+        self._check_array(array)
+        self._check_sharding(dst_sharding, "dst_sharding")
+        return _plan_reshard(
+            array.shape,
+            array.dtype,
+            array.sharding,
+            dst_sharding,
+            cluster=self.cluster,
+            strategy=strategy,
+        )
+
+    def reshard(
+        self, array: RemoteArray, dst_sharding: VirtualSharding, *, strategy: str = "auto"
+    ) -> RemoteArray:
+        """Move `array` to `dst_sharding` by plan, host to host (see [Note: Ray runtime])."""
+        plan = self.plan(array, dst_sharding, strategy=strategy)
+        collectives = self.transport == "nccl"
+        programs = host_programs(plan, collectives=collectives)
+        check_programs(programs, plan.cluster)
+        if collectives:
+            self._ensure_communicators(programs)
+        dst_id = self._new_id("reshard")
+        what = f"resharding {array!r} to {dst_sharding.spec}"
+        works = self._host_works(plan, programs, array.array_id, dst_id, what)
+        calls = {h: self.actors[h].run.remote(work, self.transport) for h, work in works.items()}
+        self.last_stats = self._wait(calls, what, self.timeout_s + 10.0, work_id=dst_id)
+        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
+
+    def reshard_naive(self, array: RemoteArray, dst_sharding: VirtualSharding) -> RemoteArray:
+        """The executed benchmark's baseline: every receiving host pulls the whole tensor.
+
+        Each source region is put into the object store once (one replica); every host with
+        destination devices fetches all of them and cuts out its devices' regions. No plan.
+        """
+        self._check_array(array)
+        self._check_sharding(dst_sharding, "dst_sharding")
+        src = Layout.from_sharding(array.sharding, array.shape)
+        dst = Layout.from_sharding(dst_sharding, array.shape, what="dst_sharding")
+        first: dict[Any, int] = {}
+        for device, index in zip(src.devices, src.indices):
+            first.setdefault(index, device)
+        by_host: dict[int, list[int]] = {}
+        for device in first.values():
+            by_host.setdefault(self.cluster.host_of(device), []).append(device)
+        what = f"naively resharding {array!r}"
+        published = self._wait(
+            {
+                h: self.actors[h].publish.remote(array.array_id, devices)
+                for h, devices in by_host.items()
+            },
+            what,
+        )
+        refs = [
+            (index, published[self.cluster.host_of(d)][d], self.cluster.host_of(d))
+            for index, d in first.items()
+        ]
+        dst_id = self._new_id("naive")
+        receivers: dict[int, dict[int, Any]] = {}
+        for device, index in zip(dst.devices, dst.indices):
+            receivers.setdefault(self.cluster.host_of(device), {})[device] = index
+        self._wait(
+            {
+                h: self.actors[h].pull_whole.remote(dst_id, array.dtype.name, refs, regions)
+                for h, regions in receivers.items()
+            },
+            what,
+        )
+        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
+
+    def _host_works(
+        self, plan: Plan, programs: dict[int, list[Any]], src_id: str, dst_id: str, what: str
+    ) -> dict[int, HostWork]:
+        works = {}
+        involved = set(programs) | {self.cluster.host_of(d) for d in plan.dst.devices}
+        for h in sorted(involved):
+            steps = tuple(programs.get(h, ()))
+            own = set(self.hosts[h])
+            works[h] = HostWork(
+                work_id=dst_id,
+                host=h,
+                shape=plan.shape,
+                dtype=plan.dtype,
+                steps=steps,
+                ops={s.op: plan.ops[s.op] for s in steps},
+                src_regions={d: i for d, i in zip(plan.src.devices, plan.src.indices) if d in own},
+                dst_regions={d: i for d, i in zip(plan.dst.devices, plan.dst.indices) if d in own},
+                src_array=src_id,
+                dst_array=dst_id,
+                timeout_s=self.timeout_s,
+                describe=what,
+            )
+        return works
+
+    def _ensure_communicators(self, programs: dict[int, list[Any]]) -> None:
+        groups = sorted({s.group for steps in programs.values() for s in steps if s.group})
+        for group in groups:  # one fixed global order, the same on every host
+            if group in self._communicators:
+                continue
+            members = sorted({self.cluster.host_of(d) for d in group})
+            uid = self._wait(
+                {members[0]: self.actors[members[0]].nccl_unique_id.remote()},
+                f"making the NCCL id of {list(group)}",
+            )[members[0]]
+            self._wait(
+                {h: self.actors[h].nccl_create.remote(group, uid) for h in members},
+                f"creating the NCCL communicator {list(group)}",
+            )
+            self._communicators.add(group)
+
+    # -- waiting, failures, shutdown -------------------------------------------------------------
+
+    def _wait(
+        self,
+        calls: dict[int, Any],
+        what: str,
+        timeout_s: float | None = None,
+        *,
+        work_id: str | None = None,
+    ) -> dict[int, Any]:
+        """Wait for every host's call; raise at once, naming the host, if one fails or dies."""
+        import ray
+
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        pending = {ref: h for h, ref in calls.items()}
+        results: dict[int, Any] = {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._abort(work_id, f"{what} timed out")
+                raise TimeoutError(
+                    f"{what} did not finish within {timeout_s:g} s; hosts "
+                    f"{sorted(pending.values())} are still busy (raise init(timeout_s=...) for "
+                    "bigger arrays)"
+                )
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            for ref in ready:
+                h = pending.pop(ref)
+                try:
+                    results[h] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._broken = f"host actor {h} died during {what}"
+                    self._abort(work_id, self._broken)
+                    raise RuntimeBroken(
+                        f"host actor {h} ({self._hostname(h)}) died during {what}: "
+                        f"{_first_line(e)}. Call jaxreshard.shutdown() and jaxreshard.init() again."
+                    ) from None
+                except ray.exceptions.RayTaskError as e:
+                    self._abort(work_id, f"host {h} failed")
+                    cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
+                    raise type(cause)(f"host {h}: {cause}") from None
+        return results
+
+    def _abort(self, work_id: str | None, reason: str) -> None:
+        if work_id is None:
+            return
+        for h, actor in enumerate(self.actors):
+            try:
+                actor.abort.remote(work_id, reason)
+            except Exception:  # the dead one cannot be told
+                logging.getLogger(__name__).debug("could not abort host %d", h)
+
+    def _hostname(self, h: int) -> str:
+        return self.infos[h].get("hostname", "?") if h < len(getattr(self, "infos", [])) else "?"
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Ray runtime was shut down; call jaxreshard.init() again")
+        if self._broken:
+            raise RuntimeBroken(
+                f"{self._broken}; call jaxreshard.shutdown() and jaxreshard.init() again"
+            )
+
+    def _check_array(self, array: RemoteArray) -> None:
+        self._check_usable()
+        if array.runtime is not self:
+            raise ValueError(f"{array!r} belongs to another (closed) runtime")
+        if array.is_freed:
+            raise ValueError(f"{array!r} was freed")
+
+    def _check_sharding(self, sharding: Any, what: str) -> None:
+        if not isinstance(sharding, VirtualSharding):
+            raise TypeError(
+                f"{what} must be a VirtualSharding over this runtime's devices "
+                f"(runtime.sharding(runtime.mesh(shape, axis_names), P(...))); got "
+                f"{type(sharding).__name__}"
+            )
+        known = {d.id: d.process_index for d in self.devices}
+        bad = sorted(d.id for d in sharding.device_set if known.get(d.id) != d.process_index)
+        if bad:
+            raise ValueError(
+                f"{what}: devices {bad} are not devices of this runtime (or sit on another host); "
+                f"the runtime has {self.cluster.describe()}. Build meshes with runtime.mesh()."
+            )
+
+    def _new_id(self, kind: str) -> str:
+        return f"{kind}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+
+    def _kill_all(self) -> None:
+        import ray
+
+        for actor in getattr(self, "actors", []):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                logging.getLogger(__name__).debug("actor already gone")
+
+    def shutdown(self) -> None:
+        """Stop the host actors and Ray (if this runtime started or joined it)."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        self._kill_all()
+        ray.shutdown()
+        if self._local_cluster is not None:
+            self._local_cluster.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "running")
+        return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
+
+
+_HOST_RESOURCE = "jaxreshard_host_"
+
+
+def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
+    """One Ray node per host on this machine, each with its own object store.
+
+    Slices between hosts then really travel through Ray's object manager, as between the nodes
+    of a cluster, instead of being shared in one node's memory. Node h carries the custom
+    resource `jaxreshard_host_h`, which pins host actor h to it.
+    """
+    from ray.cluster_utils import Cluster as LocalNodes
+
+    per_node = object_store_memory or 512 * 2**20
+    nodes = LocalNodes(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "object_store_memory": per_node,
+            "resources": {f"{_HOST_RESOURCE}0": 1},
+            "include_dashboard": False,
+        },
+    )
+    try:
+        for h in range(1, num_hosts):
+            nodes.add_node(
+                num_cpus=1,
+                num_gpus=0,
+                object_store_memory=per_node,
+                resources={f"{_HOST_RESOURCE}{h}": 1},
+            )
+        nodes.wait_for_nodes()
+    except BaseException:
+        nodes.shutdown()
+        raise
+    return nodes
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,76 @@
+"""Handles to arrays that live on the Ray runtime's host actors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxreshard.comm import describe_sharding
+
+
+class RemoteArray:
+    """A sharded array held by host actors; the driver keeps only this handle.
+
+    Its `sharding` is a `VirtualSharding` over the runtime's devices, so the planner sees it as it
+    sees a JAX sharding (device -> global region, device -> host).
+    """
+
+    def __init__(
+        self, runtime: Any, array_id: str, shape: tuple[int, ...], dtype: Any, sharding: Any
+    ):
+        self.runtime = runtime
+        self.array_id = array_id
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.sharding = sharding
+        self._freed = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def is_freed(self) -> bool:
+        return self._freed
+
+    def fetch(self) -> np.ndarray:
+        """Copy the array to the driver as one numpy array."""
+        return self.runtime.fetch(self)
+
+    def reshard(self, dst_sharding: Any, *, strategy: str = "auto") -> RemoteArray:
+        return self.runtime.reshard(self, dst_sharding, strategy=strategy)
+
+    def free(self) -> None:
+        """Drop the shards on every host (idempotent)."""
+        if not self._freed:
+            self._freed = True
+            self.runtime.free(self)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.fetch()
+        return out.astype(dtype) if dtype is not None else out
+
+    def __repr__(self) -> str:
+        state = ", freed" if self._freed else ""
+        return (
+            f"RemoteArray({self.dtype}{list(self.shape)}, {describe_sharding(self.sharding)}, "
+            f"id={self.array_id}{state})"
+        )
+
+    def __del__(self) -> None:
+        try:
+            if not self._freed and self.runtime.is_alive:
+                self._freed = True
+                self.runtime.free(self, wait=False)
+        except Exception:  # interpreter shutdown; nothing left to free
+            pass

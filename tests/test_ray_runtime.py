@@ -1,0 +1,165 @@
+"""The Ray runtime: host actors, remote arrays, plans executed host to host."""
+
+import time
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard
+from jaxreshard.comm import VirtualMesh, VirtualSharding
+from jaxreshard.comm._order import Step
+from jaxreshard.comm._transport import HostWork
+
+pytestmark = pytest.mark.ray
+
+LAYOUTS = [
+    # (src mesh, src devices, src spec, dst mesh, dst devices, dst spec, shape)
+    ((2, 2), [0, 1, 2, 3], P(None, "x"), (2, 2), [4, 5, 6, 7], P("x"), (8, 8)),
+    ((1, 2), [0, 1], P("y"), (3, 2), [2, 3, 4, 5, 6, 7], P(None, "x"), (4, 6)),
+    ((2, 2), [0, 2, 4, 6], P(("x", "y")), (2, 2), [1, 3, 5, 7], P(None, ("y", "x")), (4, 8)),
+    ((4,), [0, 1, 2, 3], P(), (2,), [4, 6], P("x"), (6, 3, 2)),
+    ((2,), [6, 7], P("x"), (3, 2), [0, 1, 2, 3, 4, 5], P(), (2,)),
+]
+NAMES = ("x", "y")
+
+
+def sharding(rt, mesh_shape, devices, spec):
+    return rt.sharding(rt.mesh(mesh_shape, NAMES[: len(mesh_shape)], devices), spec)
+
+
+def test_devices_and_hosts(ray_runtime):
+    rt = ray_runtime
+    assert [d.id for d in rt.devices] == list(range(8))
+    assert [d.process_index for d in rt.devices] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rt.cluster.hosts == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert len({info["pid"] for info in rt.infos}) == 4
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_put_reshard_fetch_is_exact(ray_runtime, layout):
+    rt = ray_runtime
+    sm, sd, ss, dm, dd, ds, shape = LAYOUTS[layout]
+    src, dst = sharding(rt, sm, sd, ss), sharding(rt, dm, dd, ds)
+    rng = np.random.default_rng(layout)
+    for dtype in (np.float32, np.int8, np.bool_, "bfloat16", np.complex64):
+        value = (rng.integers(0, 100, size=shape)).astype(dtype)
+        x = rt.put(value, src)
+        assert np.array_equal(x.fetch(), value)
+        for strategy in ("auto", "send_recv", "allgather", "broadcast_naive"):
+            y = jaxreshard.reshard(x, dst, strategy=strategy)
+            assert y.sharding is dst and y.dtype == value.dtype
+            assert np.array_equal(y.fetch(), value), (layout, dtype, strategy)
+            y.free()
+        z = rt.reshard_naive(x, dst)
+        assert np.array_equal(z.fetch(), value)
+        x.free()
+        z.free()
+
+
+def test_only_the_host_part_of_a_plan_travels(ray_runtime):
+    rt = ray_runtime
+    src, dst = sharding(rt, *LAYOUTS[0][:3]), sharding(rt, *LAYOUTS[0][3:6])
+    x = rt.put(np.ones((8, 8), np.float32), src)
+    plan = rt.plan(x, dst)
+    from jaxreshard.comm._order import host_programs
+
+    works = rt._host_works(plan, host_programs(plan), x.array_id, "out", "test")
+    for h, work in works.items():
+        own = set(rt.hosts[h])
+        assert set(work.src_regions) <= own and set(work.dst_regions) <= own
+        assert all(own & set(plan.ops[i].participants) for i in work.ops)
+    x.free()
+
+
+def test_arrays_are_freed_everywhere(ray_runtime):
+    rt = ray_runtime
+    x = rt.put(np.ones((4, 4), np.float32), sharding(rt, (4,), [0, 2, 4, 6], P("x")))
+    x.free()
+    import ray
+
+    for actor in rt.actors:
+        assert x.array_id not in ray.get(actor.array_ids.remote())
+    with pytest.raises(ValueError, match="was freed"):
+        x.fetch()
+
+
+def test_bad_input_on_the_ray_runtime(ray_runtime, cpu_devices):
+    rt = ray_runtime
+    src = sharding(rt, (2,), [0, 1], P("x"))
+    x = rt.put(np.ones((4, 4), np.float32), src)
+    with pytest.raises(ValueError, match=r"mesh devices \[8, 9\] do not exist"):
+        rt.mesh((2,), ("x",), [8, 9])
+    stranger = VirtualSharding(VirtualMesh.from_ids((2,), ("x",), [20, 21]), P("x"))
+    with pytest.raises(ValueError, match=r"devices \[20, 21\] are not devices of this runtime"):
+        jaxreshard.reshard(x, stranger)
+    from jax.sharding import Mesh, NamedSharding
+
+    local = NamedSharding(Mesh(np.array(cpu_devices[:2]), ("x",)), P("x"))
+    with pytest.raises(TypeError, match="must be a VirtualSharding over this runtime's devices"):
+        jaxreshard.reshard(x, local)
+    with pytest.raises(ValueError, match="does not divide it"):
+        rt.put(np.ones((3, 4), np.float32), src)
+    with pytest.raises(ValueError, match="float64 needs 64-bit JAX on the hosts"):
+        rt.put(np.ones((4, 4)), src)
+    with pytest.raises(ValueError, match="share devices"):
+        jaxreshard.reshard(x, sharding(rt, (2,), [1, 2], P("x")))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        jaxreshard.init(backend="ray", num_hosts=2)
+    x.free()
+
+
+def test_a_receive_that_never_comes_times_out(ray_runtime):
+    rt = ray_runtime
+    src = sharding(rt, (2,), [0, 1], P())
+    x = rt.put(np.ones((4,), np.float32), src)
+    from jaxreshard.comm._plan import Op
+
+    op = Op("send", ((0, 4),), 16, 0, (2,))
+    work = HostWork(
+        "orphan",
+        1,
+        (4,),
+        "float32",
+        (Step(0, "recv", peers=(0,)),),
+        {0: op},
+        {},
+        {2: ((0, 4),)},
+        x.array_id,
+        "never",
+        timeout_s=1.0,
+        describe="f32[4]",
+    )
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError,
+        match=r"host 1: op 0 \(send \[0:4\]\) of f32\[4\] waited 1 s "
+        r"for the slice from host 0, which never sent it",
+    ):
+        rt._wait({1: rt.actors[1].run.remote(work)}, "orphan receive", 30)
+    assert time.monotonic() - start < 10
+    x.free()
+
+
+def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
+    import ray
+    from conftest import RAY_CONFIG
+
+    from jaxreshard.runtime._ray import RuntimeBroken
+
+    rt = ray_runtime
+    src, dst = sharding(rt, (2,), [0, 1], P()), sharding(rt, (2,), [6, 7], P("x"))
+    value = np.arange(8, dtype=np.float32)
+    x = rt.put(value, src)
+    ray.kill(rt.actors[3], no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(RuntimeBroken, match=r"host actor 3 \(.*\) died during resharding"):
+        jaxreshard.reshard(x, dst)
+    assert time.monotonic() - start < rt.timeout_s
+    with pytest.raises(RuntimeBroken, match=r"call jaxreshard\.shutdown"):
+        rt.put(value, src)
+    jaxreshard.shutdown()
+    assert not ray.is_initialized()
+    rt = jaxreshard.init(**RAY_CONFIG)  # the next tests use this one
+    src, dst = sharding(rt, (2,), [0, 1], P()), sharding(rt, (2,), [6, 7], P("x"))
+    assert np.array_equal(jaxreshard.reshard(rt.put(value, src), dst).fetch(), value)

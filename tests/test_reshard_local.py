@@ -126,3 +126,37 @@ def test_bad_input(cpu_devices):
         jaxreshard.reshard(x, named(cpu_devices[2:], (2,), P(None, None, "a")))
     with pytest.raises(ValueError, match="strategy='best' is not a resharding strategy"):
         jaxreshard.reshard(x, dst, strategy="best")
+
+
+def test_adopted_shards_never_write_through_to_the_source(cpu_devices):
+    # Same layout on both sides: every destination shard is adopted from a source shard.
+    src, dst = named(cpu_devices, (2,), P("a")), named(cpu_devices[2:], (2,), P("a"))
+    reference = values((64, 16), jnp.float32)
+    x = jax.device_put(reference, src)
+    y = jaxreshard.reshard(x, dst)
+    overwritten = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)(y)
+    assert np.all(np.asarray(overwritten) == -1)
+    assert np.array_equal(np.asarray(x), np.asarray(reference))
+
+
+def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
+    import gc
+
+    src = named(cpu_devices, (2,), P(None, "a"))
+    dst = named(cpu_devices[2:], (2,), P("a"))
+    reference = values((512, 512), jnp.float32)  # 512 KiB shards: pooled
+    x = jax.device_put(reference, src)
+
+    def pointers(y):
+        return {s.data.unsafe_buffer_pointer() for s in y.addressable_shards}
+
+    first = jaxreshard.reshard(x, dst)
+    second = jaxreshard.reshard(x * 2, dst)
+    assert not pointers(first) & pointers(second)  # live results never share memory
+    released = pointers(first)
+    del first
+    gc.collect()
+    third = jaxreshard.reshard(x * 3, dst)
+    assert pointers(third) == released  # the released buffers came back
+    check(second, reference * 2, dst)
+    check(third, reference * 3, dst)

@@ -12,6 +12,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "parallelize": "jaxreshard._parallelize",
+    "PipelineConfig": "jaxreshard._config",
+    "stage_boundary": "jaxreshard.frontend",
+    "grad": "jaxreshard.frontend",
+    "value_and_grad": "jaxreshard.frontend",
     "reshard": "jaxreshard._reshard",
     "init": "jaxreshard.runtime._api",
     "shutdown": "jaxreshard.runtime._api",

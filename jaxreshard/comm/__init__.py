@@ -1,39 +1,44 @@
-"""Cross-mesh resharding: the planner (pure: imports neither Ray nor CuPy) and its cost model."""
+"""Cross-mesh resharding: the planner (pure: imports neither Ray nor CuPy) and its data plane.
 
-from jaxreshard.comm._cluster import Cluster as Cluster
-from jaxreshard.comm._layout import Index as Index
-from jaxreshard.comm._layout import Layout as Layout
-from jaxreshard.comm._layout import VirtualDevice as VirtualDevice
-from jaxreshard.comm._layout import VirtualMesh as VirtualMesh
-from jaxreshard.comm._layout import VirtualSharding as VirtualSharding
-from jaxreshard.comm._layout import describe_sharding as describe_sharding
-from jaxreshard.comm._plan import Op as Op
-from jaxreshard.comm._plan import Plan as Plan
-from jaxreshard.comm._planner import STRATEGY_NAMES as STRATEGY_NAMES
-from jaxreshard.comm._planner import plan_reshard as plan_reshard
-from jaxreshard.comm._simulate import lower_bound as lower_bound
-from jaxreshard.comm._simulate import simulate as simulate
-from jaxreshard.comm._strategies import PlannerOptions as PlannerOptions
-from jaxreshard.comm._tasks import UnitTask as UnitTask
-from jaxreshard.comm._tasks import decompose as decompose
-from jaxreshard.comm._validate import validate_plan as validate_plan
+Attributes load lazily, so that modules such as `comm._order` are usable without JAX.
+"""
 
-__all__ = [
-    "Cluster",
-    "Index",
-    "Layout",
-    "Op",
-    "Plan",
-    "PlannerOptions",
-    "STRATEGY_NAMES",
-    "UnitTask",
-    "VirtualDevice",
-    "VirtualMesh",
-    "VirtualSharding",
-    "decompose",
-    "describe_sharding",
-    "lower_bound",
-    "plan_reshard",
-    "simulate",
-    "validate_plan",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Cluster": "jaxreshard.comm._cluster",
+    "Index": "jaxreshard.comm._layout",
+    "Layout": "jaxreshard.comm._layout",
+    "VirtualDevice": "jaxreshard.comm._layout",
+    "VirtualMesh": "jaxreshard.comm._layout",
+    "VirtualSharding": "jaxreshard.comm._layout",
+    "describe_sharding": "jaxreshard.comm._layout",
+    "Op": "jaxreshard.comm._plan",
+    "Plan": "jaxreshard.comm._plan",
+    "STRATEGY_NAMES": "jaxreshard.comm._planner",
+    "plan_reshard": "jaxreshard.comm._planner",
+    "lower_bound": "jaxreshard.comm._simulate",
+    "simulate": "jaxreshard.comm._simulate",
+    "PlannerOptions": "jaxreshard.comm._strategies",
+    "UnitTask": "jaxreshard.comm._tasks",
+    "decompose": "jaxreshard.comm._tasks",
+    "validate_plan": "jaxreshard.comm._validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxreshard.comm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

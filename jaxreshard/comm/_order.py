@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from jaxreshard.comm._cluster import Cluster
-from jaxreshard.comm._plan import Plan
+if TYPE_CHECKING:  # this module needs no JAX at run time (the pipeline emitter uses it)
+    from jaxreshard.comm._cluster import Cluster
+    from jaxreshard.comm._plan import Plan
 
 SEND, RECV, LOCAL, COLLECTIVE = "send", "recv", "local", "collective"
 

@@ -1,0 +1,203 @@
+"""`PipelineConfig`: how `parallelize` cuts, places and schedules a train step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
+RESHARDING = (
+    "send_recv",
+    "allgather",
+    "broadcast_naive",
+    "broadcast_size",
+    "broadcast_dfs",
+    "broadcast_greedy",
+    "broadcast_match",
+    "auto",
+)
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How to run a train step as a pipeline.
+
+    Attributes:
+        num_micro_batches: micro-batches per step; must divide the batch (dim 0 of every leaf of
+            the `batch_argnums` arguments).
+        schedule: `gpipe`, `1f1b`, `eager_1f1b` or `zb_h1`.
+        weight_delay: split each backward into input-gradient and weight-gradient parts and
+            delay the latter to hide the gradient transfers (backward weight delaying).
+        stage_mesh_shape: the device mesh of every stage, e.g. `(1, 2)`; or one shape per stage.
+        mesh_axis_names: names of the mesh axes (for `PartitionSpec`s inside the step).
+        resharding: the strategy for boundary tensors (any of `jaxreshard.comm.STRATEGY_NAMES`).
+        num_stages: the number of stages the step must have (boundaries + 1); None: whatever
+            the markers say, at least two. Set 1 to run an unmarked step as one stage.
+        batch_axis: mesh axis to shard the batch's dim 0 over inside a stage, when the stage
+            mesh has it and it divides the micro-batch; None: replicate the batch.
+        loss_reduction: `mean` (the loss is a mean over the batch; micro-batch losses are
+            averaged) or `sum` (micro-batch losses and gradients are summed).
+        devices_per_host: group devices into hosts of this size for the resharding planner's
+            cost model (default: by process).
+        timeout_s: longest wait for any transfer before the step fails with an error.
+        emulate_network_gbps: delay every transfer between stages on different hosts as a NIC of
+            this speed would (the cluster model), to see transfer effects on one machine.
+        cost_forward, cost_backward, cost_weight_grad, cost_comm: per micro-batch and stage,
+            relative times the schedule builder uses to place delayed weight gradients
+            (default: the paper's F=1, B=2, W=1, transfer=1).
+    """
+
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+    weight_delay: bool = False
+    stage_mesh_shape: tuple[Any, ...] = (1,)
+    mesh_axis_names: tuple[str, ...] = ("data",)
+    resharding: str = "auto"
+    num_stages: int | None = None
+    batch_axis: str | None = "data"
+    loss_reduction: str = "mean"
+    devices_per_host: int | None = None
+    timeout_s: float = 120.0
+    emulate_network_gbps: float | None = None
+    cost_forward: float = 1.0
+    cost_backward: float = 2.0
+    cost_weight_grad: float = 1.0
+    cost_comm: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
+        object.__setattr__(self, "mesh_axis_names", tuple(self.mesh_axis_names))
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("resharding", self.resharding, RESHARDING)
+        _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
+        _positive_int("num_micro_batches", self.num_micro_batches)
+        if self.num_stages is not None:
+            _positive_int("num_stages", self.num_stages)
+        if self.devices_per_host is not None:
+            _positive_int("devices_per_host", self.devices_per_host)
+        if not isinstance(self.weight_delay, bool):
+            raise ValueError(
+                f"PipelineConfig(weight_delay={self.weight_delay!r}): use True or False"
+            )
+        for shape in self.mesh_shapes(None):
+            if len(shape) != len(self.mesh_axis_names):
+                raise ValueError(
+                    f"PipelineConfig: stage mesh shape {shape} has {len(shape)} axes but "
+                    f"mesh_axis_names={self.mesh_axis_names} names {len(self.mesh_axis_names)}; "
+                    "give one name per mesh axis"
+                )
+        if len(set(self.mesh_axis_names)) != len(self.mesh_axis_names):
+            raise ValueError(
+                f"PipelineConfig: mesh_axis_names={self.mesh_axis_names} repeats a name"
+            )
+        if self.batch_axis is not None and self.batch_axis not in self.mesh_axis_names:
+            raise ValueError(
+                f"PipelineConfig(batch_axis={self.batch_axis!r}): not one of mesh_axis_names="
+                f"{self.mesh_axis_names}; name one of them or pass None"
+            )
+        for name in ("timeout_s", "cost_forward", "cost_backward"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PipelineConfig({name}={getattr(self, name)!r}): must be > 0")
+        for name in ("cost_weight_grad", "cost_comm"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PipelineConfig({name}={getattr(self, name)!r}): must be >= 0")
+        if self.cost_weight_grad > self.cost_backward:
+            raise ValueError(
+                f"PipelineConfig: cost_weight_grad={self.cost_weight_grad} exceeds "
+                f"cost_backward={self.cost_backward}, of which it is a part"
+            )
+        if self.emulate_network_gbps is not None and not self.emulate_network_gbps > 0:
+            raise ValueError(
+                f"PipelineConfig(emulate_network_gbps={self.emulate_network_gbps!r}): must be > 0"
+            )
+
+    def mesh_shapes(self, num_stages: int | None) -> tuple[tuple[int, ...], ...]:
+        """The mesh shape of every stage (one shape repeated, or the per-stage list)."""
+        shapes = self.stage_mesh_shape
+        if shapes and isinstance(shapes[0], tuple):
+            if num_stages is not None and len(shapes) != num_stages:
+                raise ValueError(
+                    f"PipelineConfig(stage_mesh_shape=...) gives {len(shapes)} stage meshes but "
+                    f"the step has {num_stages} stages ({num_stages - 1} jr.stage_boundary "
+                    "markers); give one shape per stage, or one shape for all"
+                )
+            return shapes  # type: ignore[return-value]
+        return (shapes,) * (num_stages or 1)  # type: ignore[return-value]
+
+    def devices_per_stage(self, num_stages: int) -> list[int]:
+        return [math.prod(shape) for shape in self.mesh_shapes(num_stages)]
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with some fields changed (validated); unknown field names are an error."""
+        _check_keys(changes, "PipelineConfig.replace")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "config") -> PipelineConfig:
+        _check_keys(data, where)
+        values = {k: (_tuples(v) if isinstance(v, list) else v) for k, v in data.items()}
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> PipelineConfig:
+        """Load the `[pipeline]` table of a TOML file (or its top level), then apply overrides."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"pipeline config {path}: no such file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"pipeline config {path}: not valid TOML ({e})") from None
+        table = data.get("pipeline", data)
+        return cls.from_dict({**table, **overrides}, where=f"{path} [pipeline]")
+
+
+def _check_keys(data: Mapping[str, Any], where: str) -> None:
+    fields = [f.name for f in dataclasses.fields(PipelineConfig)]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; valid keys: {', '.join(fields)}")
+
+
+def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"PipelineConfig({name}={value!r}): choose one of {', '.join(choices)}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"PipelineConfig({name}={value!r}): must be an int >= 1")
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _shape_or_shapes(value: Any) -> tuple[Any, ...]:
+    value = _tuples(value if isinstance(value, (list, tuple)) else (value,))
+    flat = [value] if not (value and isinstance(value[0], tuple)) else list(value)
+    for shape in flat:
+        if not shape or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape
+        ):
+            raise ValueError(
+                f"PipelineConfig(stage_mesh_shape={value!r}): a mesh shape is a tuple of ints "
+                ">= 1, e.g. (1, 2); or give one such tuple per stage"
+            )
+    return value

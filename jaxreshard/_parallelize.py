@@ -1,0 +1,379 @@
+"""`parallelize`: run a JAX train step as a pipeline over several device meshes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jc
+from jax.sharding import Mesh, NamedSharding
+
+from jaxreshard._config import PipelineConfig
+from jaxreshard.comm import Cluster, describe_sharding
+from jaxreshard.frontend._markers import tracing_pipeline
+from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph, split_step
+from jaxreshard.pipeline._emit import format_programs
+from jaxreshard.runtime._pipeline import (
+    CompiledPipeline,
+    LocalExecutor,
+    check_meshes,
+    compile_pipeline,
+    stage_meshes,
+    transplant,
+)
+
+
+def parallelize(
+    fun: Callable[..., Any] | None = None,
+    *,
+    config: PipelineConfig | None = None,
+    batch_argnums: int | Sequence[int] = (),
+    meshes: Sequence[Mesh] | None = None,
+) -> Any:
+    """Run a train step as a pipeline of stages, each on its own device mesh.
+
+    The step computes a loss with `jr.value_and_grad` (or `jr.grad`) over a loss function in
+    which `jr.stage_boundary(h)` marks where each stage ends, then updates the parameters. It
+    returns the same values as `jax.jit(fun)` would, computed as a pipeline: the batch is split
+    into `config.num_micro_batches` micro-batches along dim 0, every stage runs on its own mesh
+    (consecutive groups of devices, shaped `config.stage_mesh_shape`, or `meshes`), every value
+    that crosses stages is resharded by a planned transfer that overlaps compute, gradients are
+    accumulated over the micro-batches, and each parameter is updated on the mesh that holds it.
+    Returned parameters stay there, so the next call moves no parameters.
+
+    Use it like `jax.jit`: `@parallelize(config=..., batch_argnums=(1,))` or
+    `parallelize(fun, config=..., batch_argnums=(1,))`. The wrapped step is compiled once per
+    input signature; `step.plan(*args)` shows the stages, boundary tensors and schedule.
+
+    Args:
+        fun: the train step.
+        config: how to cut, place and schedule it (default: `PipelineConfig()`).
+        batch_argnums: the positions of the arguments that hold the batch (every leaf is split
+            along dim 0).
+        meshes: explicit stage meshes (disjoint), instead of consecutive groups of devices.
+    """
+    if fun is None:
+        return functools.partial(
+            parallelize, config=config, batch_argnums=batch_argnums, meshes=meshes
+        )
+    return Parallelized(fun, config or PipelineConfig(), batch_argnums, meshes)
+
+
+@dataclasses.dataclass
+class _Entry:
+    graph: StepGraph
+    compiled: CompiledPipeline
+    in_tree: Any
+    out_tree: Any
+
+
+class Parallelized:
+    """A train step wrapped by `parallelize` (call it like the step)."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        config: PipelineConfig,
+        batch_argnums: int | Sequence[int],
+        meshes: Sequence[Mesh] | None,
+    ):
+        if not callable(fun):
+            raise TypeError(f"parallelize(fun=...) needs a callable, got {type(fun).__name__}")
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"parallelize(config=...) takes a PipelineConfig, got {config!r}")
+        self.fun = fun
+        self.config = config
+        self.batch_argnums = (
+            (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+        )
+        self.meshes = list(meshes) if meshes is not None else None
+        self._cache: dict[Any, _Entry] = {}
+        self.last_executor: LocalExecutor | None = None
+        functools.update_wrapper(self, fun)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", "step")
+        return (
+            f"parallelize({name}, schedule={self.config.schedule}, "
+            f"num_micro_batches={self.config.num_micro_batches}, "
+            f"weight_delay={self.config.weight_delay}, compiled for {len(self._cache)} "
+            "signature(s))"
+        )
+
+    # Compilation ---------------------------------------------------------------------------------
+
+    def _entry(self, args: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
+        for i in self.batch_argnums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
+                )
+        leaves, in_tree = jax.tree.flatten(args)
+        batch_leaves = _batch_leaf_indices(args, self.batch_argnums)
+        for i, leaf in enumerate(leaves):
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                where = "a batch leaf" if i in batch_leaves else "an argument leaf"
+                raise TypeError(
+                    f"{where} of the step is {type(leaf).__name__} ({leaf!r}); pass arrays (numpy "
+                    "or jax) so the step can be traced and the batch split"
+                )
+        self._check_batch(leaves, batch_leaves, args)
+        key = (
+            in_tree,
+            tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves),
+            tuple(_sharding_key(x) for x in leaves),
+        )
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, leaves, in_tree, batch_leaves)
+            self._cache[key] = entry
+        return entry, leaves
+
+    def _check_batch(self, leaves: list[Any], batch_leaves: list[int], args: tuple[Any, ...]):
+        m = self.config.num_micro_batches
+        paths = _leaf_paths(args)
+        for i in batch_leaves:
+            shape = leaves[i].shape
+            if not shape:
+                raise ValueError(
+                    f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
+                    "to split into micro-batches"
+                )
+            if shape[0] % m:
+                raise ValueError(
+                    f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
+                    f"num_micro_batches={m} does not divide; use a batch size that is a "
+                    f"multiple of {m} (e.g. {shape[0] // m * m or m}) or another micro-batch count"
+                )
+        rows = {leaves[i].shape[0] for i in batch_leaves}
+        if len(rows) > 1:
+            raise ValueError(
+                f"batch leaves have different sizes along dim 0 ({sorted(rows)}); they must "
+                "agree to be split into the same micro-batches"
+            )
+
+    def _compile(
+        self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
+    ) -> _Entry:
+        # Traced per micro-batch: the loss, and so every stage, sees one micro-batch.
+        m = self.config.num_micro_batches
+        structs = [
+            jax.ShapeDtypeStruct(
+                (x.shape[0] // m, *x.shape[1:]) if i in batch_leaves else x.shape, x.dtype
+            )
+            for i, x in enumerate(leaves)
+        ]
+        wrapped = lambda *flat: self.fun(*jax.tree.unflatten(in_tree, flat))
+        with tracing_pipeline():
+            closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*structs)
+        out_tree = jax.tree.structure(out_shape)
+        graph = split_step(closed, batch_leaves, expected_stages=self.config.num_stages)
+        if self.meshes is not None:
+            check_meshes(self.meshes, graph.num_stages)
+            meshes = self.meshes
+        else:
+            self.config.mesh_shapes(graph.num_stages)  # checks the per-stage list's length
+            meshes = stage_meshes(self.config, graph.num_stages, jax.devices())
+        devices = [d for mesh in meshes for d in mesh.devices.flat]
+        cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
+        compiled = compile_pipeline(graph, self.config, list(meshes), leaves, cluster)
+        return _Entry(graph, compiled, in_tree, out_tree)
+
+    # Running ------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        entry, leaves = self._entry(args)
+        outputs, executor = run_step(entry.compiled, leaves)
+        self.last_executor = executor
+        return jax.tree.unflatten(entry.out_tree, outputs)
+
+    def plan(self, *args: Any) -> PipelinePlan:
+        """What the step will do for these arguments, without running it."""
+        entry, _ = self._entry(args)
+        return PipelinePlan(entry.compiled)
+
+    def compiled(self, *args: Any) -> CompiledPipeline:
+        return self._entry(args)[0].compiled
+
+
+def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    norm = {i % len(args) for i in batch_argnums} if args else set()
+    for i, arg in enumerate(args):
+        n = len(jax.tree.leaves(arg))
+        if i in norm:
+            out.extend(range(at, at + n))
+        at += n
+    return out
+
+
+def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
+    paths, _ = jax.tree_util.tree_flatten_with_path(args)
+    return [f"args{jax.tree_util.keystr(path)}" for path, _ in paths]
+
+
+def _sharding_key(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def run_step(
+    c: CompiledPipeline, leaves: list[Any], *, record: bool = False
+) -> tuple[list[Any], LocalExecutor]:
+    """Run one step of a compiled pipeline on the local runtime; return the flat outputs."""
+    g = c.graph
+    m = c.config.num_micro_batches
+    # Parameters, where their owners keep them.
+    params = [_place(leaves[i], c.param_shardings[k]) for k, i in enumerate(g.params)]
+    # Per-step constants: the pre part, computed once.
+    const_values = _consts(g, leaves)
+    batches: list[list[list[Any]]] = []
+    consts: list[list[Any]] = []
+    for s, stage in enumerate(g.loss.stages):
+        shardings = c.input_shardings[s]
+        per_mb: list[list[Any]] = [[] for _ in range(m)]
+        stage_consts = []
+        for ref, sharding in zip(stage.inputs, shardings):
+            if ref.kind == BATCH:
+                for mb, piece in enumerate(_split_rows(leaves[ref.index], m)):
+                    per_mb[mb].append(jax.device_put(piece, sharding))
+            elif ref.kind == CONST:
+                stage_consts.append(_place(const_values[ref.index], sharding))
+        batches.append(per_mb)
+        consts.append(stage_consts)
+    executor = LocalExecutor(c, record=record)
+    try:
+        losses, grads = executor.run(params, batches, consts)
+    finally:
+        executor.close()
+    loss = _combine_losses(losses, c.config.loss_reduction)
+    values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
+    for k, i in enumerate(g.params):
+        values[g.outer.jaxpr.invars[i]] = params[k]
+    values[g.grad_outputs[0]] = loss
+    for k, v in enumerate(g.grad_outputs[1:]):
+        values[v] = grads[k] if grads[k] is not None else jax.numpy.zeros_like(params[k])
+    for v, value in zip(g.pre_outputs, _pre_values(g, leaves)):
+        values[v] = value
+    for segment in g.segments:
+        mesh = c.meshes[segment.stage]
+        inputs = [_on_mesh(values[v], mesh) for v in segment.inputs]
+        outs = _segment_fn(segment.jaxpr)(*inputs)
+        values.update(zip(segment.outputs, outs))
+    outputs = [values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars]
+    return outputs, executor
+
+
+def _combine_losses(losses: list[Any], reduction: str) -> Any:
+    total = losses[0]
+    for value in losses[1:]:
+        total = total + value
+    return total / len(losses) if reduction == "mean" else total
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_fn(jaxpr: Any) -> Callable[..., Any]:
+    return jax.jit(jc.jaxpr_as_fun(jaxpr))
+
+
+def _pre_values(g: StepGraph, leaves: list[Any]) -> list[Any]:
+    if g.pre is None:
+        return []
+    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
+    return list(_segment_fn(g.pre)(*(leaves[index[v]] for v in g.pre_inputs)))
+
+
+def _consts(g: StepGraph, leaves: list[Any]) -> list[Any]:
+    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
+    pre = dict(zip(g.pre_outputs, _pre_values(g, leaves))) if g.pre is not None else {}
+    return [leaves[index[v]] if v in index else pre[v] for v in g.consts]
+
+
+def _split_rows(x: Any, m: int) -> list[Any]:
+    if isinstance(x, jax.Array):
+        rows = x.shape[0] // m
+        return [x[j * rows : (j + 1) * rows] for j in range(m)]
+    return np.split(np.asarray(x), m, axis=0)
+
+
+def _place(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def _on_mesh(x: Any, mesh: Mesh) -> Any:
+    """`x` on `mesh`'s devices: as it is if it is there already, else moved (same spec if it
+    fits, else replicated)."""
+    devices = set(mesh.devices.flat)
+    if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+        return x
+    if not hasattr(x, "shape"):
+        return x
+    return jax.device_put(x, transplant(getattr(x, "sharding", None), mesh, x.shape))
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """What a parallelized step does: stages, meshes, boundary tensors, schedule, programs."""
+
+    compiled: CompiledPipeline
+
+    def boundary_tensors(self) -> list[dict[str, Any]]:
+        """One record per transfer kind and edge: what moves where, how, and how many bytes."""
+        out = []
+        for (kind, tensor, src, dst), t in sorted(
+            self.compiled.transfers.items(), key=lambda kv: (kv[0][0] != "act", kv[0])
+        ):
+            out.append(
+                {
+                    "kind": kind,
+                    "tensor": tensor,
+                    "src_stage": src,
+                    "dst_stage": dst,
+                    "shape": t.shape,
+                    "dtype": str(np.dtype(t.dtype)),
+                    "src_sharding": describe_sharding(t.src_sharding),
+                    "dst_sharding": describe_sharding(t.dst_sharding),
+                    "strategy": t.plan.chosen,
+                    "bytes": t.nbytes,
+                    "per": "step" if kind in ("param", "param_grad") else "micro-batch",
+                }
+            )
+        return out
+
+    def __str__(self) -> str:
+        c = self.compiled
+        g = c.graph
+        lines = [
+            f"pipeline: {g.num_stages} stages, {c.config.num_micro_batches} micro-batches of "
+            f"{c.micro_batch_rows} rows, schedule {c.schedule.describe()}"
+        ]
+        for s, mesh in enumerate(c.meshes):
+            stage = g.loss.stages[s]
+            ids = [d.id for d in mesh.devices.flat]
+            kinds = {k: sum(r.kind == k for r in stage.inputs) for k in (PARAM, BATCH, CONST, ACT)}
+            lines.append(
+                f"  stage {s}: mesh {dict(mesh.shape)} devices {ids}; "
+                f"{len(stage.jaxpr.jaxpr.eqns)} equations; inputs: {kinds[PARAM]} params, "
+                f"{kinds[BATCH]} batch, {kinds[CONST]} consts, {kinds[ACT]} activations"
+            )
+        lines.append("boundary tensors:")
+        for t in self.boundary_tensors():
+            lines.append(
+                f"  {t['kind']}{t['tensor']} s{t['src_stage']}->s{t['dst_stage']} "
+                f"{t['dtype']}{list(t['shape'])} {t['bytes']} B per {t['per']}: "
+                f"{t['src_sharding']} -> {t['dst_sharding']} by {t['strategy']}"
+            )
+        for a in g.loss.activations:
+            lines.append(f"  act{a.id} is computed at {a.where}")
+        lines.append(f"post-gradient segments: {[seg.stage for seg in g.segments]}")
+        lines.append("schedule:")
+        lines.append(c.schedule.grid())
+        lines.append("instructions (first ones):")
+        lines.append(format_programs(c.programs, limit=12))
+        return "\n".join(lines)

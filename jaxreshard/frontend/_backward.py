@@ -1,0 +1,182 @@
+"""Each stage's backward, and its split into input-gradient (B) and weight-gradient (W) parts.
+
+[Note: backward split]
+A stage's forward is run under `jax.vjp` over its differentiable inputs (its float parameters and
+float activations from earlier stages); the VJP function is a pytree whose leaves are the
+residuals, so the forward returns them and they stay on the stage until its backward. The
+backward is the VJP applied to the output cotangents, traced once to a jaxpr J(residuals,
+cotangents) -> (cotangent of every differentiable input). Splitting J by data dependence gives:
+- B: the equations the activation cotangents need (they go to earlier stages at once), plus
+  "exports", the values B computed that W also needs;
+- W: the remaining equations the parameter cotangents need, reading the residuals, the output
+  cotangents and B's exports.
+No equation runs twice. Without weight delay, J runs whole as one B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jc
+
+from jaxreshard.frontend._split import ACT, PARAM, Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBackward:
+    """The traced pieces of one stage's forward and backward.
+
+    Attributes:
+        stage: the forward stage.
+        diff: positions in `stage.inputs` that are differentiated (float params/activations).
+        float_outputs: positions in `stage.outputs` with float values (they get cotangents).
+        residuals: avals of the residuals the forward returns.
+        full: J(residuals..., cotangents...) -> cotangent per `diff` entry.
+        b: B(residuals..., cotangents...) -> (activation cotangents..., exports...).
+        w: W(residuals..., cotangents..., exports...) -> parameter cotangents.
+        act_grads: positions in `diff` whose cotangents B returns (activation inputs).
+        param_grads: positions in `diff` whose cotangents W returns (parameter inputs).
+        num_exports: how many exports B hands to W.
+    """
+
+    stage: Stage
+    diff: tuple[int, ...]
+    float_outputs: tuple[int, ...]
+    residuals: tuple[Any, ...]
+    full: Any
+    b: Any
+    w: Any
+    act_grads: tuple[int, ...]
+    param_grads: tuple[int, ...]
+    num_exports: int
+    _treedef: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+    def forward(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
+        """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
+        outputs, leaves, _ = _forward(self.stage, self.diff, inputs)
+        return outputs, leaves
+
+
+def _is_float(aval: Any) -> bool:
+    return bool(jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact))
+
+
+def _forward(stage: Stage, diff: Sequence[int], inputs: Sequence[Any]):
+    fn = jc.jaxpr_as_fun(stage.jaxpr)
+
+    def on_diff(*d: Any) -> list[Any]:
+        full = list(inputs)
+        for i, v in zip(diff, d):
+            full[i] = v
+        return fn(*full)
+
+    outputs, vjp = jax.vjp(on_diff, *[inputs[i] for i in diff])
+    leaves, treedef = jax.tree.flatten(vjp)
+    return list(outputs), list(leaves), treedef
+
+
+def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
+    """Trace stage `stage`'s forward and backward and (with `split`) cut B from W."""
+    in_avals = stage.jaxpr.in_avals
+    out_avals = stage.jaxpr.out_avals
+    diff = tuple(
+        i
+        for i, (ref, aval) in enumerate(zip(stage.inputs, in_avals))
+        if ref.kind in (PARAM, ACT) and _is_float(aval)
+    )
+    float_outputs = tuple(i for i, aval in enumerate(out_avals) if _is_float(aval))
+    holder: dict[str, Any] = {}
+
+    def traced_forward(*inputs: Any) -> list[Any]:
+        outputs, leaves, treedef = _forward(stage, diff, inputs)
+        holder["treedef"] = treedef
+        return leaves
+
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    residuals = tuple(jax.eval_shape(traced_forward, *structs))
+    treedef = holder["treedef"]
+
+    def backward(*args: Any) -> list[Any]:
+        leaves = args[: len(residuals)]
+        given = iter(args[len(residuals) :])
+        cts = [
+            next(given) if i in float_outputs else np.zeros(a.shape, jax.dtypes.float0)
+            for i, a in enumerate(out_avals)
+        ]
+        vjp = jax.tree.unflatten(treedef, leaves)
+        return list(vjp(cts))
+
+    ct_structs = [
+        jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in float_outputs
+    ]
+    full = jax.make_jaxpr(backward)(*residuals, *ct_structs)
+    act_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == ACT)
+    param_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == PARAM)
+    if split:
+        b, w, num_exports = split_backward(full, act_grads, param_grads)
+    else:
+        b, w, num_exports = full, None, 0
+    return StageBackward(
+        stage,
+        diff,
+        float_outputs,
+        residuals,
+        full,
+        b,
+        w,
+        act_grads,
+        param_grads,
+        num_exports,
+        treedef,
+    )
+
+
+def split_backward(
+    full: Any, b_targets: Sequence[int], w_targets: Sequence[int]
+) -> tuple[Any, Any, int]:
+    """Cut J into B (outputs `b_targets` + exports) and W (outputs `w_targets`); see
+    [Note: backward split]."""
+    jaxpr = full.jaxpr
+
+    def needed(targets: Sequence[Any]) -> set[int]:
+        want = {v for v in targets if not isinstance(v, jc.Literal)}
+        keep = set()
+        for position in reversed(range(len(jaxpr.eqns))):
+            eqn = jaxpr.eqns[position]
+            if any(o in want for o in eqn.outvars):
+                keep.add(position)
+                want.update(v for v in eqn.invars if not isinstance(v, jc.Literal))
+        return keep
+
+    b_out = [jaxpr.outvars[k] for k in b_targets]
+    w_out = [jaxpr.outvars[k] for k in w_targets]
+    in_b = needed(b_out)
+    in_w = needed(w_out) - in_b
+    b_eqns = [e for p, e in enumerate(jaxpr.eqns) if p in in_b]
+    w_eqns = [e for p, e in enumerate(jaxpr.eqns) if p in in_w]
+    made_by_b = {o for e in b_eqns for o in e.outvars}
+    exports = list(
+        dict.fromkeys(
+            [
+                v
+                for e in w_eqns
+                for v in e.invars
+                if not isinstance(v, jc.Literal) and v in made_by_b
+            ]
+            + [v for v in w_out if not isinstance(v, jc.Literal) and v in made_by_b]
+        )
+    )
+
+    def closed(invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
+        effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+        return jc.ClosedJaxpr(
+            jc.Jaxpr(list(jaxpr.constvars), invars, outvars, eqns, effects), list(full.consts)
+        )
+
+    b = closed(list(jaxpr.invars), b_out + exports, b_eqns)
+    w = closed(list(jaxpr.invars) + exports, w_out, w_eqns)
+    return b, w, len(exports)

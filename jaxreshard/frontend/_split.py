@@ -1,0 +1,552 @@
+"""Cutting a traced train step into pipeline stages (pure: jaxpr in, dataclasses out).
+
+[Note: stage cutting]
+The loss's jaxpr is cut at its `stage_boundary` equations, in program order: boundary k ends
+stage k, and every equation belongs to the stage it is written in (the number of boundaries
+before it), as a user reads the code. Equations nothing needs are dropped. A value used by a
+later stage than the one that computes it is a boundary tensor: the marked activations, skip
+connections that jump stages, a transposed embedding computed early, anything. A stage never
+uses values of later stages, since the loss is traced in program order.
+A parameter used by several stages (tied embeddings) belongs to the first; the others get a copy
+each step and send their gradient contributions back to be summed.
+
+The step around the loss is split at the `pipeline_grad` equation (see [Note: markers]): what it
+depends on runs first, once per step ("pre"); the rest ("post", the optimizer) runs once per step
+after the micro-batches, each equation on the stage that holds its inputs (a parameter's update
+where the parameter lives), grouped into as few per-stage segments as the data dependencies allow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jc
+
+from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+PARAM, BATCH, CONST, ACT, LOSS = "param", "batch", "const", "act", "loss"
+
+
+class PipelineSplitError(ValueError):
+    """The step cannot be cut into pipeline stages as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """What a stage input or output is: a step parameter, a batch leaf, a per-step constant
+    (`index` into the step's inputs), an activation (`index` = activation id), or the loss."""
+
+    kind: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == LOSS else f"{self.kind}{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """A value of the loss produced by one stage and used by later ones (a boundary tensor)."""
+
+    id: int
+    aval: Any
+    home: int
+    consumers: tuple[int, ...]
+    where: str  # the source line that computed it
+
+    @property
+    def differentiable(self) -> bool:
+        return bool(jax.numpy.issubdtype(self.aval.dtype, jax.numpy.inexact))
+
+    def label(self) -> str:
+        return f"act{self.id}:{self.aval.str_short()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """The forward of one stage: `jaxpr` maps `inputs` to `outputs` (in that order)."""
+
+    index: int
+    jaxpr: Any  # ClosedJaxpr
+    inputs: tuple[Ref, ...]
+    outputs: tuple[Ref, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSplit:
+    stages: tuple[Stage, ...]
+    activations: tuple[Activation, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def users(self, kind: str, index: int) -> tuple[int, ...]:
+        return tuple(s.index for s in self.stages if Ref(kind, index) in s.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Post-gradient equations that run together on one stage's mesh."""
+
+    stage: int
+    jaxpr: Any  # ClosedJaxpr over `inputs` -> `outputs`
+    inputs: tuple[Any, ...]  # outer Vars
+    outputs: tuple[Any, ...]  # outer Vars
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    """A train step cut for the pipeline.
+
+    Attributes:
+        outer: the traced step (its invars are the flattened arguments).
+        params: for each differentiated leaf k, the outer invar index it is.
+        batch: outer invar indices that are batch leaves (split into micro-batches).
+        loss_inputs: for each input of the loss jaxpr, a `Ref` (param k, batch i, const j).
+        consts: the outer Vars that feed the loss as per-step constants (const j).
+        loss: the loss cut into stages.
+        owner: for each parameter k, the stage that keeps it (its first user).
+        pre: equations the loss depends on, run once per step before the pipeline (a
+            ClosedJaxpr over `pre_inputs` -> `pre_outputs`), or None.
+        grad_outputs: the outer Vars the gradient equation defines: the loss, then one gradient
+            per parameter.
+        segments: the post-gradient equations in run order.
+        placement: stage of each outer Var the post part reads or writes (None: free).
+    """
+
+    outer: Any
+    params: tuple[int, ...]
+    batch: tuple[int, ...]
+    loss_inputs: tuple[Ref, ...]
+    consts: tuple[Any, ...]
+    loss: LossSplit
+    owner: tuple[int, ...]
+    pre: Any
+    pre_inputs: tuple[Any, ...]
+    pre_outputs: tuple[Any, ...]
+    grad_outputs: tuple[Any, ...]
+    segments: tuple[Segment, ...]
+    placement: dict[Any, int | None]
+
+    @property
+    def num_stages(self) -> int:
+        return self.loss.num_stages
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jc.Literal)
+
+
+def _where(eqn: Any) -> str:
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # older or newer JAX: the location is a nicety
+        return "?"
+
+
+def _contains_marker(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is stage_boundary_p:
+            return True
+        if any(_contains_marker(_open(j)) for j in jc.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _open(j: Any) -> Any:
+    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
+
+
+def _make_jaxpr(invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any]) -> Any:
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    return jc.ClosedJaxpr(jc.Jaxpr([], list(invars), list(outvars), list(eqns), effects), [])
+
+
+def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Inline `jit` calls that contain a `stage_boundary`, so markers sit at the top level.
+
+    Returns the new jaxpr and its consts. Markers inside control flow (scan, cond, while) or
+    custom derivatives cannot be cut and raise `PipelineSplitError`.
+    """
+    new_consts = list(consts)
+    constvars = list(jaxpr.constvars)
+    eqns: list[Any] = []
+    subst: dict[Any, Any] = {}  # a call's outputs -> the inlined body's outputs
+
+    def read(v: Any) -> Any:
+        return subst.get(v, v) if _is_var(v) else v
+
+    for eqn in jaxpr.eqns:
+        inner = list(jc.jaxprs_in_params(eqn.params))
+        if not inner or not any(_contains_marker(_open(j)) for j in inner):
+            eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars]) if subst else eqn)
+            continue
+        if eqn.primitive.name not in _CALLS:
+            raise PipelineSplitError(
+                f"jr.stage_boundary is called inside `{eqn.primitive.name}` at {_where(eqn)}: a "
+                "boundary inside lax.scan/cond/while_loop or a custom derivative cannot be cut; "
+                "call jr.stage_boundary at the top level of the loss function"
+            )
+        closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        body, body_consts = inline_marked_calls(_open(closed), getattr(closed, "consts", []))
+        rename: dict[Any, Any] = {}
+        for v, c in zip(body.constvars, body_consts):
+            fresh = jc.Var(v.aval)
+            constvars.append(fresh)
+            new_consts.append(c)
+            rename[v] = fresh
+        rename.update(zip(body.invars, (read(v) for v in eqn.invars)))
+
+        def inner_read(v: Any, rename: dict[Any, Any] = rename) -> Any:
+            return rename.get(v, v) if _is_var(v) else v
+
+        for inner_eqn in body.eqns:  # fresh variables: the same body may be inlined twice
+            outs = [jc.Var(o.aval) for o in inner_eqn.outvars]
+            invars = [inner_read(v) for v in inner_eqn.invars]
+            rename.update(zip(inner_eqn.outvars, outs))
+            eqns.append(inner_eqn.replace(invars=invars, outvars=outs))
+        for outer_out, body_out in zip(eqn.outvars, body.outvars):
+            subst[outer_out] = inner_read(body_out)
+    if not subst and len(eqns) == len(jaxpr.eqns):
+        return jaxpr, list(consts)
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    outvars = [read(v) for v in jaxpr.outvars]
+    return jc.Jaxpr(constvars, list(jaxpr.invars), outvars, eqns, effects), new_consts
+
+
+# -- the loss --------------------------------------------------------------------------------
+
+
+def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None) -> LossSplit:
+    """Cut the loss jaxpr (inputs described by `kinds`) into stages; see [Note: stage cutting]."""
+    jaxpr, consts = inline_marked_calls(closed.jaxpr, closed.consts)
+    if consts:
+        raise PipelineSplitError(
+            "the loss closes over array constants inside jitted helpers; pass them as "
+            "arguments of the step instead"
+        )
+    markers = [e for e in jaxpr.eqns if e.primitive is stage_boundary_p]
+    num_stages = len(markers) + 1
+    if expected_stages is not None and expected_stages != num_stages:
+        raise PipelineSplitError(
+            f"PipelineConfig(num_stages={expected_stages}) but the loss has {len(markers)} "
+            f"jr.stage_boundary markers, i.e. {num_stages} stages"
+        )
+    if expected_stages is None and num_stages == 1:
+        raise PipelineSplitError(
+            "the loss has no jr.stage_boundary, so the step would run as one stage; mark where "
+            "stages end with h = jr.stage_boundary(h), or set PipelineConfig(num_stages=1) to "
+            "run it as a single stage on purpose"
+        )
+    invar_kind = dict(zip(jaxpr.invars, kinds))
+    alias: dict[Any, Any] = {}  # marker outputs -> what they mark
+    stage_of: dict[int, int] = {}  # equation position -> the stage it is written in
+    defined_by: dict[Any, int] = {}
+    k = 0
+    for position, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is stage_boundary_p:
+            for i, o in zip(eqn.invars, eqn.outvars):
+                alias[o] = _root(alias, i) if _is_var(i) else i
+            k += 1
+            continue
+        stage_of[position] = k
+        for o in eqn.outvars:
+            defined_by[o] = position
+    loss_var = jaxpr.outvars[0]
+    if not _is_var(loss_var):
+        raise PipelineSplitError("the loss is a constant; nothing depends on the parameters")
+    loss_root = _root(alias, loss_var)
+
+    # Which stages need each value (walking backwards; dead code is dropped).
+    last = num_stages - 1
+    need: dict[Any, set[int]] = {loss_root: {last}}
+    eqn_stages: dict[int, set[int]] = {}
+    for position in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[position]
+        if eqn.primitive is stage_boundary_p:
+            continue
+        if not any(o in need for o in eqn.outvars):
+            continue
+        stage = stage_of[position]
+        eqn_stages[position] = {stage}
+        for v in eqn.invars:
+            if _is_var(v):
+                need.setdefault(_root(alias, v), set()).add(stage)
+
+    # Boundary tensors: values computed in one stage and needed by later ones.
+    activations: dict[Any, Activation] = {}
+    for var, stages in need.items():
+        position = defined_by.get(var)
+        if position is None:
+            continue  # a step input
+        home = stage_of[position]
+        earlier = sorted(s for s in stages if s < home)
+        if earlier:
+            raise PipelineSplitError(
+                f"stage {earlier[0]} uses {var.aval.str_short()} computed at "
+                f"{_where(jaxpr.eqns[position])} in stage {home}: a stage can only use values of "
+                "earlier stages; check the order of the jr.stage_boundary calls"
+            )
+        later = tuple(sorted(s for s in stages if s > home))
+        if later:
+            activations[var] = Activation(
+                len(activations), var.aval, home, later, _where(jaxpr.eqns[position])
+            )
+
+    stages = []
+    for s in range(num_stages):
+        eqns = []
+        defined: set[Any] = set()
+        inputs: list[Any] = []
+        for position, eqn in enumerate(jaxpr.eqns):
+            if s not in eqn_stages.get(position, ()):
+                continue
+            invars = [_root(alias, v) if _is_var(v) else v for v in eqn.invars]
+            for v in invars:
+                if _is_var(v) and v not in defined and v not in inputs:
+                    inputs.append(v)
+            eqns.append(eqn.replace(invars=invars))
+            defined.update(eqn.outvars)
+        if s == last:
+            outvars = [loss_root]
+            if loss_root not in defined:
+                raise PipelineSplitError(
+                    "the loss is computed before the last jr.stage_boundary: the last stage would "
+                    "have no work; remove the last boundary"
+                )
+            outputs = (Ref(LOSS),)
+        else:
+            outvars = [v for v in activations if activations[v].home == s]
+            outputs = tuple(Ref(ACT, activations[v].id) for v in outvars)
+            if not outvars:
+                raise PipelineSplitError(
+                    f"stage {s} has no outputs that later stages use: its work does not reach the "
+                    "loss (or two jr.stage_boundary calls have nothing between them); remove a "
+                    "boundary or use the stage's results"
+                )
+        refs = []
+        for v in inputs:
+            if v in invar_kind:
+                refs.append(invar_kind[v])
+            elif v in activations:
+                refs.append(Ref(ACT, activations[v].id))
+            else:  # pragma: no cover - every other value is defined in the stage
+                raise AssertionError(f"stage {s} input {v} has no source")
+        stages.append(Stage(s, _make_jaxpr(inputs, outvars, eqns), tuple(refs), outputs))
+    ordered = sorted(activations.values(), key=lambda a: a.id)
+    return LossSplit(tuple(stages), tuple(ordered))
+
+
+def _root(alias: dict[Any, Any], v: Any) -> Any:
+    while v in alias:
+        v = alias[v]
+    return v
+
+
+# -- the step ---------------------------------------------------------------------------------
+
+
+def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None) -> StepGraph:
+    """Cut a traced train step; `batch` lists the outer invar indices of batch leaves."""
+    jaxpr = closed.jaxpr
+    if closed.consts:
+        raise PipelineSplitError(
+            "the step closes over array constants; pass them as arguments instead"
+        )
+    grads = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is pipeline_grad_p]
+    if not grads:
+        raise PipelineSplitError(
+            "the step computes no gradient with jr.value_and_grad or jr.grad; parallelize needs "
+            "one (jax.grad cannot be pipelined: use jr.grad, which has the same signature)"
+        )
+    if len(grads) > 1:
+        raise PipelineSplitError(
+            f"the step calls jr.value_and_grad/jr.grad {len(grads)} times; a pipelined step "
+            "differentiates one loss once"
+        )
+    g = grads[0]
+    grad_eqn = jaxpr.eqns[g]
+    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
+    batch_set = set(batch)
+
+    # Pre: what the gradient equation depends on.
+    needed = {v for v in grad_eqn.invars if _is_var(v)}
+    pre_positions = []
+    for position in reversed(range(g)):
+        eqn = jaxpr.eqns[position]
+        if any(o in needed for o in eqn.outvars):
+            pre_positions.append(position)
+            needed.update(v for v in eqn.invars if _is_var(v))
+    pre_positions.reverse()
+    depends_on_batch = {jaxpr.invars[i] for i in batch_set}
+    for position in pre_positions:
+        eqn = jaxpr.eqns[position]
+        if any(v in depends_on_batch for v in eqn.invars if _is_var(v)):
+            raise PipelineSplitError(
+                f"the step computes from the batch at {_where(eqn)} before calling "
+                "jr.value_and_grad; move that computation into the loss function so it runs per "
+                "micro-batch"
+            )
+    pre_eqns = [jaxpr.eqns[p] for p in pre_positions]
+
+    num_diff = grad_eqn.params["num_diff"]
+    params: list[int] = []
+    kinds: list[Ref] = []
+    consts: list[Any] = []
+    for k, v in enumerate(grad_eqn.invars):
+        if k < num_diff:
+            if not _is_var(v) or v not in invar_index:
+                raise PipelineSplitError(
+                    "jr.value_and_grad must differentiate arguments of the step directly (the "
+                    f"parameter {k} is computed inside the step); pass it in as an argument"
+                )
+            if invar_index[v] in batch_set:
+                raise PipelineSplitError(
+                    f"argument leaf {invar_index[v]} is both a batch leaf (batch_argnums) and "
+                    "differentiated; parameters cannot be micro-batched"
+                )
+            params.append(invar_index[v])
+            kinds.append(Ref(PARAM, k))
+        elif _is_var(v) and v in invar_index and invar_index[v] in batch_set:
+            kinds.append(Ref(BATCH, invar_index[v]))
+        else:
+            if not _is_var(v):
+                raise PipelineSplitError("literal loss inputs are not supported")
+            kinds.append(Ref(CONST, len(consts)))
+            consts.append(v)
+    loss = split_loss(grad_eqn.params["jaxpr"], kinds, expected_stages=expected_stages)
+    owner = []
+    for k in range(num_diff):
+        users = loss.users(PARAM, k)
+        owner.append(users[0] if users else 0)
+
+    pre_inputs = _free_inputs(pre_eqns)
+    pre_outputs = [v for v in consts if any(v in e.outvars for e in pre_eqns)]
+    pre = _make_jaxpr(pre_inputs, pre_outputs, pre_eqns) if pre_eqns else None
+
+    # Post: every other equation, placed on the stage of its inputs.
+    post_eqns = [e for i, e in enumerate(jaxpr.eqns) if i != g and i not in set(pre_positions)]
+    for eqn in post_eqns:
+        if any(v in depends_on_batch for v in eqn.invars if _is_var(v)):
+            raise PipelineSplitError(
+                f"the step reads the batch at {_where(eqn)}, outside the loss given to "
+                "jr.value_and_grad; only the loss runs per micro-batch, so compute batch "
+                "statistics inside the loss"
+            )
+    if any(v in depends_on_batch for v in jaxpr.outvars if _is_var(v)):
+        raise PipelineSplitError(
+            "the step returns a batch leaf; return only parameters, optimizer state and metrics"
+        )
+    placement: dict[Any, int | None] = {v: None for v in jaxpr.invars}
+    for k, i in enumerate(params):
+        placement[jaxpr.invars[i]] = owner[k]
+    placement[grad_eqn.outvars[0]] = loss.num_stages - 1
+    for k, v in enumerate(grad_eqn.outvars[1:]):
+        placement[v] = owner[k]
+    for v in pre_outputs:
+        placement[v] = None
+    segments = _segments(post_eqns, placement, jaxpr.outvars)
+    return StepGraph(
+        outer=closed,
+        params=tuple(params),
+        batch=tuple(sorted(batch_set)),
+        loss_inputs=tuple(kinds),
+        consts=tuple(consts),
+        loss=loss,
+        owner=tuple(owner),
+        pre=pre,
+        pre_inputs=tuple(pre_inputs),
+        pre_outputs=tuple(pre_outputs),
+        grad_outputs=tuple(grad_eqn.outvars),
+        segments=tuple(segments),
+        placement=placement,
+    )
+
+
+def _free_inputs(eqns: Sequence[Any]) -> list[Any]:
+    defined: set[Any] = set()
+    inputs: list[Any] = []
+    for eqn in eqns:
+        for v in eqn.invars:
+            if _is_var(v) and v not in defined and v not in inputs:
+                inputs.append(v)
+        defined.update(eqn.outvars)
+    return inputs
+
+
+def _segments(
+    eqns: Sequence[Any], placement: dict[Any, int | None], outvars: Sequence[Any]
+) -> list[Segment]:
+    """Place post-gradient equations on stages and group them into per-stage segments."""
+    stage_of: dict[int, int] = {}
+    for position, eqn in enumerate(eqns):
+        placed = [placement.get(v) for v in eqn.invars if _is_var(v)]
+        placed = [p for p in placed if p is not None]
+        if placed:
+            stage = max(placed)
+            stage_of[position] = stage
+            for o in eqn.outvars:
+                placement[o] = stage
+    # Equations on free inputs only run where their results are needed (default: stage 0).
+    wanted: dict[Any, set[int]] = {}
+    for position in reversed(range(len(eqns))):
+        eqn = eqns[position]
+        if position in stage_of:
+            for v in eqn.invars:
+                if _is_var(v):
+                    wanted.setdefault(v, set()).add(stage_of[position])
+            continue
+        users = set().union(*(wanted.get(o, set()) for o in eqn.outvars))
+        stage = min(users) if users else 0
+        stage_of[position] = stage
+        for o in eqn.outvars:
+            placement[o] = stage
+        for v in eqn.invars:
+            if _is_var(v):
+                wanted.setdefault(v, set()).add(stage)
+    # Greedy topological grouping: keep running equations of the current stage while any is
+    # ready, so each stage gets few segments.
+    remaining = list(range(len(eqns)))
+    produced: set[Any] = set()
+    defined_here = {o for e in eqns for o in e.outvars}
+    segments: list[tuple[int, list[int]]] = []
+    current: int | None = None
+    while remaining:
+        ready = [
+            p
+            for p in remaining
+            if all(not _is_var(v) or v not in defined_here or v in produced for v in eqns[p].invars)
+        ]
+        same = [p for p in ready if stage_of[p] == current]
+        pick = same[0] if same else ready[0]
+        if stage_of[pick] != current or not segments:
+            current = stage_of[pick]
+            segments.append((current, []))
+        segments[-1][1].append(pick)
+        produced.update(eqns[pick].outvars)
+        remaining.remove(pick)
+    out = []
+    needed_later: set[Any] = {v for v in outvars if _is_var(v)}
+    for _, positions in reversed(segments):
+        for p in positions:
+            needed_later.update(v for v in eqns[p].invars if _is_var(v))
+    for stage, positions in segments:
+        seg_eqns = [eqns[p] for p in positions]
+        inputs = _free_inputs(seg_eqns)
+        outputs = [
+            v for v in dict.fromkeys(o for e in seg_eqns for o in e.outvars) if v in needed_later
+        ]
+        out.append(
+            Segment(stage, _make_jaxpr(inputs, outputs, seg_eqns), tuple(inputs), tuple(outputs))
+        )
+    return out

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jc
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jaxreshard._config import PipelineConfig
 from jaxreshard.comm import Cluster, describe_sharding
@@ -21,9 +21,10 @@ from jaxreshard.runtime._pipeline import (
     CompiledPipeline,
     LocalExecutor,
     check_meshes,
-    compile_pipeline,
+    compile_local,
+    spec_of,
     stage_meshes,
-    transplant,
+    transplant_spec,
 )
 
 
@@ -168,7 +169,15 @@ class Parallelized:
             for i, x in enumerate(leaves)
         ]
         wrapped = lambda *flat: self.fun(*jax.tree.unflatten(in_tree, flat))
-        with tracing_pipeline():
+        # Under an abstract mesh with the stages' axes, so that PartitionSpec-based sharding
+        # constraints in the step trace; each stage later compiles them on its own mesh.
+        shapes = (
+            self.config.mesh_shapes(None)
+            if self.meshes is None
+            else [tuple(m.devices.shape) for m in self.meshes]
+        )
+        names = self.config.mesh_axis_names if self.meshes is None else self.meshes[0].axis_names
+        with tracing_pipeline(), jax.sharding.use_abstract_mesh(AbstractMesh(shapes[0], names)):
             closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*structs)
         out_tree = jax.tree.structure(out_shape)
         graph = split_step(closed, batch_leaves, expected_stages=self.config.num_stages)
@@ -180,7 +189,7 @@ class Parallelized:
             meshes = stage_meshes(self.config, graph.num_stages, jax.devices())
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
-        compiled = compile_pipeline(graph, self.config, list(meshes), leaves, cluster)
+        compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
         return _Entry(graph, compiled, in_tree, out_tree)
 
     # Running ------------------------------------------------------------------------------------
@@ -225,19 +234,22 @@ def run_step(
     c: CompiledPipeline, leaves: list[Any], *, record: bool = False
 ) -> tuple[list[Any], LocalExecutor]:
     """Run one step of a compiled pipeline on the local runtime; return the flat outputs."""
-    g = c.graph
+    g, layout = c.graph, c.layout
     m = c.config.num_micro_batches
     # Parameters, where their owners keep them.
-    params = [_place(leaves[i], c.param_shardings[k]) for k, i in enumerate(g.params)]
+    params = [
+        _place(leaves[i], c.sharding(g.owner[k], layout.param_specs[k]))
+        for k, i in enumerate(g.params)
+    ]
     # Per-step constants: the pre part, computed once.
     const_values = _consts(g, leaves)
     batches: list[list[list[Any]]] = []
     consts: list[list[Any]] = []
     for s, stage in enumerate(g.loss.stages):
-        shardings = c.input_shardings[s]
         per_mb: list[list[Any]] = [[] for _ in range(m)]
         stage_consts = []
-        for ref, sharding in zip(stage.inputs, shardings):
+        for ref, spec in zip(stage.inputs, layout.input_specs[s]):
+            sharding = c.sharding(s, spec)
             if ref.kind == BATCH:
                 for mb, piece in enumerate(_split_rows(leaves[ref.index], m)):
                     per_mb[mb].append(jax.device_put(piece, sharding))
@@ -314,7 +326,8 @@ def _on_mesh(x: Any, mesh: Mesh) -> Any:
         return x
     if not hasattr(x, "shape"):
         return x
-    return jax.device_put(x, transplant(getattr(x, "sharding", None), mesh, x.shape))
+    spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
+    return jax.device_put(x, NamedSharding(mesh, spec))
 
 
 @dataclasses.dataclass
@@ -325,6 +338,7 @@ class PipelinePlan:
 
     def boundary_tensors(self) -> list[dict[str, Any]]:
         """One record per transfer kind and edge: what moves where, how, and how many bytes."""
+        c = self.compiled
         out = []
         for (kind, tensor, src, dst), t in sorted(
             self.compiled.transfers.items(), key=lambda kv: (kv[0][0] != "act", kv[0])
@@ -337,8 +351,8 @@ class PipelinePlan:
                     "dst_stage": dst,
                     "shape": t.shape,
                     "dtype": str(np.dtype(t.dtype)),
-                    "src_sharding": describe_sharding(t.src_sharding),
-                    "dst_sharding": describe_sharding(t.dst_sharding),
+                    "src_sharding": describe_sharding(c.sharding(src, t.src_spec)),
+                    "dst_sharding": describe_sharding(c.sharding(dst, t.dst_spec)),
                     "strategy": t.plan.chosen,
                     "bytes": t.nbytes,
                     "per": "step" if kind in ("param", "param_grad") else "micro-batch",
@@ -351,7 +365,7 @@ class PipelinePlan:
         g = c.graph
         lines = [
             f"pipeline: {g.num_stages} stages, {c.config.num_micro_batches} micro-batches of "
-            f"{c.micro_batch_rows} rows, schedule {c.schedule.describe()}"
+            f"{c.layout.micro_batch_rows} rows, schedule {c.schedule.describe()}"
         ]
         for s, mesh in enumerate(c.meshes):
             stage = g.loss.stages[s]

@@ -1,23 +1,27 @@
-"""A cut train step compiled for concrete meshes, and its execution on the local runtime.
+"""A cut train step compiled for concrete meshes, and the interpreter of stage programs.
 
 [Note: pipeline execution]
-`compile_pipeline` turns a `StepGraph` into per-stage executables: each stage's forward, its
-backward (whole, or B and W), and the post-gradient segments, compiled ahead of time for the
-shardings their inputs will have. It fixes every boundary tensor's two layouts: the source is the
-sharding the producing stage's compiled executable gives the value; the destination is the same
-`PartitionSpec` on the consuming stage's mesh when that mesh has the same axes and the spec
-divides the value, else replicated. Each boundary tensor (and its gradient) gets one resharding
-plan, reused every micro-batch and step.
-
-`LocalExecutor` runs one worker thread per stage, each stepping through its instruction list (see
-[Note: instructions]); compute is dispatched to JAX asynchronously, a SEND hands the value to a
-transfer thread that waits for it and moves it by its plan while the stage goes on, and a RECV
-waits, with a deadline, for the transfer's result. The first failure stops every worker.
+Compilation goes stage by stage, forward then backward, and exchanges only `PartitionSpec`s, so
+that a stage can compile in the process that owns its devices (this one, or a host actor):
+- `StageCompiler` compiles one stage on its mesh for given input specs: its forward (returning
+  outputs and residuals), and its backward (whole, or B and W), with gradient accumulators
+  updated in place; it reports the specs XLA chose for every output.
+- `layout_pipeline` chains those specs: a boundary tensor leaves its producer with the spec the
+  producer's executable gives it, and enters its consumer with the same spec on the consumer's
+  mesh when that fits (same axes, divisible), else replicated. Every boundary tensor, gradient and
+  parameter copy gets one resharding plan (over the runtime's device ids), reused every
+  micro-batch and step, and the schedule becomes per-stage instruction lists.
+- `StageRunner` steps through one stage's instructions (see [Note: instructions]) with the
+  runtime's `send`/`recv`; compute is dispatched to JAX asynchronously.
+The local executor runs one runner thread per stage; a SEND hands the value to a transfer thread
+that moves it by its plan while the stage goes on, and a RECV waits, with a deadline, for it. The
+first failure stops every runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +41,7 @@ from jaxreshard.comm._layout import spec_axes
 from jaxreshard.frontend._backward import StageBackward, derive_backward
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, Schedule, build_schedule
-from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
+from jaxreshard.pipeline._action import BACKWARD, FORWARD
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
@@ -52,80 +56,31 @@ from jaxreshard.pipeline._emit import (
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 
-
-@dataclasses.dataclass
-class Transfer:
-    """How one boundary tensor (or its gradient, or a parameter copy) moves between stages."""
-
-    name: str
-    src_stage: int
-    dst_stage: int
-    shape: tuple[int, ...]
-    dtype: Any
-    src_sharding: Any
-    dst_sharding: Any
-    plan: Plan
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+# -- specs ------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class CompiledPipeline:
-    """Everything needed to run a step for one input signature (see [Note: pipeline execution])."""
-
-    graph: StepGraph
-    config: PipelineConfig
-    meshes: list[Mesh]
-    cluster: Cluster
-    schedule: Schedule
-    programs: tuple[tuple[Instruction, ...], ...]
-    backwards: list[StageBackward]
-    param_shardings: list[Any]  # per parameter, on its owner's mesh
-    input_shardings: list[list[Any]]  # per stage, per forward input
-    forward: list[Any]
-    backward: list[Any]  # unsplit: (acc..., res..., cts...) -> (act grads..., acc...)
-    b_part: list[Any]
-    w_part: list[Any]
-    acc_params: list[list[int]]  # per stage: parameter index of each gradient accumulator
-    transfers: dict[tuple[str, int, int, int], Transfer]
-    loss_scale: float
-    micro_batch_rows: int
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.meshes)
+def transplant_spec(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> P:
+    """`spec` when it fits a mesh of `mesh_shape` and an array of `shape`, else replicated."""
+    if spec is None or len(spec) > len(shape):
+        return P()
+    for dim, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        if any(a not in mesh_shape for a in axes):
+            return P()
+        if shape[dim] % int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)):
+            return P()
+    return P(*spec)
 
 
-# -- shardings ------------------------------------------------------------------------------------
+def batch_spec(mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None) -> P:
+    if batch_axis and batch_axis in mesh_shape and shape and shape[0] % mesh_shape[batch_axis] == 0:
+        return P(batch_axis)
+    return P()
 
 
-def transplant(sharding: Any, mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    """The same PartitionSpec on `mesh` when its axes allow it and it divides `shape`, else
-    replicated on `mesh`."""
+def spec_of(sharding: Any) -> P:
     spec = getattr(sharding, "spec", None)
-    if spec is not None:
-        sizes = dict(mesh.shape)
-        ok = len(spec) <= len(shape)
-        for dim, entry in enumerate(spec if ok else ()):
-            axes = spec_axes(entry)
-            if any(a not in sizes for a in axes):
-                ok = False
-                break
-            factor = int(np.prod([sizes[a] for a in axes], dtype=np.int64))
-            if shape[dim] % factor:
-                ok = False
-                break
-        if ok:
-            return NamedSharding(mesh, spec)
-    return NamedSharding(mesh, P())
-
-
-def batch_sharding(mesh: Mesh, shape: Sequence[int], batch_axis: str | None) -> NamedSharding:
-    if batch_axis and batch_axis in mesh.shape and shape and shape[0] % mesh.shape[batch_axis] == 0:
-        return NamedSharding(mesh, P(batch_axis))
-    return NamedSharding(mesh, P())
+    return P(*spec) if spec is not None else P()
 
 
 def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]) -> list[Mesh]:
@@ -146,7 +101,7 @@ def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]
     return meshes
 
 
-def check_meshes(meshes: Sequence[Mesh], num_stages: int) -> None:
+def check_meshes(meshes: Sequence[Any], num_stages: int) -> None:
     if len(meshes) != num_stages:
         raise ValueError(
             f"parallelize(meshes=...) gives {len(meshes)} meshes for a step of {num_stages} stages"
@@ -162,252 +117,108 @@ def check_meshes(meshes: Sequence[Mesh], num_stages: int) -> None:
             seen[d.id] = s
 
 
-# -- compilation ----------------------------------------------------------------------------------
+# -- compiling one stage ----------------------------------------------------------------------------
 
 
-def compile_pipeline(
-    graph: StepGraph,
-    config: PipelineConfig,
-    meshes: list[Mesh],
-    leaves: Sequence[Any],
-    cluster: Cluster,
-) -> CompiledPipeline:
-    """Compile every stage for concrete shardings and plan every transfer."""
-    p = graph.num_stages
-    m = config.num_micro_batches
-    outer_avals = graph.outer.in_avals
-    split = config.weight_delay or config.schedule == "zb_h1"
-    backwards = [derive_backward(stage, split=split) for stage in graph.loss.stages]
+def fan_in(graph: StepGraph, s: int) -> list[int]:
+    """Per output of stage s: how many cotangents come back (one per consuming stage)."""
+    by_id = {a.id: a for a in graph.loss.activations}
+    return [
+        len(by_id[r.index].consumers) if r.kind == ACT else 1 for r in graph.loss.stages[s].outputs
+    ]
 
-    rows = {outer_avals[i].shape[0] for i in graph.batch}
-    micro_rows = next(iter(rows)) // m if rows else 0
 
-    param_shardings = []
-    for k, i in enumerate(graph.params):
-        mesh = meshes[graph.owner[k]]
-        param_shardings.append(
-            transplant(getattr(leaves[i], "sharding", None), mesh, outer_avals[i].shape)
-        )
+class StageCompiler:
+    """Compiles stage `s` of a step on `mesh` (in the process that owns the mesh's devices)."""
 
-    transfers: dict[tuple[str, int, int, int], Transfer] = {}
+    def __init__(self, graph: StepGraph, bw: StageBackward, mesh: Mesh, config: PipelineConfig):
+        self.graph, self.bw, self.mesh, self.config = graph, bw, mesh, config
+        self.s = bw.stage.index
+        self.forward: Any = None
+        self.backward: Any = None
+        self.b_part: Any = None
+        self.w_part: Any = None
+        self.input_shardings: list[NamedSharding] = []
+        self.acc_shardings: list[NamedSharding] = []
 
-    def add_transfer(
-        kind: str, tensor: int, src: int, dst: int, aval: Any, src_sharding: Any, dst_sharding: Any
-    ) -> None:
-        plan = plan_reshard(
-            aval.shape,
-            aval.dtype,
-            src_sharding,
-            dst_sharding,
-            cluster=cluster,
-            strategy=config.resharding,
-        )
-        transfers[(kind, tensor, src, dst)] = Transfer(
-            f"{kind}{tensor} s{src}->s{dst}",
-            src,
-            dst,
-            tuple(aval.shape),
-            aval.dtype,
-            src_sharding,
-            dst_sharding,
-            plan,
-        )
-
-    # Forward, stage by stage: every input's sharding is known once its producer is compiled.
-    act_src: dict[int, Any] = {}  # activation id -> sharding its producer gives it
-    input_shardings: list[list[Any]] = []
-    forward = []
-    residual_shardings = []
-    output_shardings = []
-    for s, bw in enumerate(backwards):
-        stage, mesh = bw.stage, meshes[s]
-        shardings = []
-        for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
-            if ref.kind == PARAM:
-                owner = graph.owner[ref.index]
-                shardings.append(
-                    param_shardings[ref.index]
-                    if owner == s
-                    else transplant(param_shardings[ref.index], mesh, aval.shape)
-                )
-            elif ref.kind == BATCH:
-                shardings.append(batch_sharding(mesh, aval.shape, config.batch_axis))
-            elif ref.kind == CONST:
-                shardings.append(NamedSharding(mesh, P()))
-            else:
-                shardings.append(transplant(act_src[ref.index], mesh, aval.shape))
-        input_shardings.append(shardings)
-        structs = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-            for a, sh in zip(stage.jaxpr.in_avals, shardings)
+    def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, sp))
+            for a, sp in zip(avals, specs)
         ]
-        with jax.set_mesh(mesh):
-            compiled = jax.jit(bw.forward).lower(*structs).compile()
-        outs_sh, res_sh = compiled.output_shardings
-        forward.append(compiled)
-        residual_shardings.append(list(res_sh))
-        output_shardings.append(list(outs_sh))
-        for ref, sh in zip(stage.outputs, outs_sh):
-            if ref.kind == ACT:
-                act_src[ref.index] = sh
-    activations = {a.id: a for a in graph.loss.activations}
-    for s, bw in enumerate(backwards):
-        for ref, sh, aval in zip(bw.stage.inputs, input_shardings[s], bw.stage.jaxpr.in_avals):
-            if ref.kind == ACT:
-                home = activations[ref.index].home
-                add_transfer(ACTIVATION, ref.index, home, s, aval, act_src[ref.index], sh)
-    # Shared parameters: the owner sends a copy at the start of each step.
-    for s, bw in enumerate(backwards):
-        for ref, sh, aval in zip(bw.stage.inputs, input_shardings[s], bw.stage.jaxpr.in_avals):
-            if ref.kind == PARAM and graph.owner[ref.index] != s:
-                add_transfer(
-                    PARAM_COPY,
-                    ref.index,
-                    graph.owner[ref.index],
-                    s,
-                    aval,
-                    param_shardings[ref.index],
-                    sh,
-                )
 
-    # Backward, last stage first: output cotangents arrive with the outputs' own sharding.
-    scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
-    backward, b_part, w_part, acc_params = (
-        [None] * p,
-        [None] * p,
-        [None] * p,
-        [[] for _ in range(p)],
-    )
-    for s in reversed(range(p)):
-        bw, mesh = backwards[s], meshes[s]
-        stage = bw.stage
-        fan_in = _fan_in(graph, s)
-        res_structs = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-            for a, sh in zip(bw.residuals, residual_shardings[s])
-        ]
-        ct_structs = []
-        is_last = s == p - 1
-        for i in () if is_last else bw.float_outputs:  # the loss cotangent is a constant
+    def compile_forward(self, input_specs: Sequence[P]) -> tuple[list[P], list[P]]:
+        """Compile the forward; return the specs of its outputs and of its residuals."""
+        structs = self._sharded(self.bw.stage.jaxpr.in_avals, input_specs)
+        self.input_shardings = [st.sharding for st in structs]
+        with jax.set_mesh(self.mesh):
+            self.forward = jax.jit(self.bw.forward).lower(*structs).compile()
+        outs, res = self.forward.output_shardings
+        return [spec_of(x) for x in outs], [spec_of(x) for x in res]
+
+    def compile_backward(
+        self, residual_specs: Sequence[P], output_specs: Sequence[P], loss_scale: float | None
+    ) -> list[P]:
+        """Compile the backward; return the specs of the activation gradients it sends back."""
+        bw, stage = self.bw, self.bw.stage
+        fans = fan_in(self.graph, self.s)
+        res = self._sharded(bw.residuals, residual_specs)
+        cts: list[jax.ShapeDtypeStruct] = []
+        for i in () if loss_scale is not None else bw.float_outputs:
             aval = stage.jaxpr.out_avals[i]
-            for _ in range(fan_in[i]):
-                ct_structs.append(
-                    jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=output_shardings[s][i])
-                )
-        acc_index = [stage.inputs[bw.diff[k]].index for k in bw.param_grads]
-        acc_params[s] = acc_index
-        acc_structs = [
-            jax.ShapeDtypeStruct(
-                stage.jaxpr.in_avals[bw.diff[k]].shape,
-                stage.jaxpr.in_avals[bw.diff[k]].dtype,
-                sharding=input_shardings[s][bw.diff[k]],
-            )
-            for k in bw.param_grads
+            cts += self._sharded([aval] * fans[i], [output_specs[i]] * fans[i])
+        acc_avals = [stage.jaxpr.in_avals[bw.diff[k]] for k in bw.param_grads]
+        acc = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.input_shardings[bw.diff[k]])
+            for a, k in zip(acc_avals, bw.param_grads)
         ]
-        acc_sh = [st.sharding for st in acc_structs]
-        fns = _backward_functions(bw, fan_in, scale if is_last else None)
-        with jax.set_mesh(mesh):
+        self.acc_shardings = [st.sharding for st in acc]
+        fns = backward_functions(bw, fans, loss_scale)
+        with jax.set_mesh(self.mesh):
             if bw.w is None:
-                backward[s] = (
+                self.backward = (
                     jax.jit(
-                        fns["full"],
-                        donate_argnums=(0,),
-                        out_shardings=(None, acc_sh),
+                        fns["full"], donate_argnums=(0,), out_shardings=(None, self.acc_shardings)
                     )
-                    .lower(acc_structs, res_structs, ct_structs)
+                    .lower(acc, res, cts)
                     .compile()
                 )
-                act_out = backward[s].output_shardings[0]
+                act_out = self.backward.output_shardings[0]
             else:
-                b_part[s] = jax.jit(fns["b"]).lower(res_structs, ct_structs).compile()
-                act_out, export_sh = b_part[s].output_shardings
-                export_structs = [
+                self.b_part = jax.jit(fns["b"]).lower(res, cts).compile()
+                act_out, export_sh = self.b_part.output_shardings
+                exports = [
                     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                     for a, sh in zip(bw.b.out_avals[len(bw.act_grads) :], export_sh)
                 ]
-                w_part[s] = (
-                    jax.jit(
-                        fns["w"],
-                        donate_argnums=(0,),
-                        out_shardings=acc_sh,
-                    )
-                    .lower(acc_structs, res_structs, ct_structs, export_structs)
+                self.w_part = (
+                    jax.jit(fns["w"], donate_argnums=(0,), out_shardings=self.acc_shardings)
+                    .lower(acc, res, cts, exports)
                     .compile()
                 )
-        for k, sh in zip(bw.act_grads, act_out):
-            ref = stage.inputs[bw.diff[k]]
-            act = activations[ref.index]
-            aval = stage.jaxpr.in_avals[bw.diff[k]]
-            home_out = graph.loss.stages[act.home].outputs.index(ref)
-            add_transfer(
-                GRADIENT, ref.index, s, act.home, aval, sh, output_shardings[act.home][home_out]
+        return [spec_of(x) for x in act_out]
+
+    def zeros(self) -> list[Any]:
+        """Fresh gradient accumulators (one per parameter input), where the parameters are."""
+        stage = self.bw.stage
+        return [
+            jax.device_put(
+                np.zeros(
+                    stage.jaxpr.in_avals[self.bw.diff[k]].shape,
+                    stage.jaxpr.in_avals[self.bw.diff[k]].dtype,
+                ),
+                sh,
             )
-        for k in bw.param_grads:
-            ref = stage.inputs[bw.diff[k]]
-            owner = graph.owner[ref.index]
-            if owner != s:
-                aval = stage.jaxpr.in_avals[bw.diff[k]]
-                add_transfer(
-                    PARAM_GRAD,
-                    ref.index,
-                    s,
-                    owner,
-                    aval,
-                    input_shardings[s][bw.diff[k]],
-                    param_shardings[ref.index],
-                )
+            for k, sh in zip(self.bw.param_grads, self.acc_shardings)
+        ]
 
-    costs = Costs.make(
-        p,
-        forward=config.cost_forward,
-        backward=config.cost_backward,
-        weight_grad=config.cost_weight_grad if split else config.cost_backward / 2,
-        comm=config.cost_comm,
-    )
-    schedule = build_schedule(config.schedule, p, m, weight_delay=config.weight_delay, costs=costs)
-    edges = [
-        Edge(a.id, a.home, c, a.differentiable) for a in graph.loss.activations for c in a.consumers
-    ]
-    shared = [
-        SharedParam(
-            k, graph.owner[k], tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
-        )
-        for k in range(len(graph.params))
-    ]
-    programs = emit(schedule, edges, [sp for sp in shared if sp.users])
-    return CompiledPipeline(
-        graph,
-        config,
-        meshes,
-        cluster,
-        schedule,
-        programs,
-        backwards,
-        param_shardings,
-        input_shardings,
-        forward,
-        backward,
-        b_part,
-        w_part,
-        acc_params,
-        transfers,
-        scale,
-        micro_rows,
-    )
+    @property
+    def acc_params(self) -> list[int]:
+        return [self.bw.stage.inputs[self.bw.diff[k]].index for k in self.bw.param_grads]
 
 
-def _fan_in(graph: StepGraph, s: int) -> list[int]:
-    """Per output of stage s: how many cotangents come back (one per consuming stage)."""
-    stage = graph.loss.stages[s]
-    out = []
-    by_id = {a.id: a for a in graph.loss.activations}
-    for ref in stage.outputs:
-        out.append(len(by_id[ref.index].consumers) if ref.kind == ACT else 1)
-    return out
-
-
-def _backward_functions(
-    bw: StageBackward, fan_in: list[int], loss_scale: float | None
+def backward_functions(
+    bw: StageBackward, fans: list[int], loss_scale: float | None
 ) -> dict[str, Callable[..., Any]]:
     """The jit-able backward functions of a stage: cotangents summed per output; the last
     stage's loss cotangent is the constant `loss_scale`."""
@@ -418,8 +229,8 @@ def _backward_functions(
             return [jax.numpy.full(aval.shape, loss_scale, aval.dtype)]
         out, at = [], 0
         for i in bw.float_outputs:
-            parts = ct_lists[at : at + fan_in[i]]
-            at += fan_in[i]
+            parts = ct_lists[at : at + fans[i]]
+            at += fans[i]
             total = parts[0]
             for part in parts[1:]:
                 total = total + part
@@ -428,9 +239,10 @@ def _backward_functions(
 
     def full(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any]):
         grads = jc.jaxpr_as_fun(bw.full)(*res, *cotangents(ct_lists))
-        acts = [grads[k] for k in bw.act_grads]
-        new_acc = [a + grads[k] for a, k in zip(acc, bw.param_grads)]
-        return acts, new_acc
+        return (
+            [grads[k] for k in bw.act_grads],
+            [a + grads[k] for a, k in zip(acc, bw.param_grads)],
+        )
 
     def b(res: Sequence[Any], ct_lists: Sequence[Any]):
         out = jc.jaxpr_as_fun(bw.b)(*res, *cotangents(ct_lists))
@@ -443,11 +255,200 @@ def _backward_functions(
     return {"full": full, "b": b, "w": w}
 
 
-# -- execution on the local runtime ---------------------------------------------------------------
+# -- laying the whole pipeline out ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Transfer:
+    """How one boundary tensor (or its gradient, or a parameter copy) moves between stages."""
+
+    name: str
+    src_stage: int
+    dst_stage: int
+    shape: tuple[int, ...]
+    dtype: Any
+    src_spec: P
+    dst_spec: P
+    plan: Plan
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class PipelineLayout:
+    """Everything about a compiled step that is not an executable (and pickles)."""
+
+    config: PipelineConfig
+    num_stages: int
+    mesh_shapes: list[dict[str, int]]
+    param_specs: list[P]  # per parameter, on its owner's mesh
+    input_specs: list[list[P]]  # per stage, per forward input
+    transfers: dict[tuple[str, int, int, int], Transfer]
+    schedule: Schedule
+    programs: tuple[tuple[Instruction, ...], ...]
+    loss_scale: float
+    micro_batch_rows: int
+
+
+def layout_pipeline(
+    graph: StepGraph,
+    config: PipelineConfig,
+    meshes: Sequence[Any],
+    leaves: Sequence[Any],
+    cluster: Cluster,
+    compilers: Sequence[Any],
+) -> PipelineLayout:
+    """Compile every stage through `compilers` (local `StageCompiler`s or remote proxies with the
+    same two methods), chaining specs, then plan every transfer and emit the programs.
+
+    `meshes` are the stage meshes as the planner should see them: `jax.sharding.Mesh`es locally,
+    `VirtualMesh`es over the runtime's devices on Ray.
+    """
+    p, m = graph.num_stages, config.num_micro_batches
+    avals = graph.outer.in_avals
+    shapes = [dict(mesh.shape) for mesh in meshes]
+    param_specs = [
+        transplant_spec(
+            spec_of(getattr(leaves[i], "sharding", None)), shapes[graph.owner[k]], avals[i].shape
+        )
+        for k, i in enumerate(graph.params)
+    ]
+    by_id = {a.id: a for a in graph.loss.activations}
+    out_specs: list[list[P]] = []
+    res_specs: list[list[P]] = []
+    input_specs: list[list[P]] = []
+    act_spec: dict[int, P] = {}
+    for s, stage in enumerate(graph.loss.stages):
+        specs = []
+        for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
+            if ref.kind == PARAM:
+                specs.append(
+                    param_specs[ref.index]
+                    if graph.owner[ref.index] == s
+                    else transplant_spec(param_specs[ref.index], shapes[s], aval.shape)
+                )
+            elif ref.kind == BATCH:
+                specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis))
+            elif ref.kind == CONST:
+                specs.append(P())
+            else:
+                specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape))
+        input_specs.append(specs)
+        outs, res = compilers[s].compile_forward(specs)
+        out_specs.append(outs)
+        res_specs.append(res)
+        for ref, sp in zip(stage.outputs, outs):
+            if ref.kind == ACT:
+                act_spec[ref.index] = sp
+    scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
+    grad_specs: list[list[P]] = [[] for _ in range(p)]
+    for s in reversed(range(p)):
+        grad_specs[s] = compilers[s].compile_backward(
+            res_specs[s], out_specs[s], scale if s == p - 1 else None
+        )
+
+    def sharding(s: int, spec: P) -> Any:
+        mesh = meshes[s]
+        if isinstance(mesh, Mesh):
+            return NamedSharding(mesh, spec)
+        from jaxreshard.comm import VirtualSharding
+
+        return VirtualSharding(mesh, spec)
+
+    transfers: dict[tuple[str, int, int, int], Transfer] = {}
+
+    def add(kind: str, tensor: int, src: int, dst: int, aval: Any, src_spec: P, dst_spec: P):
+        plan = plan_reshard(
+            aval.shape,
+            aval.dtype,
+            sharding(src, src_spec),
+            sharding(dst, dst_spec),
+            cluster=cluster,
+            strategy=config.resharding,
+        )
+        transfers[(kind, tensor, src, dst)] = Transfer(
+            f"{kind}{tensor} s{src}->s{dst}",
+            src,
+            dst,
+            tuple(aval.shape),
+            np.dtype(aval.dtype),
+            src_spec,
+            dst_spec,
+            plan,
+        )
+
+    split = config.weight_delay or config.schedule == "zb_h1"
+    for s, stage in enumerate(graph.loss.stages):
+        diff = [
+            i
+            for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
+            if r.kind in (PARAM, ACT) and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+        ]
+        act_grad_inputs = [i for i in diff if stage.inputs[i].kind == ACT]
+        for i, (ref, aval) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals)):
+            if ref.kind == ACT:
+                home = by_id[ref.index].home
+                add(ACTIVATION, ref.index, home, s, aval, act_spec[ref.index], input_specs[s][i])
+            elif ref.kind == PARAM and graph.owner[ref.index] != s:
+                owner = graph.owner[ref.index]
+                add(
+                    PARAM_COPY, ref.index, owner, s, aval, param_specs[ref.index], input_specs[s][i]
+                )
+                if i in diff:
+                    add(
+                        PARAM_GRAD,
+                        ref.index,
+                        s,
+                        owner,
+                        aval,
+                        input_specs[s][i],
+                        param_specs[ref.index],
+                    )
+        for i, sp in zip(act_grad_inputs, grad_specs[s]):
+            ref, aval = stage.inputs[i], stage.jaxpr.in_avals[i]
+            home = by_id[ref.index].home
+            home_out = graph.loss.stages[home].outputs.index(ref)
+            add(GRADIENT, ref.index, s, home, aval, sp, out_specs[home][home_out])
+
+    costs = Costs.make(
+        p,
+        forward=config.cost_forward,
+        backward=config.cost_backward,
+        weight_grad=config.cost_weight_grad if split else config.cost_backward / 2,
+        comm=config.cost_comm,
+    )
+    schedule = build_schedule(config.schedule, p, m, weight_delay=config.weight_delay, costs=costs)
+    edges = [
+        Edge(a.id, a.home, c, a.differentiable) for a in graph.loss.activations for c in a.consumers
+    ]
+    shared = []
+    for k in range(len(graph.params)):
+        users = tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
+        if users:
+            shared.append(SharedParam(k, graph.owner[k], users))
+    programs = emit(schedule, edges, shared)
+    rows = {avals[i].shape[0] for i in graph.batch}
+    return PipelineLayout(
+        config,
+        p,
+        shapes,
+        param_specs,
+        input_specs,
+        transfers,
+        schedule,
+        programs,
+        scale,
+        next(iter(rows)) // m if rows else 0,
+    )
+
+
+# -- running one stage's program --------------------------------------------------------------------
 
 
 class PipelineError(RuntimeError):
-    """A stage worker failed, or a transfer did not arrive in time."""
+    """A stage failed, or a transfer did not arrive in time."""
 
 
 @dataclasses.dataclass
@@ -464,26 +465,207 @@ class Event:
     dst: int = -1
 
 
-class LocalExecutor:
-    """Runs a compiled pipeline on this process's devices (see [Note: pipeline execution])."""
+class StageRunner:
+    """Steps through one stage's instructions (see [Note: instructions]).
+
+    Args:
+        compiler: the stage's compiled executables.
+        graph, layout: the step.
+        send: `send(instruction, value)` starts a transfer (must not block).
+        recv: `recv(instruction) -> value` waits for one (with a deadline).
+        stopped: tells the runner that another stage failed.
+        record: if given, called with an `Event` after each action (blocks on its results).
+    """
 
     def __init__(
         self,
-        compiled: CompiledPipeline,
-        *,
-        record: bool = False,
-        transfer_hook: Callable[[Transfer, Any], Any] | None = None,
+        compiler: StageCompiler,
+        graph: StepGraph,
+        layout: PipelineLayout,
+        send: Callable[[Instruction, Any], None],
+        recv: Callable[[Instruction], Any],
+        stopped: Callable[[], bool],
+        record: Callable[[Event], None] | None = None,
     ):
+        self.c, self.graph, self.layout = compiler, graph, layout
+        self.send, self.recv, self.stopped, self.record = send, recv, stopped, record
+
+    def run(
+        self, params: dict[int, Any], batches: list[list[Any]], consts: list[Any], losses: list[Any]
+    ) -> dict[int, Any]:
+        """Run the stage's program; return its gradient accumulators by parameter index.
+
+        Args:
+            params: the parameters this stage keeps (owner), by index.
+            batches: per micro-batch, the stage's batch inputs in input order.
+            consts: the stage's per-step constants in input order.
+            losses: filled per micro-batch by the last stage.
+        """
+        c, bw = self.c, self.c.bw
+        stage, s = bw.stage, self.c.s
+        last = s == self.layout.num_stages - 1
+        local_params = dict(params)
+        acc = c.zeros()
+        acc_params = c.acc_params
+        inbox: dict[tuple[int, int], Any] = {}
+        outbox: dict[tuple[int, int], Any] = {}
+        grads_in: dict[tuple[int, int, int], Any] = {}
+        grads_out: dict[tuple[int, int], Any] = {}
+        residuals: dict[int, Any] = {}
+        exports: dict[int, Any] = {}
+        batch_pos = [i for i, r in enumerate(stage.inputs) if r.kind == BATCH]
+        const_pos = [i for i, r in enumerate(stage.inputs) if r.kind == CONST]
+        consumers = {a.id: a.consumers for a in self.graph.loss.activations}
+
+        def cotangents(mb: int) -> list[Any]:
+            if last:
+                return []
+            return [
+                grads_in[(stage.outputs[i].index, consumer, mb)]
+                for i in bw.float_outputs
+                for consumer in consumers[stage.outputs[i].index]
+            ]
+
+        for ins in self.layout.programs[s]:
+            if self.stopped():
+                raise PipelineError("stopped: another stage failed")
+            if ins.op == RECV_OP:
+                value = self.recv(ins)
+                if ins.kind == ACTIVATION:
+                    inbox[(ins.tensor, ins.mb)] = value
+                elif ins.kind == GRADIENT:
+                    grads_in[(ins.tensor, ins.src, ins.mb)] = value
+                elif ins.kind == PARAM_COPY:
+                    local_params[ins.tensor] = value
+                else:  # a user's gradient contribution to a parameter this stage keeps
+                    k = acc_params.index(ins.tensor)
+                    acc[k] = acc[k] + value
+            elif ins.op == SEND_OP:
+                if ins.kind == ACTIVATION:
+                    self.send(ins, outbox[(ins.tensor, ins.mb)])
+                elif ins.kind == GRADIENT:
+                    self.send(ins, grads_out[(ins.tensor, ins.mb)])
+                elif ins.kind == PARAM_COPY:
+                    self.send(ins, local_params[ins.tensor])
+                else:
+                    self.send(ins, acc[acc_params.index(ins.tensor)])
+            elif ins.op == RUN:
+                action = ins.action
+                mb = action.microbatch_index
+                start = time.perf_counter()
+                if action.kind == FORWARD:
+                    args = []
+                    for i, ref in enumerate(stage.inputs):
+                        if ref.kind == PARAM:
+                            args.append(local_params[ref.index])
+                        elif ref.kind == BATCH:
+                            args.append(batches[mb][batch_pos.index(i)])
+                        elif ref.kind == CONST:
+                            args.append(consts[const_pos.index(i)])
+                        else:
+                            args.append(inbox[(ref.index, mb)])
+                    outs, residuals[mb] = c.forward(*args)
+                    if last:
+                        losses[mb] = outs[0]
+                    else:
+                        for ref, value in zip(stage.outputs, outs):
+                            outbox[(ref.index, mb)] = value
+                    done = outs
+                elif action.kind == BACKWARD:
+                    if bw.w is None:
+                        act_grads, acc = c.backward(acc, residuals[mb], cotangents(mb))
+                    else:
+                        act_grads, exports[mb] = c.b_part(residuals[mb], cotangents(mb))
+                    for k, g in zip(bw.act_grads, act_grads):
+                        grads_out[(stage.inputs[bw.diff[k]].index, mb)] = g
+                    done = act_grads
+                else:  # WEIGHT
+                    acc = c.w_part(acc, residuals[mb], cotangents(mb), exports.pop(mb))
+                    done = acc
+                if self.record is not None:
+                    jax.block_until_ready(done)
+                    self.record(Event(s, action.kind, mb, start, time.perf_counter(), str(action)))
+            else:  # FREE: drop what this micro-batch no longer needs
+                mb = ins.mb
+                if ins.kind == "fwd":
+                    for store in (inbox, outbox):
+                        for key in [k for k in store if k[1] == mb]:
+                            del store[key]
+                else:
+                    residuals.pop(mb, None)
+                    for key in [k for k in grads_in if k[2] == mb]:
+                        del grads_in[key]
+                    for key in [k for k in grads_out if k[1] == mb]:
+                        del grads_out[key]
+        return dict(zip(acc_params, acc))
+
+
+# -- the local runtime --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CompiledPipeline:
+    """A step compiled for this process's devices."""
+
+    graph: StepGraph
+    layout: PipelineLayout
+    meshes: list[Mesh]
+    cluster: Cluster
+    compilers: list[StageCompiler]
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self.layout.config
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def transfers(self) -> dict[tuple[str, int, int, int], Transfer]:
+        return self.layout.transfers
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.layout.schedule
+
+    @property
+    def programs(self) -> tuple[tuple[Instruction, ...], ...]:
+        return self.layout.programs
+
+    def sharding(self, s: int, spec: P) -> NamedSharding:
+        return NamedSharding(self.meshes[s], spec)
+
+
+def compile_local(
+    graph: StepGraph,
+    config: PipelineConfig,
+    meshes: list[Mesh],
+    leaves: Sequence[Any],
+    cluster: Cluster,
+) -> CompiledPipeline:
+    split = config.weight_delay or config.schedule == "zb_h1"
+    compilers = [
+        StageCompiler(graph, derive_backward(stage, split=split), meshes[s], config)
+        for s, stage in enumerate(graph.loss.stages)
+    ]
+    layout = layout_pipeline(graph, config, meshes, leaves, cluster, compilers)
+    return CompiledPipeline(graph, layout, meshes, cluster, compilers)
+
+
+class LocalExecutor:
+    """Runs a compiled pipeline on this process's devices (see [Note: pipeline execution])."""
+
+    def __init__(self, compiled: CompiledPipeline, *, record: bool = False):
         self.c = compiled
-        self.record = record
         self.events: list[Event] = []
+        self._record = self.events.append if record else None
         self._lock = threading.Condition()
         self._mailbox: dict[tuple[str, int, int, int, int], Future] = {}
         self._failure: BaseException | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=max(4, 2 * compiled.num_stages), thread_name_prefix="jaxreshard-transfer"
         )
-        self._hook = transfer_hook
         gbps = compiled.config.emulate_network_gbps
         self._emulator = (
             LinkEmulator(gbps, compiled.cluster.latency_s) if gbps is not None else None
@@ -492,24 +674,18 @@ class LocalExecutor:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # Transfers -------------------------------------------------------------------------------
-
     def _move(self, transfer: Transfer, value: Any) -> Any:
         from jaxreshard._reshard import execute
 
         start = time.perf_counter()
-        value.block_until_ready() if hasattr(value, "block_until_ready") else None
-        src_ids = {d.id for d in transfer.src_sharding.device_set}
-        dst_ids = {d.id for d in transfer.dst_sharding.device_set}
-        if src_ids & dst_ids:
-            moved = jax.device_put(value, transfer.dst_sharding)
-        else:
-            moved = execute(transfer.plan, value, transfer.dst_sharding)
+        jax.block_until_ready(value)
+        dst = self.c.sharding(transfer.dst_stage, transfer.dst_spec)
+        moved = execute(transfer.plan, value, dst)
         if self._emulator is not None:
-            sleep_until(self._emulate(transfer))
-        moved.block_until_ready()
-        if self.record:
-            self.events.append(
+            sleep_until(emulated_end(self._emulator, self.c.cluster, transfer.plan))
+        jax.block_until_ready(moved)
+        if self._record is not None:
+            self._record(
                 Event(
                     transfer.src_stage,
                     "send",
@@ -523,20 +699,6 @@ class LocalExecutor:
             )
         return moved
 
-    def _emulate(self, transfer: Transfer) -> float:
-        """When the transfer would end on the cluster's NICs ([Note: network emulation])."""
-        host = self.c.cluster.host_of
-        end = 0.0
-        for op in transfer.plan.ops:
-            if op.kind == "allgather":
-                continue
-            chain = (op.src_device, *op.dst_devices)
-            for a, b in zip(chain, chain[1:]):
-                if host(a) != host(b):
-                    _, hop_end = self._emulator.reserve(host(a), host(b), op.nbytes)  # type: ignore[union-attr]
-                    end = max(end, hop_end)
-        return end
-
     def _send(self, ins: Instruction, value: Any) -> None:
         transfer = self.c.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
         future = self._pool.submit(self._move, transfer, value)
@@ -545,17 +707,17 @@ class LocalExecutor:
             self._lock.notify_all()
 
     def _recv(self, ins: Instruction) -> Any:
-        deadline = time.monotonic() + self.c.config.timeout_s
+        timeout = self.c.config.timeout_s
+        deadline = time.monotonic() + timeout
         with self._lock:
             while ins.key not in self._mailbox:
                 if self._failure is not None:
-                    raise PipelineError("stopped: another stage failed") from None
+                    raise PipelineError("stopped: another stage failed")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PipelineError(
-                        f"stage {ins.dst} waited {self.c.config.timeout_s:g} s for {ins} "
-                        f"({self.c.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)].name}); "
-                        f"stage {ins.src} never sent it"
+                        f"stage {ins.dst} waited {timeout:g} s for {ins}; stage {ins.src} never "
+                        "sent it"
                     )
                 self._lock.wait(min(left, 0.5))
             future = self._mailbox.pop(ins.key)
@@ -563,35 +725,44 @@ class LocalExecutor:
             return future.result(timeout=max(0.001, deadline - time.monotonic()))
         except TimeoutError:
             raise PipelineError(
-                f"stage {ins.dst}: the transfer {ins} did not finish within "
-                f"{self.c.config.timeout_s:g} s"
+                f"stage {ins.dst}: the transfer {ins} did not finish within {timeout:g} s"
             ) from None
-
-    # Stage workers ---------------------------------------------------------------------------
 
     def run(
         self, params: list[Any], batches: list[list[list[Any]]], consts: list[list[Any]]
     ) -> tuple[list[Any], list[Any]]:
-        """Run every stage's program for one step.
-
-        Args:
-            params: per parameter k, its value on its owner's mesh.
-            batches: per stage, per micro-batch, the stage's batch inputs (in input order).
-            consts: per stage, its per-step constant inputs (in input order).
-
-        Returns:
-            (losses per micro-batch, accumulated gradient per parameter on its owner).
-        """
+        """Run every stage's program; return (loss per micro-batch, gradient per parameter)."""
         p = self.c.num_stages
+        owner = self.c.graph.owner
         accumulators: list[dict[int, Any]] = [{} for _ in range(p)]
         losses: list[Any] = [None] * self.c.config.num_micro_batches
-        results: list[Any] = [None] * p
-        threads = [
-            threading.Thread(
-                target=self._worker,
-                name=f"jaxreshard-stage{s}",
-                args=(s, params, batches[s], consts[s], accumulators, losses, results),
+
+        def worker(s: int) -> None:
+            runner = StageRunner(
+                self.c.compilers[s],
+                self.c.graph,
+                self.c.layout,
+                self._send,
+                self._recv,
+                lambda: self._failure is not None,
+                self._record,
             )
+            mine = {k: v for k, v in enumerate(params) if owner[k] == s}
+            try:
+                accumulators[s] = runner.run(mine, batches[s], consts[s], losses)
+            except BaseException as e:
+                with self._lock:
+                    if self._failure is None:
+                        self._failure = (
+                            e
+                            if isinstance(e, PipelineError)
+                            else PipelineError(f"stage {s} failed: {type(e).__name__}: {e}")
+                        )
+                        self._failure.__cause__ = e
+                    self._lock.notify_all()
+
+        threads = [
+            threading.Thread(target=worker, args=(s,), name=f"jaxreshard-stage{s}")
             for s in range(p)
         ]
         for t in threads:
@@ -600,162 +771,20 @@ class LocalExecutor:
             t.join()
         if self._failure is not None:
             raise self._failure
-        grads: list[Any] = [
-            accumulators[self.c.graph.owner[k]].get(k) for k in range(len(self.c.graph.params))
-        ]
+        grads = [accumulators[owner[k]].get(k) for k in range(len(params))]
         return losses, grads
 
-    def _worker(
-        self,
-        s: int,
-        params: list[Any],
-        batches: list[list[Any]],
-        consts: list[Any],
-        accumulators: list[dict[int, Any]],
-        losses: list[Any],
-        results: list[Any],
-    ):
-        try:
-            self._run_program(s, params, batches, consts, accumulators, losses)
-        except BaseException as e:  # first failure wins; wake everyone
-            with self._lock:
-                if self._failure is None:
-                    self._failure = (
-                        e
-                        if isinstance(e, PipelineError)
-                        else PipelineError(f"stage {s} failed: {type(e).__name__}: {e}")
-                    )
-                    self._failure.__cause__ = e
-                self._lock.notify_all()
 
-    def _run_program(
-        self,
-        s: int,
-        params: list[Any],
-        batches: list[list[Any]],
-        consts: list[Any],
-        accumulators: list[dict[int, Any]],
-        losses: list[Any],
-    ) -> None:
-        c = self.c
-        bw = c.backwards[s]
-        stage = bw.stage
-        last = s == c.num_stages - 1
-        local_params: dict[int, Any] = {
-            k: params[k] for k in range(len(params)) if c.graph.owner[k] == s
-        }
-        acc = self._zeros(s)
-        inbox: dict[tuple[int, int], Any] = {}  # (activation, mb) -> value
-        outbox: dict[tuple[int, int], Any] = {}  # (activation, mb) -> value produced here
-        grads_in: dict[tuple[int, int, int], Any] = {}  # (activation, consumer, mb) -> value
-        grads_out: dict[tuple[int, int], Any] = {}  # (activation, mb) -> gradient to send back
-        residuals: dict[int, list[Any]] = {}
-        exports: dict[int, list[Any]] = {}
-        batch_pos = [i for i, r in enumerate(stage.inputs) if r.kind == BATCH]
-        const_pos = [i for i, r in enumerate(stage.inputs) if r.kind == CONST]
-        by_id = {a.id: a for a in c.graph.loss.activations}
-        for ins in c.programs[s]:
-            if self._failure is not None:
-                raise PipelineError("stopped: another stage failed")
-            if ins.op == RECV_OP:
-                value = self._recv(ins)
-                if ins.kind == ACTIVATION:
-                    inbox[(ins.tensor, ins.mb)] = value
-                elif ins.kind == GRADIENT:
-                    grads_in[(ins.tensor, ins.src, ins.mb)] = value
-                elif ins.kind == PARAM_COPY:
-                    local_params[ins.tensor] = value
-                else:  # PARAM_GRAD: a user's contribution to a parameter this stage keeps
-                    k = c.acc_params[s].index(ins.tensor)
-                    acc[k] = acc[k] + value
-            elif ins.op == SEND_OP:
-                if ins.kind == ACTIVATION:
-                    value = outbox[(ins.tensor, ins.mb)]
-                elif ins.kind == GRADIENT:
-                    value = grads_out[(ins.tensor, ins.mb)]
-                elif ins.kind == PARAM_COPY:
-                    value = local_params[ins.tensor]
-                else:
-                    value = acc[c.acc_params[s].index(ins.tensor)]
-                self._send(ins, value)
-            elif ins.op == RUN:
-                action, mb = ins.action, ins.mb if ins.mb >= 0 else ins.action.microbatch_index
-                start = time.perf_counter()
-                if action.kind == FORWARD:
-                    args = []
-                    for i, ref in enumerate(stage.inputs):
-                        if ref.kind == PARAM:
-                            args.append(local_params[ref.index])
-                        elif ref.kind == BATCH:
-                            args.append(batches[mb][batch_pos.index(i)])
-                        elif ref.kind == CONST:
-                            args.append(consts[const_pos.index(i)])
-                        else:
-                            args.append(inbox[(ref.index, mb)])
-                    outs, res = c.forward[s](*args)
-                    residuals[mb] = res
-                    if last:
-                        losses[mb] = outs[0]
-                    else:
-                        for ref, value in zip(stage.outputs, outs):
-                            outbox[(ref.index, mb)] = value
-                    if self.record:
-                        jax.block_until_ready(outs)
-                elif action.kind == BACKWARD:
-                    cts = self._cotangents(s, mb, grads_in, by_id)
-                    if bw.w is None:
-                        act_grads, acc = c.backward[s](acc, residuals[mb], cts)
-                    else:
-                        act_grads, exported = c.b_part[s](residuals[mb], cts)
-                        exports[mb] = exported
-                    for k, g in zip(bw.act_grads, act_grads):
-                        grads_out[(stage.inputs[bw.diff[k]].index, mb)] = g
-                    if self.record:
-                        jax.block_until_ready(act_grads)
-                elif action.kind == WEIGHT:
-                    cts = self._cotangents(s, mb, grads_in, by_id)
-                    acc = c.w_part[s](acc, residuals[mb], cts, exports.pop(mb))
-                    if self.record:
-                        jax.block_until_ready(acc)
-                if self.record:
-                    self.events.append(
-                        Event(s, action.kind, mb, start, time.perf_counter(), str(action))
-                    )
-            else:  # FREE
-                mb = ins.mb
-                if ins.kind == "fwd":
-                    for key in [k for k in inbox if k[1] == mb]:
-                        del inbox[key]
-                    for key in [k for k in outbox if k[1] == mb]:
-                        del outbox[key]
-                else:
-                    residuals.pop(mb, None)
-                    for key in [k for k in grads_in if k[2] == mb]:
-                        del grads_in[key]
-                    for key in [k for k in grads_out if k[1] == mb]:
-                        del grads_out[key]
-        accumulators[s] = dict(zip(c.acc_params[s], acc))
-
-    def _zeros(self, s: int) -> list[Any]:
-        c = self.c
-        bw = c.backwards[s]
-        out = []
-        for k in bw.param_grads:
-            i = bw.diff[k]
-            aval = bw.stage.jaxpr.in_avals[i]
-            out.append(jax.device_put(np.zeros(aval.shape, aval.dtype), c.input_shardings[s][i]))
-        return out
-
-    def _cotangents(
-        self, s: int, mb: int, grads_in: dict[tuple[int, int, int], Any], by_id: dict[int, Any]
-    ) -> list[Any]:
-        """The received output cotangents of stage s, one per (float output, consumer)."""
-        stage = self.c.backwards[s].stage
-        if s == self.c.num_stages - 1:
-            return []
-        out = []
-        for i in self.c.backwards[s].float_outputs:
-            ref = stage.outputs[i]
-            for consumer in by_id[ref.index].consumers:
-                out.append(grads_in[(ref.index, consumer, mb)])
-        return out
+def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:
+    """When a plan's cross-host hops would end on the emulated NICs (see
+    [Note: network emulation])."""
+    host = cluster.host_of
+    end = 0.0
+    for op in plan.ops:
+        if op.kind == "allgather":
+            continue
+        chain = (op.src_device, *op.dst_devices)
+        for a, b in itertools.pairwise(chain):
+            if host(a) != host(b):
+                end = max(end, emulator.reserve(host(a), host(b), op.nbytes)[1])
+    return end

@@ -26,6 +26,7 @@ RESHARDING = (
     "auto",
 )
 LOSS_REDUCTIONS = ("mean", "sum")
+BACKENDS = ("auto", "local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,8 @@ class PipelineConfig:
         cost_forward, cost_backward, cost_weight_grad, cost_comm: per micro-batch and stage,
             relative times the schedule builder uses to place delayed weight gradients
             (default: the paper's F=1, B=2, W=1, transfer=1).
+        backend: `local` (this process's devices), `ray` (the running Ray runtime's host
+            actors; see `jaxreshard.init`), or `auto` (whichever runtime is running).
     """
 
     num_micro_batches: int = 1
@@ -73,6 +76,7 @@ class PipelineConfig:
     cost_backward: float = 2.0
     cost_weight_grad: float = 1.0
     cost_comm: float = 1.0
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -80,6 +84,7 @@ class PipelineConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("resharding", self.resharding, RESHARDING)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
+        _choice("backend", self.backend, BACKENDS)
         _positive_int("num_micro_batches", self.num_micro_batches)
         if self.num_stages is not None:
             _positive_int("num_stages", self.num_stages)

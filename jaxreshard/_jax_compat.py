@@ -6,6 +6,7 @@ Everything version-sensitive sits here so that a JAX upgrade touches one file.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
@@ -32,3 +33,18 @@ def named_sharding_indices(
 
     num_devices = int(np.prod(mesh_shape, dtype=np.int64))
     return tuple(op_shardings.op_sharding_to_indices(hlo, tuple(shape), num_devices))
+
+
+def new_jaxpr(
+    constvars: Sequence[Any],
+    invars: Sequence[Any],
+    outvars: Sequence[Any],
+    eqns: Sequence[Any],
+    name: str = "jaxreshard",
+) -> Any:
+    """A `jax.extend.core.Jaxpr` with its effects and a DebugInfo (JAX warns without one)."""
+    from jax.extend import core as jc
+
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    info = jc.DebugInfo("jaxreshard", name, tuple("" for _ in invars), tuple("" for _ in outvars))
+    return jc.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, info)

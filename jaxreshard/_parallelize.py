@@ -10,12 +10,12 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jc
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard._config import PipelineConfig
 from jaxreshard.comm import Cluster, describe_sharding
-from jaxreshard.frontend._markers import tracing_pipeline
-from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph, split_step
+from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
+from jaxreshard.frontend._trace import trace_step
 from jaxreshard.pipeline._emit import format_programs
 from jaxreshard.runtime._pipeline import (
     CompiledPipeline,
@@ -67,7 +67,7 @@ def parallelize(
 @dataclasses.dataclass
 class _Entry:
     graph: StepGraph
-    compiled: CompiledPipeline
+    pipeline: Any  # LocalPipeline or RayPipeline
     in_tree: Any
     out_tree: Any
 
@@ -93,7 +93,6 @@ class Parallelized:
         )
         self.meshes = list(meshes) if meshes is not None else None
         self._cache: dict[Any, _Entry] = {}
-        self.last_executor: LocalExecutor | None = None
         functools.update_wrapper(self, fun)
 
     def __repr__(self) -> str:
@@ -160,27 +159,49 @@ class Parallelized:
     def _compile(
         self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
     ) -> _Entry:
-        # Traced per micro-batch: the loss, and so every stage, sees one micro-batch.
-        m = self.config.num_micro_batches
-        structs = [
-            jax.ShapeDtypeStruct(
-                (x.shape[0] // m, *x.shape[1:]) if i in batch_leaves else x.shape, x.dtype
-            )
-            for i, x in enumerate(leaves)
-        ]
-        wrapped = lambda *flat: self.fun(*jax.tree.unflatten(in_tree, flat))
-        # Under an abstract mesh with the stages' axes, so that PartitionSpec-based sharding
-        # constraints in the step trace; each stage later compiles them on its own mesh.
         shapes = (
             self.config.mesh_shapes(None)
             if self.meshes is None
             else [tuple(m.devices.shape) for m in self.meshes]
         )
         names = self.config.mesh_axis_names if self.meshes is None else self.meshes[0].axis_names
-        with tracing_pipeline(), jax.sharding.use_abstract_mesh(AbstractMesh(shapes[0], names)):
-            closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*structs)
-        out_tree = jax.tree.structure(out_shape)
-        graph = split_step(closed, batch_leaves, expected_stages=self.config.num_stages)
+        graph, out_tree = trace_step(
+            self.fun,
+            in_tree,
+            leaves,
+            batch_leaves,
+            self.config.num_micro_batches,
+            shapes[0],
+            names,
+            self.config.num_stages,
+        )
+        from jaxreshard.runtime._api import current_runtime
+
+        runtime = current_runtime() if self.config.backend != "local" else None
+        if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
+            raise RuntimeError(
+                "PipelineConfig(backend='ray') but no Ray runtime is running; call "
+                "jaxreshard.init(backend='ray', ...) first"
+            )
+        if runtime is not None and runtime.backend == "ray":
+            if self.meshes is not None:
+                raise ValueError(
+                    "parallelize(meshes=...) is for the local runtime; on Ray the "
+                    "stages take the runtime's devices in order"
+                )
+            from jaxreshard.runtime._pipeline_ray import RayPipeline
+
+            pipeline = RayPipeline(
+                runtime,
+                self.fun,
+                self.config,
+                graph,
+                in_tree,
+                leaves,
+                batch_leaves,
+                (shapes[0], names),
+            )
+            return _Entry(graph, pipeline, in_tree, out_tree)
         if self.meshes is not None:
             check_meshes(self.meshes, graph.num_stages)
             meshes = self.meshes
@@ -190,23 +211,43 @@ class Parallelized:
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
-        return _Entry(graph, compiled, in_tree, out_tree)
+        return _Entry(graph, LocalPipeline(compiled), in_tree, out_tree)
 
     # Running ------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
         entry, leaves = self._entry(args)
-        outputs, executor = run_step(entry.compiled, leaves)
-        self.last_executor = executor
+        outputs = entry.pipeline.run(leaves)
         return jax.tree.unflatten(entry.out_tree, outputs)
 
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it."""
         entry, _ = self._entry(args)
-        return PipelinePlan(entry.compiled)
+        return PipelinePlan(entry.graph, entry.pipeline)
 
-    def compiled(self, *args: Any) -> CompiledPipeline:
-        return self._entry(args)[0].compiled
+    def pipeline(self, *args: Any) -> Any:
+        """The compiled pipeline for these arguments (compiling it if needed)."""
+        return self._entry(args)[0].pipeline
+
+
+class LocalPipeline:
+    """A step compiled for this process's devices (the local runtime)."""
+
+    def __init__(self, compiled: CompiledPipeline):
+        self.compiled = compiled
+        self.last_events: list[Any] = []
+
+    @property
+    def layout(self) -> Any:
+        return self.compiled.layout
+
+    def sharding(self, s: int, spec: Any) -> Any:
+        return self.compiled.sharding(s, spec)
+
+    def run(self, leaves: list[Any], *, record: bool = False) -> list[Any]:
+        outputs, executor = run_step(self.compiled, leaves, record=record)
+        self.last_events = executor.events
+        return outputs
 
 
 def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> list[int]:
@@ -226,8 +267,9 @@ def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
 
 
 def _sharding_key(x: Any) -> Any:
-    sharding = getattr(x, "sharding", None)
-    return sharding if isinstance(sharding, NamedSharding) else None
+    """What of a leaf's placement the compiled step depends on: its PartitionSpec (an unsharded
+    leaf counts as replicated, so host arrays and the step's own outputs share one compile)."""
+    return tuple(spec_of(getattr(x, "sharding", None)))
 
 
 def run_step(
@@ -334,14 +376,23 @@ def _on_mesh(x: Any, mesh: Mesh) -> Any:
 class PipelinePlan:
     """What a parallelized step does: stages, meshes, boundary tensors, schedule, programs."""
 
-    compiled: CompiledPipeline
+    graph: StepGraph
+    pipeline: Any  # LocalPipeline or RayPipeline
+
+    @property
+    def layout(self) -> Any:
+        return self.pipeline.layout
+
+    @property
+    def meshes(self) -> list[Any]:
+        p = self.pipeline
+        return p.compiled.meshes if isinstance(p, LocalPipeline) else p.meshes
 
     def boundary_tensors(self) -> list[dict[str, Any]]:
         """One record per transfer kind and edge: what moves where, how, and how many bytes."""
-        c = self.compiled
         out = []
         for (kind, tensor, src, dst), t in sorted(
-            self.compiled.transfers.items(), key=lambda kv: (kv[0][0] != "act", kv[0])
+            self.layout.transfers.items(), key=lambda kv: (kv[0][0] != "act", kv[0])
         ):
             out.append(
                 {
@@ -351,8 +402,8 @@ class PipelinePlan:
                     "dst_stage": dst,
                     "shape": t.shape,
                     "dtype": str(np.dtype(t.dtype)),
-                    "src_sharding": describe_sharding(c.sharding(src, t.src_spec)),
-                    "dst_sharding": describe_sharding(c.sharding(dst, t.dst_spec)),
+                    "src_sharding": describe_sharding(self.pipeline.sharding(src, t.src_spec)),
+                    "dst_sharding": describe_sharding(self.pipeline.sharding(dst, t.dst_spec)),
                     "strategy": t.plan.chosen,
                     "bytes": t.nbytes,
                     "per": "step" if kind in ("param", "param_grad") else "micro-batch",
@@ -361,13 +412,13 @@ class PipelinePlan:
         return out
 
     def __str__(self) -> str:
-        c = self.compiled
-        g = c.graph
+        g, layout = self.graph, self.layout
         lines = [
-            f"pipeline: {g.num_stages} stages, {c.config.num_micro_batches} micro-batches of "
-            f"{c.layout.micro_batch_rows} rows, schedule {c.schedule.describe()}"
+            f"pipeline: {g.num_stages} stages, {layout.config.num_micro_batches} "
+            f"micro-batches of {layout.micro_batch_rows} rows, schedule "
+            f"{layout.schedule.describe()}"
         ]
-        for s, mesh in enumerate(c.meshes):
+        for s, mesh in enumerate(self.meshes):
             stage = g.loss.stages[s]
             ids = [d.id for d in mesh.devices.flat]
             kinds = {k: sum(r.kind == k for r in stage.inputs) for k in (PARAM, BATCH, CONST, ACT)}
@@ -385,9 +436,9 @@ class PipelinePlan:
             )
         for a in g.loss.activations:
             lines.append(f"  act{a.id} is computed at {a.where}")
-        lines.append(f"post-gradient segments: {[seg.stage for seg in g.segments]}")
+        lines.append(f"post-gradient segments on stages: {[seg.stage for seg in g.segments]}")
         lines.append("schedule:")
-        lines.append(c.schedule.grid())
+        lines.append(layout.schedule.grid())
         lines.append("instructions (first ones):")
-        lines.append(format_programs(c.programs, limit=12))
+        lines.append(format_programs(layout.programs, limit=12))
         return "\n".join(lines)

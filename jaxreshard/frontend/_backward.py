@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.extend import core as jc
 
+from jaxreshard._jax_compat import new_jaxpr
 from jaxreshard.frontend._split import ACT, PARAM, Stage
 
 
@@ -92,7 +93,7 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
     holder: dict[str, Any] = {}
 
     def traced_forward(*inputs: Any) -> list[Any]:
-        outputs, leaves, treedef = _forward(stage, diff, inputs)
+        _, leaves, treedef = _forward(stage, diff, inputs)
         holder["treedef"] = treedef
         return leaves
 
@@ -171,12 +172,11 @@ def split_backward(
         )
     )
 
-    def closed(invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
-        effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    def closed(invars: list[Any], outvars: list[Any], eqns: list[Any], name: str) -> Any:
         return jc.ClosedJaxpr(
-            jc.Jaxpr(list(jaxpr.constvars), invars, outvars, eqns, effects), list(full.consts)
+            new_jaxpr(jaxpr.constvars, invars, outvars, eqns, name), list(full.consts)
         )
 
-    b = closed(list(jaxpr.invars), b_out + exports, b_eqns)
-    w = closed(list(jaxpr.invars) + exports, w_out, w_eqns)
+    b = closed(list(jaxpr.invars), b_out + exports, b_eqns, "input gradients (B)")
+    w = closed(list(jaxpr.invars) + exports, w_out, w_eqns, "weight gradients (W)")
     return b, w, len(exports)

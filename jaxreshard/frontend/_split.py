@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax.extend import core as jc
 
+from jaxreshard._jax_compat import new_jaxpr
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -168,8 +169,7 @@ def _open(j: Any) -> Any:
 
 
 def _make_jaxpr(invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any]) -> Any:
-    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    return jc.ClosedJaxpr(jc.Jaxpr([], list(invars), list(outvars), list(eqns), effects), [])
+    return jc.ClosedJaxpr(new_jaxpr([], invars, outvars, eqns, "pipeline stage"), [])
 
 
 def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
@@ -219,9 +219,8 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
             subst[outer_out] = inner_read(body_out)
     if not subst and len(eqns) == len(jaxpr.eqns):
         return jaxpr, list(consts)
-    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
     outvars = [read(v) for v in jaxpr.outvars]
-    return jc.Jaxpr(constvars, list(jaxpr.invars), outvars, eqns, effects), new_consts
+    return new_jaxpr(constvars, jaxpr.invars, outvars, eqns, "inlined loss"), new_consts
 
 
 # -- the loss --------------------------------------------------------------------------------

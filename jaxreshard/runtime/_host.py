@@ -197,6 +197,53 @@ class HostActor:
             self._nccl = NcclTransport(self.devices)
         self._nccl.create(tuple(group), uid)
 
+    # -- pipelines (see runtime/_pipeline_ray.py) ---------------------------------------------
+
+    def pipeline_prepare(
+        self,
+        key: str,
+        fun: bytes,
+        config: Any,
+        in_tree: Any,
+        avals: Any,
+        batch_leaves: Any,
+        trace_mesh: Any,
+        stages: Any,
+    ) -> Any:
+        """Trace and cut a pipelined step here; return its fingerprint."""
+        import pickle
+
+        from jaxreshard.frontend._trace import fingerprint
+        from jaxreshard.runtime._pipeline_ray import HostPipeline
+
+        pipelines = self.__dict__.setdefault("_pipelines", {})
+        pipelines[key] = HostPipeline(
+            self,
+            pickle.loads(fun),
+            config,
+            in_tree,
+            avals,
+            batch_leaves,
+            trace_mesh,
+            {int(s): grid for s, grid in stages.items()},
+        )
+        return fingerprint(pipelines[key].graph)
+
+    def pipeline_call(self, key: str, method: str, *args: Any) -> Any:
+        """Call `method` of pipeline `key` (compile_forward, compile_backward, set_layout, step,
+        segment)."""
+        pipeline = self.__dict__.get("_pipelines", {}).get(key)
+        if pipeline is None:
+            raise KeyError(f"host {self.host} has no pipeline {key!r}")
+        if method.startswith("compile_"):
+            s, *rest = args
+            return getattr(pipeline.compilers[s], method)(*rest)
+        return getattr(pipeline, method)(*args)
+
+    def _store(self, array_id: str, shards: Mapping[int, Any]) -> None:
+        with self._lock:
+            self.arrays[array_id] = dict(shards)
+
     def ping(self) -> int:
         return self.host
 

@@ -56,7 +56,7 @@ from jaxreshard.pipeline._emit import (
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 
-# -- specs ------------------------------------------------------------------------------------------
+# -- specs -----------------------------------------------------------------------------------------
 
 
 def transplant_spec(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> P:
@@ -117,7 +117,7 @@ def check_meshes(meshes: Sequence[Any], num_stages: int) -> None:
             seen[d.id] = s
 
 
-# -- compiling one stage ----------------------------------------------------------------------------
+# -- compiling one stage ---------------------------------------------------------------------------
 
 
 def fan_in(graph: StepGraph, s: int) -> list[int]:
@@ -255,7 +255,7 @@ def backward_functions(
     return {"full": full, "b": b, "w": w}
 
 
-# -- laying the whole pipeline out ------------------------------------------------------------------
+# -- laying the whole pipeline out -----------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -429,7 +429,7 @@ def layout_pipeline(
         if users:
             shared.append(SharedParam(k, graph.owner[k], users))
     programs = emit(schedule, edges, shared)
-    rows = {avals[i].shape[0] for i in graph.batch}
+    rows = {avals[i].shape[0] for i in graph.batch}  # the step is traced per micro-batch
     return PipelineLayout(
         config,
         p,
@@ -440,11 +440,11 @@ def layout_pipeline(
         schedule,
         programs,
         scale,
-        next(iter(rows)) // m if rows else 0,
+        next(iter(rows)) if rows else 0,
     )
 
 
-# -- running one stage's program --------------------------------------------------------------------
+# -- running one stage's program -------------------------------------------------------------------
 
 
 class PipelineError(RuntimeError):
@@ -600,7 +600,7 @@ class StageRunner:
         return dict(zip(acc_params, acc))
 
 
-# -- the local runtime --------------------------------------------------------------------------------
+# -- the local runtime -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

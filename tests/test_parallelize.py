@@ -1,0 +1,379 @@
+"""parallelize: same numbers as jax.jit, the boundary tensors the model implies, clear errors."""
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxreshard as jr
+from jaxreshard.frontend._split import PipelineSplitError
+
+HIDDEN, FEATURES, ROWS = 8, 6, 8
+
+
+def make_step(num_stages, *, skip=False, shared=False):
+    """An MLP cut into `num_stages` stages; `skip` adds stage 0's output to the last stage's,
+    `shared` ties the first and last layer (the last multiplies by emb.T)."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            first = h
+            for s in range(1, num_stages):
+                h = jr.stage_boundary(h)
+                h = jnp.tanh(h @ p[f"w{s}"] + p[f"b{s}"])
+            if skip:
+                h = h + first
+            out = h @ p["emb"].T if shared else h @ p["out"]
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+    return step
+
+
+def make_params(num_stages, seed=0):
+    rng = np.random.default_rng(seed)
+    p = {
+        "emb": rng.normal(size=(FEATURES, HIDDEN)).astype(np.float32) * 0.4,
+        "out": rng.normal(size=(HIDDEN, FEATURES)).astype(np.float32) * 0.4,
+    }
+    for s in range(1, num_stages):
+        p[f"w{s}"] = rng.normal(size=(HIDDEN, HIDDEN)).astype(np.float32) * 0.4
+        p[f"b{s}"] = rng.normal(size=(HIDDEN,)).astype(np.float32) * 0.1
+    return p
+
+
+def make_batch(rows=ROWS, seed=1):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(rows, FEATURES)).astype(np.float32),
+        "y": rng.normal(size=(rows, FEATURES)).astype(np.float32),
+    }
+
+
+def run_steps(step, params, batch, steps=3):
+    losses = []
+    for _ in range(steps):
+        params, loss = step(params, batch)
+        losses.append(float(loss))
+    return params, losses
+
+
+def fetch(x):
+    return x.fetch() if isinstance(x, jr.RemoteArray) else np.asarray(x)
+
+
+def assert_same(params, losses, ref_params, ref_losses, tol=1e-5):
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol)
+    for k in ref_params:
+        np.testing.assert_allclose(fetch(params[k]), np.asarray(ref_params[k]), rtol=tol, atol=1e-6)
+
+
+REFERENCE = {}
+
+
+def reference(num_stages, skip, shared):
+    key = (num_stages, skip, shared)
+    if key not in REFERENCE:
+        step = jax.jit(make_step(num_stages, skip=skip, shared=shared))
+        REFERENCE[key] = run_steps(step, make_params(num_stages), make_batch())
+    return REFERENCE[key]
+
+
+SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "zb_h1"]
+MODELS = {
+    "mlp2": (2, False, False),
+    "mlp3": (3, False, False),
+    "mlp4": (4, False, False),
+    "skip3": (3, True, False),
+    "shared4": (4, False, True),
+    "skip_shared3": (3, True, True),
+}
+
+
+def config(**overrides):
+    base = dict(stage_mesh_shape=(1, 2), mesh_axis_names=("data", "model"), backend="local")
+    return jr.PipelineConfig(**{**base, **overrides})
+
+
+GRID = [
+    ("skip_shared3", schedule, weight_delay, m)  # every combination on the richest model
+    for schedule in SCHEDULES
+    for weight_delay in (False, True)
+    for m in (1, 2, 4)
+]
+GRID += [
+    (model, schedule, weight_delay, 4)  # every schedule on 2, 3 and 4 stages
+    for model in ("mlp2", "mlp3", "mlp4", "skip3", "shared4")
+    for schedule in SCHEDULES
+    for weight_delay in (False, True)
+]
+
+
+@pytest.mark.parametrize("model, schedule, weight_delay, num_micro_batches", GRID)
+def test_matches_jax_jit(model, schedule, weight_delay, num_micro_batches):
+    num_stages, skip, shared = MODELS[model]
+    cfg = config(num_micro_batches=num_micro_batches, schedule=schedule, weight_delay=weight_delay)
+    step = jr.parallelize(
+        make_step(num_stages, skip=skip, shared=shared), config=cfg, batch_argnums=(1,)
+    )
+    params, losses = run_steps(step, make_params(num_stages), make_batch())
+    assert_same(params, losses, *reference(num_stages, skip, shared))
+
+
+def test_params_stay_on_their_stage_and_are_not_moved_again(cpu_devices):
+    step = jr.parallelize(
+        make_step(3, shared=True, skip=True), config=config(num_micro_batches=2), batch_argnums=(1,)
+    )
+    params, _ = step(make_params(3), make_batch())
+    meshes = step.plan(params, make_batch()).meshes
+    assert set(params["emb"].sharding.device_set) == set(meshes[0].devices.flat)
+    assert set(params["w1"].sharding.device_set) == set(meshes[1].devices.flat)
+    assert set(params["w2"].sharding.device_set) == set(meshes[2].devices.flat)
+    again, _ = step(params, make_batch())
+    assert again["w1"].sharding == params["w1"].sharding
+    assert len(step._cache) == 1  # same signature: compiled once
+
+
+def test_boundary_tensors_are_what_the_model_implies():
+    step = jr.parallelize(
+        make_step(3, skip=True, shared=True), config=config(num_micro_batches=2), batch_argnums=(1,)
+    )
+    plan = step.plan(make_params(3), make_batch())
+    found = {
+        (t["kind"], t["tensor"], t["src_stage"], t["dst_stage"]): t for t in plan.boundary_tensors()
+    }
+    emb = sorted(make_params(3)).index("emb")  # parameters are numbered in flatten order
+    assert set(found) == {
+        ("act", 0, 0, 1),
+        ("act", 0, 0, 2),  # stage 0's output: marked, and the skip
+        ("act", 1, 1, 2),
+        ("grad", 0, 1, 0),
+        ("grad", 0, 2, 0),
+        ("grad", 1, 2, 1),
+        ("param", emb, 0, 2),
+        ("param_grad", emb, 2, 0),  # emb, used by stages 0 and 2
+    }
+    rows = ROWS // 2
+    assert found[("act", 1, 1, 2)]["shape"] == (rows, HIDDEN)
+    assert found[("param", emb, 0, 2)]["shape"] == (FEATURES, HIDDEN)
+    assert found[("param", emb, 0, 2)]["per"] == "step"
+    assert found[("act", 0, 0, 1)]["bytes"] == rows * HIDDEN * 4
+    for t in found.values():
+        assert t["src_sharding"].endswith("@ {data:1, model:2}")
+        assert t["strategy"] in jr.comm.STRATEGY_NAMES
+    text = str(plan)
+    assert "3 stages, 2 micro-batches of 4 rows" in text and "stage 2 |" in text
+
+
+def test_sharding_constraints_inside_stages():
+    from jax.sharding import PartitionSpec as P
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jax.lax.with_sharding_constraint(h, P(None, "model"))
+            h = jr.stage_boundary(h)
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+    params = make_params(1)
+    cfg = config(num_micro_batches=2, stage_mesh_shape=(2, 2))
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(1,))
+    got = run_steps(pstep, params, make_batch())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        ref = run_steps(jax.jit(step), params, make_batch())
+    assert_same(*got, *ref)
+    act = next(t for t in pstep.plan(params, make_batch()).boundary_tensors() if t["kind"] == "act")
+    assert act["src_sharding"].startswith("P(None, 'model')")
+
+
+def test_optax_style_state_and_a_single_stage():
+    def step(params, opt, batch):
+        def loss_fn(p):
+            return jnp.mean((jnp.tanh(batch["x"] @ p["emb"]) @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, opt, grads)
+        new = jax.tree.map(lambda w, m: w - 0.05 * m, params, momentum)
+        return new, momentum, loss
+
+    params = {k: v for k, v in make_params(1).items()}
+    opt = jax.tree.map(np.zeros_like, params)
+    cfg = config(num_stages=1, num_micro_batches=2)
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(2,))
+    p, o, ref_p, ref_o = params, opt, params, opt
+    for _ in range(3):
+        p, o, loss = pstep(p, o, make_batch())
+        ref_p, ref_o, ref_loss = jax.jit(step)(ref_p, ref_o, make_batch())
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(p[k]), np.asarray(ref_p[k]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(o[k]), np.asarray(ref_o[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_markers_work_under_plain_jax():
+    f = lambda x: jnp.sum(jnp.sin(jr.stage_boundary({"a": x, "b": 2 * x})["a"]) ** 2)
+    g = lambda x: jnp.sum(jnp.sin(x) ** 2)
+    x = jnp.linspace(0, 1, 5)
+    np.testing.assert_allclose(jax.jit(f)(x), g(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(f)(x), jax.grad(g)(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(x[:, None]), jax.vmap(jax.grad(g))(x[:, None]))
+    grad_jaxpr = jax.make_jaxpr(jax.grad(f))(x)
+    names = [e.primitive.name for e in grad_jaxpr.jaxpr.eqns]
+    assert names.count("stage_boundary") == 2  # forward, and the transposed backward boundary
+    assert jr.grad(g)(x).shape == (5,)
+    value, grad = jr.value_and_grad(lambda a, b: jnp.sum(a * b), argnums=(0, 1))(x, x)
+    np.testing.assert_allclose(value, jnp.sum(x * x), rtol=1e-6)
+    np.testing.assert_allclose(grad[0], x)
+
+
+def error(fn, match, exc=ValueError):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_bad_input_is_explained():
+    batch = make_batch()
+    params = make_params(2)
+    no_marker = make_step(1)
+    error(
+        lambda: jr.parallelize(no_marker, config=config(), batch_argnums=(1,))(
+            make_params(1), batch
+        ),
+        "has no jr.stage_boundary.*num_stages=1",
+        PipelineSplitError,
+    )
+    error(
+        lambda: jr.parallelize(
+            make_step(2), config=config(num_micro_batches=3), batch_argnums=(1,)
+        )(params, batch),
+        r"has 8 rows along dim 0, which num_micro_batches=3 does not divide",
+    )
+    error(
+        lambda: jr.parallelize(
+            make_step(4),
+            config=config(stage_mesh_shape=(8,), mesh_axis_names=("data",)),
+            batch_argnums=(1,),
+        )(make_params(4), batch),
+        r"4 stages on meshes .*32 devices, but this runtime has 24",
+    )
+    bad_batch = {"x": batch["x"], "y": batch["y"], "n": "ten"}
+    error(
+        lambda: jr.parallelize(make_step(2), config=config(), batch_argnums=(1,))(
+            params, bad_batch
+        ),
+        "a batch leaf of the step is str",
+        TypeError,
+    )
+
+    def scanned(params, batch):
+        def loss_fn(p):
+            def body(h, _):
+                return jr.stage_boundary(jnp.tanh(h @ p["w1"])), None
+
+            h, _ = jax.lax.scan(body, batch["x"] @ p["emb"], None, length=2)
+            return jnp.mean(h)
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    error(
+        lambda: jr.parallelize(scanned, config=config(), batch_argnums=(1,))(params, batch),
+        "inside `scan`.*top level of the loss",
+        PipelineSplitError,
+    )
+
+    def conditional(params, batch):
+        def loss_fn(p):
+            h = jax.lax.cond(
+                True, lambda h: jr.stage_boundary(h), lambda h: h, batch["x"] @ p["emb"]
+            )
+            return jnp.mean(h @ p["w1"])
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    error(
+        lambda: jr.parallelize(conditional, config=config(), batch_argnums=(1,))(params, batch),
+        "inside `cond`",
+        PipelineSplitError,
+    )
+
+    def dead_stage(params, batch):
+        def loss_fn(p):
+            h0 = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h0)
+            jr.stage_boundary(h @ p["w1"])  # stage 1's work never reaches the loss
+            return jnp.mean(h0 @ p["out"])
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    error(
+        lambda: jr.parallelize(dead_stage, config=config(), batch_argnums=(1,))(params, batch),
+        "stage 1 has no outputs that later stages use",
+        PipelineSplitError,
+    )
+
+    def plain_grad(params, batch):
+        return jax.value_and_grad(lambda p: jnp.mean(batch["x"] @ p["emb"]))(params)
+
+    error(
+        lambda: jr.parallelize(plain_grad, config=config(), batch_argnums=(1,))(params, batch),
+        "no gradient with jr.value_and_grad",
+        PipelineSplitError,
+    )
+
+    mesh_a = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    mesh_b = jax.sharding.Mesh(np.array(jax.devices()[1:3]).reshape(1, 2), ("data", "model"))
+    error(
+        lambda: jr.parallelize(
+            make_step(2), config=config(), batch_argnums=(1,), meshes=[mesh_a, mesh_b]
+        )(params, batch),
+        "stage meshes 0 and 1 share device 1",
+    )
+
+
+def test_config_validation_and_toml(tmp_path):
+    error(
+        lambda: jr.PipelineConfig(schedule="pipedream"),
+        "schedule='pipedream'.*choose one of gpipe, 1f1b, eager_1f1b, zb_h1",
+    )
+    error(lambda: jr.PipelineConfig(resharding="fast"), "resharding='fast'.*send_recv")
+    error(lambda: jr.PipelineConfig(num_micro_batches=0), "num_micro_batches=0.*int >= 1")
+    error(
+        lambda: jr.PipelineConfig(stage_mesh_shape=(2, 2), mesh_axis_names=("x",)),
+        "has 2 axes but mesh_axis_names",
+    )
+    error(lambda: jr.PipelineConfig().replace(micro_batches=4), "unknown keys.*micro_batches")
+    path = tmp_path / "pipe.toml"
+    path.write_text(
+        textwrap.dedent("""
+        [pipeline]
+        num_micro_batches = 4
+        schedule = "eager_1f1b"
+        weight_delay = true
+        stage_mesh_shape = [1, 2]
+        mesh_axis_names = ["data", "model"]
+    """)
+    )
+    cfg = jr.PipelineConfig.from_toml(path, resharding="broadcast_greedy")
+    assert (
+        cfg.stage_mesh_shape == (1, 2) and cfg.weight_delay and cfg.resharding == "broadcast_greedy"
+    )
+    path.write_text("[pipeline]\nnum_microbatches = 4\n")
+    error(lambda: jr.PipelineConfig.from_toml(path), r"unknown keys \['num_microbatches'\]")
+
+
+@pytest.mark.ray
+def test_same_numbers_on_the_ray_runtime(ray_runtime):
+    cfg = config(num_micro_batches=4, schedule="eager_1f1b", weight_delay=True, backend="ray")
+    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(3), make_batch())
+    assert isinstance(params["w1"], jr.RemoteArray)
+    assert_same(params, losses, *reference(3, True, True))

@@ -235,6 +235,7 @@ class LocalPipeline:
 
     def __init__(self, compiled: CompiledPipeline):
         self.compiled = compiled
+        self.executor = LocalExecutor(compiled)  # its threads live as long as the pipeline
         self.last_events: list[Any] = []
 
     @property
@@ -245,8 +246,8 @@ class LocalPipeline:
         return self.compiled.sharding(s, spec)
 
     def run(self, leaves: list[Any], *, record: bool = False) -> list[Any]:
-        outputs, executor = run_step(self.compiled, leaves, record=record)
-        self.last_events = executor.events
+        outputs, _ = run_step(self.compiled, leaves, record=record, executor=self.executor)
+        self.last_events = self.executor.events
         return outputs
 
 
@@ -273,7 +274,11 @@ def _sharding_key(x: Any) -> Any:
 
 
 def run_step(
-    c: CompiledPipeline, leaves: list[Any], *, record: bool = False
+    c: CompiledPipeline,
+    leaves: list[Any],
+    *,
+    record: bool = False,
+    executor: LocalExecutor | None = None,
 ) -> tuple[list[Any], LocalExecutor]:
     """Run one step of a compiled pipeline on the local runtime; return the flat outputs."""
     g, layout = c.graph, c.layout
@@ -299,24 +304,38 @@ def run_step(
                 stage_consts.append(_place(const_values[ref.index], sharding))
         batches.append(per_mb)
         consts.append(stage_consts)
-    executor = LocalExecutor(c, record=record)
-    try:
-        losses, grads = executor.run(params, batches, consts)
-    finally:
-        executor.close()
-    loss = _combine_losses(losses, c.config.loss_reduction)
+    executor = executor or LocalExecutor(c)
     values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
     for k, i in enumerate(g.params):
         values[g.outer.jaxpr.invars[i]] = params[k]
-    values[g.grad_outputs[0]] = loss
-    for k, v in enumerate(g.grad_outputs[1:]):
-        values[v] = grads[k] if grads[k] is not None else jax.numpy.zeros_like(params[k])
     for v, value in zip(g.pre_outputs, _pre_values(g, leaves)):
         values[v] = value
-    for segment in g.segments:
+    grad_vars = set(g.grad_outputs[1:])
+    apply_inputs = {
+        s: [_on_mesh(values[v], c.meshes[s]) for v in g.segments[j].inputs if v not in grad_vars]
+        for s, j in c.fused.items()
+    }
+    losses, grads, applied = executor.run(
+        params, batches, consts, record=record, apply_inputs=apply_inputs
+    )
+    loss = _combine_losses(losses, c.config.loss_reduction)
+    values[g.grad_outputs[0]] = loss
+    fused = set(c.fused.values())
+    for k, v in enumerate(g.grad_outputs[1:]):
+        if grads[k] is not None:
+            values[v] = grads[k]
+        elif g.owner[k] not in c.fused:  # the loss does not use this parameter
+            values[v] = jax.numpy.zeros_like(params[k])
+    for s, j in c.fused.items():
+        values.update(zip(g.segments[j].outputs, applied[s]))
+    dead = _dead_gradients(g)
+    for index, segment in enumerate(g.segments):
+        if index in fused:
+            continue
         mesh = c.meshes[segment.stage]
         inputs = [_on_mesh(values[v], mesh) for v in segment.inputs]
-        outs = _segment_fn(segment.jaxpr)(*inputs)
+        donate = tuple(i for i, v in enumerate(segment.inputs) if dead.get(v) == index)
+        outs = _segment_fn(segment.jaxpr, donate)(*inputs)
         values.update(zip(segment.outputs, outs))
     outputs = [values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars]
     return outputs, executor
@@ -330,8 +349,21 @@ def _combine_losses(losses: list[Any], reduction: str) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_fn(jaxpr: Any) -> Callable[..., Any]:
-    return jax.jit(jc.jaxpr_as_fun(jaxpr))
+def _segment_fn(jaxpr: Any, donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+    return jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=donate)
+
+
+def _dead_gradients(g: StepGraph) -> dict[Any, int]:
+    """Accumulated gradients that die in a post segment: gradient var -> that segment's index.
+
+    They are the pipeline's own buffers, so the optimizer may overwrite them (XLA writes the new
+    parameters there instead of into fresh memory)."""
+    last_use: dict[Any, int] = {}
+    for index, segment in enumerate(g.segments):
+        for v in segment.inputs:
+            last_use[v] = index
+    returned = {v for v in g.outer.jaxpr.outvars if not isinstance(v, jc.Literal)}
+    return {v: last_use[v] for v in g.grad_outputs[1:] if v in last_use and v not in returned}
 
 
 def _pre_values(g: StepGraph, leaves: list[Any]) -> list[Any]:

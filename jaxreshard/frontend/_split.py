@@ -138,6 +138,10 @@ class StepGraph:
     def num_stages(self) -> int:
         return self.loss.num_stages
 
+    @property
+    def batch_vars(self) -> tuple[Any, ...]:
+        return tuple(self.outer.jaxpr.invars[i] for i in self.batch)
+
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from jaxreshard.comm._layout import spec_axes
 from jaxreshard.frontend._backward import StageBackward, derive_backward
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, Schedule, build_schedule
-from jaxreshard.pipeline._action import BACKWARD, FORWARD
+from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
@@ -173,9 +173,16 @@ class StageCompiler:
             for a, k in zip(acc_avals, bw.param_grads)
         ]
         self.acc_shardings = [st.sharding for st in acc]
-        fns = backward_functions(bw, fans, loss_scale)
+        fns = self.fns = backward_functions(bw, fans, loss_scale)
+        # Two variants each: the first micro-batch's gradients become the accumulators (no
+        # zeros to fill and add to), the later ones are added to them in place.
         with jax.set_mesh(self.mesh):
             if bw.w is None:
+                self.backward_first = (
+                    jax.jit(fns["full_first"], out_shardings=(None, self.acc_shardings))
+                    .lower(res, cts)
+                    .compile()
+                )
                 self.backward = (
                     jax.jit(
                         fns["full"], donate_argnums=(0,), out_shardings=(None, self.acc_shardings)
@@ -191,6 +198,11 @@ class StageCompiler:
                     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                     for a, sh in zip(bw.b.out_avals[len(bw.act_grads) :], export_sh)
                 ]
+                self.w_first = (
+                    jax.jit(fns["w_first"], out_shardings=self.acc_shardings)
+                    .lower(res, cts, exports)
+                    .compile()
+                )
                 self.w_part = (
                     jax.jit(fns["w"], donate_argnums=(0,), out_shardings=self.acc_shardings)
                     .lower(acc, res, cts, exports)
@@ -198,19 +210,40 @@ class StageCompiler:
                 )
         return [spec_of(x) for x in act_out]
 
-    def zeros(self) -> list[Any]:
-        """Fresh gradient accumulators (one per parameter input), where the parameters are."""
-        stage = self.bw.stage
-        return [
-            jax.device_put(
-                np.zeros(
-                    stage.jaxpr.in_avals[self.bw.diff[k]].shape,
-                    stage.jaxpr.in_avals[self.bw.diff[k]].dtype,
-                ),
-                sh,
-            )
-            for k, sh in zip(self.bw.param_grads, self.acc_shardings)
-        ]
+    def set_apply(self, segment: Any, grad_sources: Sequence[int | None]) -> None:
+        """Fuse a post-gradient segment into this stage's last backward (see
+        [Note: pipeline execution]): the segment reads the final gradients (input i is the
+        accumulator of parameter `grad_sources[i]`, or, for None, the next of the caller's
+        extra inputs) as they are computed, without writing them out first."""
+        fns, apply = self.fns, jc.jaxpr_as_fun(segment)
+        slots = [self.acc_params.index(k) if k is not None else None for k in grad_sources]
+
+        def update(grads: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
+            rest = iter(extra)
+            return apply(*[grads[k] if k is not None else next(rest) for k in slots])
+
+        if self.bw.w is None:
+
+            def first(res, cts, extra):
+                acts, grads = fns["full_first"](res, cts)
+                return acts, update(grads, extra)
+
+            def later(acc, res, cts, extra):
+                acts, grads = fns["full"](acc, res, cts)
+                return acts, update(grads, extra)
+        else:
+
+            def first(res, cts, exports, extra):
+                return update(fns["w_first"](res, cts, exports), extra)
+
+            def later(acc, res, cts, exports, extra):
+                return update(fns["w"](acc, res, cts, exports), extra)
+
+        self.apply_first = jax.jit(first)
+        self.apply_later = jax.jit(later, donate_argnums=(0,))
+        self.fused = True
+
+    fused = False
 
     @property
     def acc_params(self) -> list[int]:
@@ -237,22 +270,25 @@ def backward_functions(
             out.append(total)
         return out
 
-    def full(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any]):
+    def full_first(res: Sequence[Any], ct_lists: Sequence[Any]):
         grads = jc.jaxpr_as_fun(bw.full)(*res, *cotangents(ct_lists))
-        return (
-            [grads[k] for k in bw.act_grads],
-            [a + grads[k] for a, k in zip(acc, bw.param_grads)],
-        )
+        return [grads[k] for k in bw.act_grads], [grads[k] for k in bw.param_grads]
+
+    def full(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any]):
+        acts, grads = full_first(res, ct_lists)
+        return acts, [a + g for a, g in zip(acc, grads)]
 
     def b(res: Sequence[Any], ct_lists: Sequence[Any]):
         out = jc.jaxpr_as_fun(bw.b)(*res, *cotangents(ct_lists))
         return out[: len(bw.act_grads)], out[len(bw.act_grads) :]
 
-    def w(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any], exports: Sequence[Any]):
-        grads = jc.jaxpr_as_fun(bw.w)(*res, *cotangents(ct_lists), *exports)
-        return [a + g for a, g in zip(acc, grads)]
+    def w_first(res: Sequence[Any], ct_lists: Sequence[Any], exports: Sequence[Any]):
+        return jc.jaxpr_as_fun(bw.w)(*res, *cotangents(ct_lists), *exports)
 
-    return {"full": full, "b": b, "w": w}
+    def w(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any], exports: Sequence[Any]):
+        return [a + g for a, g in zip(acc, w_first(res, ct_lists, exports))]
+
+    return {"full": full, "full_first": full_first, "b": b, "w": w, "w_first": w_first}
 
 
 # -- laying the whole pipeline out -----------------------------------------------------------------
@@ -491,21 +527,39 @@ class StageRunner:
         self.send, self.recv, self.stopped, self.record = send, recv, stopped, record
 
     def run(
-        self, params: dict[int, Any], batches: list[list[Any]], consts: list[Any], losses: list[Any]
-    ) -> dict[int, Any]:
-        """Run the stage's program; return its gradient accumulators by parameter index.
+        self,
+        params: dict[int, Any],
+        batches: list[list[Any]],
+        consts: list[Any],
+        losses: list[Any],
+        apply_inputs: Sequence[Any] | None = None,
+    ) -> tuple[dict[int, Any], list[Any] | None]:
+        """Run the stage's program.
 
         Args:
             params: the parameters this stage keeps (owner), by index.
             batches: per micro-batch, the stage's batch inputs in input order.
             consts: the stage's per-step constants in input order.
             losses: filled per micro-batch by the last stage.
+            apply_inputs: with a fused optimizer segment (`StageCompiler.set_apply`), its
+                inputs other than the gradients.
+
+        Returns:
+            The gradient accumulators by parameter index (none when the optimizer was fused),
+            and the fused segment's outputs (or None).
         """
+        fused = self.c.fused and apply_inputs is not None
+        applied: list[Any] | None = None
+        last_backward = max(
+            i
+            for i, ins in enumerate(self.layout.programs[self.c.s])
+            if ins.op == RUN and ins.action.kind in (BACKWARD, WEIGHT)
+        )
         c, bw = self.c, self.c.bw
         stage, s = bw.stage, self.c.s
         last = s == self.layout.num_stages - 1
         local_params = dict(params)
-        acc = c.zeros()
+        acc: list[Any] | None = None  # the first backward's gradients start the accumulators
         acc_params = c.acc_params
         inbox: dict[tuple[int, int], Any] = {}
         outbox: dict[tuple[int, int], Any] = {}
@@ -526,7 +580,8 @@ class StageRunner:
                 for consumer in consumers[stage.outputs[i].index]
             ]
 
-        for ins in self.layout.programs[s]:
+        for position, ins in enumerate(self.layout.programs[s]):
+            final = fused and position == last_backward
             if self.stopped():
                 raise PipelineError("stopped: another stage failed")
             if ins.op == RECV_OP:
@@ -572,15 +627,33 @@ class StageRunner:
                             outbox[(ref.index, mb)] = value
                     done = outs
                 elif action.kind == BACKWARD:
-                    if bw.w is None:
+                    if final and acc is None:
+                        act_grads, applied = c.apply_first(
+                            residuals[mb], cotangents(mb), apply_inputs
+                        )
+                    elif final:
+                        act_grads, applied = c.apply_later(
+                            acc, residuals[mb], cotangents(mb), apply_inputs
+                        )
+                        acc = []
+                    elif bw.w is None and acc is None:
+                        act_grads, acc = c.backward_first(residuals[mb], cotangents(mb))
+                    elif bw.w is None:
                         act_grads, acc = c.backward(acc, residuals[mb], cotangents(mb))
                     else:
                         act_grads, exports[mb] = c.b_part(residuals[mb], cotangents(mb))
                     for k, g in zip(bw.act_grads, act_grads):
                         grads_out[(stage.inputs[bw.diff[k]].index, mb)] = g
                     done = act_grads
+                elif final:  # WEIGHT, with the optimizer
+                    args = (residuals[mb], cotangents(mb), exports.pop(mb), apply_inputs)
+                    applied = c.apply_first(*args) if acc is None else c.apply_later(acc, *args)
+                    acc, done = [], applied
                 else:  # WEIGHT
-                    acc = c.w_part(acc, residuals[mb], cotangents(mb), exports.pop(mb))
+                    if acc is None:
+                        acc = c.w_first(residuals[mb], cotangents(mb), exports.pop(mb))
+                    else:
+                        acc = c.w_part(acc, residuals[mb], cotangents(mb), exports.pop(mb))
                     done = acc
                 if self.record is not None:
                     jax.block_until_ready(done)
@@ -597,7 +670,7 @@ class StageRunner:
                         del grads_in[key]
                     for key in [k for k in grads_out if k[1] == mb]:
                         del grads_out[key]
-        return dict(zip(acc_params, acc))
+        return (dict(zip(acc_params, acc)) if acc else {}), applied
 
 
 # -- the local runtime -----------------------------------------------------------------------------
@@ -612,6 +685,7 @@ class CompiledPipeline:
     meshes: list[Mesh]
     cluster: Cluster
     compilers: list[StageCompiler]
+    fused: dict[int, int] = dataclasses.field(default_factory=dict)  # stage -> post segment
 
     @property
     def config(self) -> PipelineConfig:
@@ -637,6 +711,56 @@ class CompiledPipeline:
         return NamedSharding(self.meshes[s], spec)
 
 
+def fusable_segments(graph: StepGraph, compilers: Sequence[StageCompiler]) -> dict[int, int]:
+    """Post segments that can run inside their stage's last backward: stage -> segment index.
+
+    A segment qualifies when it is its stage's only one, reads only that stage's own parameters,
+    their gradients (which nothing else needs, not even the step's outputs) and the step's
+    inputs, and the stage exchanges no shared parameter's gradient after its last backward.
+    """
+    by_stage: dict[int, list[int]] = {}
+    for j, seg in enumerate(graph.segments):
+        by_stage.setdefault(seg.stage, []).append(j)
+    invars = graph.outer.jaxpr.invars
+    param_owner = {invars[i]: graph.owner[k] for k, i in enumerate(graph.params)}
+    grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
+    # Stages that exchange shared parameters' gradients after their last backward.
+    exchanging = set()
+    for k in range(len(graph.params)):
+        others = {u for u in graph.loss.users(PARAM, k) if u != graph.owner[k]}
+        if others:
+            exchanging |= others | {graph.owner[k]}
+    uses: dict[Any, int] = {}
+    for seg in graph.segments:
+        for v in seg.inputs:
+            uses[v] = uses.get(v, 0) + 1
+    returned = set(graph.outer.jaxpr.outvars)
+    inputs_ok = set(invars) | set(graph.pre_outputs)
+    fused = {}
+    for s, (j, *others) in by_stage.items():
+        seg = graph.segments[j]
+        if others or s in exchanging:
+            continue
+        grads = [v for v in seg.inputs if v in grad_of]
+        ok = bool(grads)
+        for v in seg.inputs:
+            if v in grad_of:
+                k = grad_of[v]
+                ok &= (
+                    graph.owner[k] == s
+                    and k in compilers[s].acc_params
+                    and uses.get(v) == 1
+                    and v not in returned
+                )
+            elif v in param_owner:
+                ok &= param_owner[v] == s
+            else:
+                ok &= v in inputs_ok and v not in set(graph.batch_vars)
+        if ok:
+            fused[s] = j
+    return fused
+
+
 def compile_local(
     graph: StepGraph,
     config: PipelineConfig,
@@ -650,21 +774,30 @@ def compile_local(
         for s, stage in enumerate(graph.loss.stages)
     ]
     layout = layout_pipeline(graph, config, meshes, leaves, cluster, compilers)
-    return CompiledPipeline(graph, layout, meshes, cluster, compilers)
+    fused = fusable_segments(graph, compilers)
+    grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
+    for s, j in fused.items():
+        seg = graph.segments[j]
+        compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
+    return CompiledPipeline(graph, layout, meshes, cluster, compilers, fused)
 
 
 class LocalExecutor:
     """Runs a compiled pipeline on this process's devices (see [Note: pipeline execution])."""
 
-    def __init__(self, compiled: CompiledPipeline, *, record: bool = False):
+    def __init__(self, compiled: CompiledPipeline):
         self.c = compiled
         self.events: list[Event] = []
-        self._record = self.events.append if record else None
+        self._record: Callable[[Event], None] | None = None
         self._lock = threading.Condition()
         self._mailbox: dict[tuple[str, int, int, int, int], Future] = {}
         self._failure: BaseException | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=max(4, 2 * compiled.num_stages), thread_name_prefix="jaxreshard-transfer"
+        )
+        # One long-lived thread per stage, reused every step.
+        self._stages = ThreadPoolExecutor(
+            max_workers=compiled.num_stages, thread_name_prefix="jaxreshard-stage"
         )
         gbps = compiled.config.emulate_network_gbps
         self._emulator = (
@@ -673,6 +806,7 @@ class LocalExecutor:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stages.shutdown(wait=False, cancel_futures=True)
 
     def _move(self, transfer: Transfer, value: Any) -> Any:
         from jaxreshard._reshard import execute
@@ -729,12 +863,28 @@ class LocalExecutor:
             ) from None
 
     def run(
-        self, params: list[Any], batches: list[list[list[Any]]], consts: list[list[Any]]
-    ) -> tuple[list[Any], list[Any]]:
-        """Run every stage's program; return (loss per micro-batch, gradient per parameter)."""
+        self,
+        params: list[Any],
+        batches: list[list[list[Any]]],
+        consts: list[list[Any]],
+        *,
+        record: bool = False,
+        apply_inputs: dict[int, list[Any]] | None = None,
+    ) -> tuple[list[Any], list[Any], dict[int, list[Any]]]:
+        """Run every stage's program; return the loss per micro-batch, the gradient per parameter
+        (None where an optimizer segment was fused) and the fused segments' outputs by stage.
+
+        With `record`, every action and transfer is timed into `self.events` (which blocks on
+        each action's results, so use it for profiles).
+        """
+        self.events = []
+        self._record = self.events.append if record else None
+        self._mailbox.clear()
+        self._failure = None
         p = self.c.num_stages
         owner = self.c.graph.owner
         accumulators: list[dict[int, Any]] = [{} for _ in range(p)]
+        applied: dict[int, list[Any]] = {}
         losses: list[Any] = [None] * self.c.config.num_micro_batches
 
         def worker(s: int) -> None:
@@ -749,7 +899,12 @@ class LocalExecutor:
             )
             mine = {k: v for k, v in enumerate(params) if owner[k] == s}
             try:
-                accumulators[s] = runner.run(mine, batches[s], consts[s], losses)
+                with jax.set_mesh(self.c.meshes[s]):
+                    accumulators[s], out = runner.run(
+                        mine, batches[s], consts[s], losses, (apply_inputs or {}).get(s)
+                    )
+                if out is not None:
+                    applied[s] = out
             except BaseException as e:
                 with self._lock:
                     if self._failure is None:
@@ -761,18 +916,15 @@ class LocalExecutor:
                         self._failure.__cause__ = e
                     self._lock.notify_all()
 
-        threads = [
-            threading.Thread(target=worker, args=(s,), name=f"jaxreshard-stage{s}")
-            for s in range(p)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if p == 1:
+            worker(0)  # nothing to overlap with: no thread
+        else:
+            for future in [self._stages.submit(worker, s) for s in range(p)]:
+                future.result()
         if self._failure is not None:
             raise self._failure
         grads = [accumulators[owner[k]].get(k) for k in range(len(params))]
-        return losses, grads
+        return losses, grads, applied
 
 
 def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:

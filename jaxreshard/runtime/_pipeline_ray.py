@@ -299,7 +299,7 @@ class HostPipeline:
                 )
             ]
             try:
-                results[s] = runner.run(mine, per_mb, stage_consts, losses)
+                results[s], _ = runner.run(mine, per_mb, stage_consts, losses)
             except BaseException as e:
                 with self._lock:
                     if self._failure is None:

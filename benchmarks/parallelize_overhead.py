@@ -88,6 +88,9 @@ def measure(name: str, layers: int, hidden: int, rows: int, steps: int) -> dict:
         "parallelize_ms": ours_ms,
         "ratio": ours_ms / jit_ms,
         "overhead_ms": ours_ms - jit_ms,
+        "best_jit_ms": min(times["jit"]) * 1e3,
+        "best_parallelize_ms": min(times["parallelize"]) * 1e3,
+        "best_ratio": min(times["parallelize"]) / min(times["jit"]),
         "steps": steps,
     }
 
@@ -100,8 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(n, *SIZES[n], args.steps) for n in args.sizes]
     table = Table(
-        title=f"parallelize (1 stage, 1 micro-batch) vs jax.jit, median of {args.steps}"
-        f" steps, {jax.devices()[0].platform}"
+        title=f"parallelize (1 stage, 1 micro-batch) vs jax.jit, {args.steps} alternating steps"
+        f" each: median and best; {jax.devices()[0].platform}"
     )
     for column in (
         "model",
@@ -111,7 +114,9 @@ def main() -> None:
         "jax.jit ms",
         "parallelize ms",
         "ratio",
-        "overhead ms",
+        "best jit ms",
+        "best ours ms",
+        "best ratio",
     ):
         table.add_column(column, justify="right")
     for r in rows:
@@ -123,7 +128,9 @@ def main() -> None:
             f"{r['jit_ms']:.2f}",
             f"{r['parallelize_ms']:.2f}",
             f"{r['ratio']:.2f}x",
-            f"{r['overhead_ms']:.2f}",
+            f"{r['best_jit_ms']:.2f}",
+            f"{r['best_parallelize_ms']:.2f}",
+            f"{r['best_ratio']:.2f}x",
         )
     Console(width=160).print(table)
     if args.out:

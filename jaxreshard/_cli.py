@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -67,10 +68,7 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
     scaled = [ex.scale_case(c, args.scale) for c in cases]
     runtime = None
     if args.execute == "local":
-        import jax
-
-        if jax.config.jax_platforms in (None, "", "cpu"):
-            jax.config.update("jax_num_cpu_devices", ex.devices_needed(scaled))
+        _cpu_devices(ex.devices_needed(scaled))
         run = lambda case: ex.run_local(case, args.repeats)
     else:
         from jaxreshard.runtime._ray import RayRuntime
@@ -168,6 +166,176 @@ def _schedule(args: argparse.Namespace) -> int:
         plot_timeline(timeline, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from jaxreshard import profiler
+
+    overrides: dict[str, dict[str, object]] = {"model": {}, "run": {}, "pipeline": {}}
+    for dest, value in vars(args).items():
+        if value is not None and dest.startswith(("model__", "run__", "pipeline__")):
+            table, key = dest.split("__", 1)
+            overrides[table][key] = value
+    pc = profiler.load_profile_config(args.model, args.config, overrides)
+    _cpu_devices(profiler.devices_needed(pc))
+    console = make_console()
+    cache = _compile_cache(args.compile_cache)
+    if cache:
+        console.print(f"XLA compile cache: {cache} (--compile-cache off to compile afresh)")
+    progress = not args.no_progress
+    if args.compare_schedules or args.compare_resharding:
+        kinds = [k for k in ("schedules", "resharding") if getattr(args, f"compare_{k}")]
+        results = {}
+        for kind in kinds:
+            variants = (
+                profiler.schedule_variants(pc)
+                if kind == "schedules"
+                else profiler.resharding_variants(pc)
+            )
+            title = (
+                f"{pc.model} {pc.preset}: {kind} compared, {pc.num_stages} stages x "
+                f"{pc.pipeline.num_micro_batches} micro-batches, {pc.run.steps} steps each "
+                "(interleaved); speedup over the first row"
+            )
+            rows = profiler.compare(
+                pc,
+                variants,
+                bound=pc.pipeline.backend != "ray",
+                console=console,
+                progress=progress,
+                title=title,
+            )
+            results[kind] = profiler.compare_json(pc, kind, rows)
+        if args.json:
+            _write_json(args.json, results[kinds[0]] if len(kinds) == 1 else results)
+            console.print(f"wrote {args.json}")
+        return 0
+    profiler.run_profile(
+        pc,
+        bound=args.bound,
+        console=console,
+        progress=progress,
+        json_path=args.json,
+        trace_path=args.trace,
+        plot_path=args.plot,
+    )
+    return 0
+
+
+def _compile_cache(where: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (identical stage programs, e.g. of schedule
+    variants or of the previous run, then load instead of compiling)."""
+    import os
+
+    import jax
+
+    if where == "off":
+        return None
+    if where is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "jaxreshard", "xla")
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return where
+
+
+def _cpu_devices(n: int) -> None:
+    """Give JAX's CPU backend `n` devices (before it starts) when it is the platform."""
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") and n > jax.config.jax_num_cpu_devices:
+        # JAX already started (a library caller): keep what it has.
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", n)
+
+
+def _add_profile_parser(commands: argparse._SubParsersAction) -> None:
+    import dataclasses
+
+    from jaxreshard._config import PipelineConfig
+    from jaxreshard.models import MODEL_NAMES, get_model
+    from jaxreshard.profiler import RunConfig
+
+    profile = commands.add_parser(
+        "profile",
+        help="train GPT or U-Transformer as a pipeline and profile it end to end",
+        description="Train a model on synthetic data with parallelize and report step time, "
+        "throughput, per-stage compute/blocked/bubble, and every boundary tensor's transfer.",
+    )
+    models = profile.add_subparsers(dest="model", required=True, metavar="MODEL")
+    for name in MODEL_NAMES:
+        spec = get_model(name)
+        sub = models.add_parser(
+            name,
+            help=f"profile {name} (presets: {', '.join(spec.presets)})",
+            description=f"Profile {name} training. Settings come from defaults < --preset < "
+            "--config FILE.toml ([model], [run], [pipeline] tables) < flags.",
+        )
+        sub.add_argument("--config", default=None, metavar="FILE.toml", help="profile config")
+        out = sub.add_argument_group("outputs and comparisons")
+        out.add_argument("--json", default=None, metavar="OUT", help="write the profile JSON")
+        out.add_argument("--trace", default=None, metavar="TRACE.json", help="Chrome trace")
+        out.add_argument("--plot", default=None, metavar="PNG", help="measured timeline PNG")
+        out.add_argument(
+            "--compare-schedules",
+            action="store_true",
+            help="1f1b vs eager_1f1b vs eager_1f1b + weight delay vs zb_h1, with the "
+            "signal-only bound",
+        )
+        out.add_argument(
+            "--compare-resharding",
+            action="store_true",
+            help="send_recv vs allgather vs broadcast resharding, with the signal-only bound",
+        )
+        out.add_argument(
+            "--bound",
+            action="store_true",
+            help="also time signal-only steps (the bound with free transfers; local backend)",
+        )
+        out.add_argument("--no-progress", action="store_true", help="no progress bar")
+        out.add_argument(
+            "--compile-cache",
+            default=None,
+            metavar="DIR|off",
+            help="JAX's persistent compilation cache (default ~/.cache/jaxreshard/xla)",
+        )
+        model_group = sub.add_argument_group(f"[model] ({name})")
+        model_group.add_argument(
+            "--preset", dest="model__preset", default=None, help=", ".join(spec.presets)
+        )
+        for f in dataclasses.fields(spec.config_type):
+            _field_flag(model_group, "model", f.name, f"{name} config field")
+        run_group = sub.add_argument_group("[run]")
+        for f in dataclasses.fields(RunConfig):
+            _field_flag(run_group, "run", f.name, f"RunConfig.{f.name}")
+        pipe_group = sub.add_argument_group("[pipeline] (PipelineConfig fields)")
+        for f in dataclasses.fields(PipelineConfig):
+            if f.name == "emulate_network_gbps":
+                pipe_group.add_argument(
+                    "--emulate-network",
+                    "--emulate-network-gbps",
+                    dest="pipeline__emulate_network_gbps",
+                    default=None,
+                    metavar="GBPS",
+                    help="delay every transfer between hosts as a NIC of GBPS gigabytes/s "
+                    "would (the paper's 10 Gbit/s is 1.25); each stage is its own host unless "
+                    "--devices-per-host says otherwise",
+                )
+                continue
+            _field_flag(pipe_group, "pipeline", f.name, f"PipelineConfig.{f.name}")
+        sub.set_defaults(run=_profile)
+
+
+def _field_flag(group: argparse._ArgumentGroup, table: str, name: str, what: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    dest = f"{table}__{name}"
+    if name in ("weight_delay",):
+        group.add_argument(
+            flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=what
+        )
+        return
+    group.add_argument(flag, dest=dest, default=None, metavar="V", help=what)
 
 
 def _write_json(path: str, data: object) -> None:
@@ -291,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", default=None, metavar="TRACE", help="write a Chrome trace (Perfetto)"
     )
     schedule.set_defaults(run=_schedule)
+    _add_profile_parser(commands)
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,9 @@ from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
 from jaxreshard.pipeline._emit import format_programs
 from jaxreshard.runtime._pipeline import (
+    APPLY_EVENT,
     CompiledPipeline,
+    Event,
     LocalExecutor,
     check_meshes,
     compile_local,
@@ -220,6 +223,28 @@ class Parallelized:
         outputs = entry.pipeline.run(leaves)
         return jax.tree.unflatten(entry.out_tree, outputs)
 
+    def profile_call(self, *args: Any, signal_only: bool = False) -> tuple[Any, list[Event]]:
+        """Call the step and time everything it does: returns the outputs and the step's
+        `Event`s (each action, transfer, blocked receive and post-gradient segment), with
+        times in this process's `time.perf_counter()` seconds. Timing blocks on every action's
+        results, which costs a little overlap of dispatch with compute.
+
+        With `signal_only` (the local runtime only), transfers carry no data, only the
+        dependency: the step runs as fast as it would with free communication, and its outputs
+        are wrong (see [Note: signal-only bound]); the next ordinary call is correct again.
+        """
+        entry, leaves = self._entry(args)
+        if signal_only and not isinstance(entry.pipeline, LocalPipeline):
+            raise ValueError(
+                "profile_call(signal_only=True) runs on the local runtime only; the Ray runtime "
+                "has no signal-only transfers"
+            )
+        kwargs = {"signal_only": True} if signal_only else {}
+        outputs = entry.pipeline.run(leaves, record=True, **kwargs)
+        out = jax.tree.unflatten(entry.out_tree, outputs)
+        jax.block_until_ready(out)
+        return out, list(entry.pipeline.last_events)
+
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it."""
         entry, _ = self._entry(args)
@@ -245,8 +270,12 @@ class LocalPipeline:
     def sharding(self, s: int, spec: Any) -> Any:
         return self.compiled.sharding(s, spec)
 
-    def run(self, leaves: list[Any], *, record: bool = False) -> list[Any]:
-        outputs, _ = run_step(self.compiled, leaves, record=record, executor=self.executor)
+    def run(
+        self, leaves: list[Any], *, record: bool = False, signal_only: bool = False
+    ) -> list[Any]:
+        outputs, _ = run_step(
+            self.compiled, leaves, record=record, signal_only=signal_only, executor=self.executor
+        )
         self.last_events = self.executor.events
         return outputs
 
@@ -278,9 +307,12 @@ def run_step(
     leaves: list[Any],
     *,
     record: bool = False,
+    signal_only: bool = False,
     executor: LocalExecutor | None = None,
 ) -> tuple[list[Any], LocalExecutor]:
-    """Run one step of a compiled pipeline on the local runtime; return the flat outputs."""
+    """Run one step of a compiled pipeline on the local runtime; return the flat outputs.
+
+    With `record`, the executor's `events` also get the post-gradient segments (kind `A`)."""
     g, layout = c.graph, c.layout
     m = c.config.num_micro_batches
     # Parameters, where their owners keep them.
@@ -316,7 +348,7 @@ def run_step(
         for s, j in c.fused.items()
     }
     losses, grads, applied = executor.run(
-        params, batches, consts, record=record, apply_inputs=apply_inputs
+        params, batches, consts, record=record, signal_only=signal_only, apply_inputs=apply_inputs
     )
     loss = _combine_losses(losses, c.config.loss_reduction)
     values[g.grad_outputs[0]] = loss
@@ -335,7 +367,13 @@ def run_step(
         mesh = c.meshes[segment.stage]
         inputs = [_on_mesh(values[v], mesh) for v in segment.inputs]
         donate = tuple(i for i, v in enumerate(segment.inputs) if dead.get(v) == index)
+        start = time.perf_counter()
         outs = _segment_fn(segment.jaxpr, donate)(*inputs)
+        if record:
+            jax.block_until_ready(outs)
+            executor.events.append(
+                Event(segment.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply")
+            )
         values.update(zip(segment.outputs, outs))
     outputs = [values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars]
     return outputs, executor

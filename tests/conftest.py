@@ -1,6 +1,7 @@
 """Test setup: many fake CPU devices, set before JAX initialises its backend."""
 
 import os
+import tempfile
 
 NUM_CPU_DEVICES = 24
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,6 +9,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
+# Identical stage programs (schedule variants, local vs Ray) compile once per test session.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxreshard-tests-xla-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

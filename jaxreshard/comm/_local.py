@@ -205,6 +205,9 @@ def _adoptable(plan: Plan, views: dict[int, tuple[Index, np.ndarray]]) -> dict[i
     return out
 
 
+INLINE_BYTES = 1 << 20  # a wave copying at most this much runs in the calling thread
+
+
 def execute_cpu(
     plan: Plan, x: jax.Array, dst_sharding: Any, stats: dict[str, int] | None = None
 ) -> jax.Array:
@@ -261,6 +264,10 @@ def execute_cpu(
         tasks = [piece for i in wave for task in copies(i) for piece in _chunks(task, itemsize)]
         if stats is not None:
             stats["copied_bytes"] += sum(index_size(t[1]) for t in tasks) * itemsize
+        if sum(index_size(t[1]) for t in tasks) * itemsize <= INLINE_BYTES:
+            for task in tasks:  # handing small copies to threads costs more than they take
+                copy(task)
+            continue
         # Large copies first, so that the pool's threads finish together.
         tasks.sort(key=lambda t: -index_size(t[1]))
         for future in [pool.submit(copy, task) for task in tasks]:

@@ -26,6 +26,8 @@ import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
+from jaxreshard._jax_compat import new_jaxpr
+
 # -- stage_boundary -----------------------------------------------------------------------------
 
 stage_boundary_p = jex_core.Primitive("stage_boundary")
@@ -190,8 +192,24 @@ def _bind_pipeline_grad(
         full = [next(it_d) if i in argnums else next(it_r) for i in range(len(args))]
         return fun(*full)
 
-    converted, consts = jax.closure_convert(loss_of_leaves, *diff_leaves, *rest_leaves)
-    jaxpr = jax.make_jaxpr(converted)(*diff_leaves, *rest_leaves, *consts)
+    # Values the loss closes over that belong to the enclosing trace (a batch captured by a
+    # lambda, a learning-rate schedule's step) become extra operands, of any dtype; concrete
+    # arrays stay constants of the loss. (`jax.closure_convert` hoists only float values.)
+    traced = jax.make_jaxpr(loss_of_leaves)(*diff_leaves, *rest_leaves)
+    inner = traced.jaxpr
+    hoist = [i for i, c in enumerate(traced.consts) if isinstance(c, jax.core.Tracer)]
+    keep = [i for i in range(len(traced.consts)) if i not in hoist]
+    consts = [traced.consts[i] for i in hoist]
+    jaxpr = jex_core.ClosedJaxpr(
+        new_jaxpr(
+            [inner.constvars[i] for i in keep],
+            [*inner.invars, *(inner.constvars[i] for i in hoist)],
+            inner.outvars,
+            inner.eqns,
+            "loss",
+        ),
+        [traced.consts[i] for i in keep],
+    )
     out = jaxpr.out_avals
     if (
         len(out) != 1

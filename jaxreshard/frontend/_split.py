@@ -6,7 +6,9 @@ stage k, and every equation belongs to the stage it is written in (the number of
 before it), as a user reads the code. Equations nothing needs are dropped. A value used by a
 later stage than the one that computes it is a boundary tensor: the marked activations, skip
 connections that jump stages, a transposed embedding computed early, anything. A stage never
-uses values of later stages, since the loss is traced in program order.
+uses values of later stages, since the loss is traced in program order. Values computed from
+the batch and constants alone (targets sliced off a token batch, a mask) are the exception: each
+stage that needs one computes its own copy rather than receiving it.
 A parameter used by several stages (tied embeddings) belongs to the first; the others get a copy
 each step and send their gradient contributions back to be summed.
 
@@ -233,11 +235,7 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
 def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None) -> LossSplit:
     """Cut the loss jaxpr (inputs described by `kinds`) into stages; see [Note: stage cutting]."""
     jaxpr, consts = inline_marked_calls(closed.jaxpr, closed.consts)
-    if consts:
-        raise PipelineSplitError(
-            "the loss closes over array constants inside jitted helpers; pass them as "
-            "arguments of the step instead"
-        )
+    const_of = dict(zip(jaxpr.constvars, consts))  # e.g. masks built inside jitted helpers
     markers = [e for e in jaxpr.eqns if e.primitive is stage_boundary_p]
     num_stages = len(markers) + 1
     if expected_stages is not None and expected_stages != num_stages:
@@ -270,6 +268,15 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
         raise PipelineSplitError("the loss is a constant; nothing depends on the parameters")
     loss_root = _root(alias, loss_var)
 
+    # Values computed from the batch and constants alone (slicing targets off a token batch,
+    # masks): every stage that needs one computes it, as the batch is on every stage anyway.
+    input_only = {v for v, ref in invar_kind.items() if ref.kind in (BATCH, CONST)}
+    input_only |= set(const_of)
+    for eqn in jaxpr.eqns:
+        reads = [_root(alias, v) for v in eqn.invars if _is_var(v)]
+        if eqn.primitive is not stage_boundary_p and all(v in input_only for v in reads):
+            input_only.update(eqn.outvars)
+
     # Which stages need each value (walking backwards; dead code is dropped).
     last = num_stages - 1
     need: dict[Any, set[int]] = {loss_root: {last}}
@@ -280,18 +287,20 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
             continue
         if not any(o in need for o in eqn.outvars):
             continue
-        stage = stage_of[position]
-        eqn_stages[position] = {stage}
+        if all(o in input_only for o in eqn.outvars):
+            eqn_stages[position] = set().union(*(need.get(o, set()) for o in eqn.outvars))
+        else:
+            eqn_stages[position] = {stage_of[position]}
         for v in eqn.invars:
             if _is_var(v):
-                need.setdefault(_root(alias, v), set()).add(stage)
+                need.setdefault(_root(alias, v), set()).update(eqn_stages[position])
 
     # Boundary tensors: values computed in one stage and needed by later ones.
     activations: dict[Any, Activation] = {}
     for var, stages in need.items():
         position = defined_by.get(var)
-        if position is None:
-            continue  # a step input
+        if position is None or var in input_only:
+            continue  # a step input, or computed where it is needed
         home = stage_of[position]
         earlier = sorted(s for s in stages if s < home)
         if earlier:
@@ -337,6 +346,8 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
                     "loss (or two jr.stage_boundary calls have nothing between them); remove a "
                     "boundary or use the stage's results"
                 )
+        stage_consts = [v for v in inputs if v in const_of]
+        inputs = [v for v in inputs if v not in const_of]
         refs = []
         for v in inputs:
             if v in invar_kind:
@@ -345,7 +356,11 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
                 refs.append(Ref(ACT, activations[v].id))
             else:  # pragma: no cover - every other value is defined in the stage
                 raise AssertionError(f"stage {s} input {v} has no source")
-        stages.append(Stage(s, _make_jaxpr(inputs, outvars, eqns), tuple(refs), outputs))
+        closed_stage = jc.ClosedJaxpr(
+            new_jaxpr(stage_consts, inputs, outvars, eqns, "pipeline stage"),
+            [const_of[v] for v in stage_consts],
+        )
+        stages.append(Stage(s, closed_stage, tuple(refs), outputs))
     ordered = sorted(activations.values(), key=lambda a: a.id)
     return LossSplit(tuple(stages), tuple(ordered))
 
@@ -490,65 +505,76 @@ def _free_inputs(eqns: Sequence[Any]) -> list[Any]:
 def _segments(
     eqns: Sequence[Any], placement: dict[Any, int | None], outvars: Sequence[Any]
 ) -> list[Segment]:
-    """Place post-gradient equations on stages and group them into per-stage segments."""
-    stage_of: dict[int, int] = {}
+    """Place post-gradient equations on stages and group them into per-stage segments.
+
+    An equation reading values that live on stages runs on the latest of them. An equation
+    reading only the step's free inputs (a step counter, a learning-rate schedule) is copied into
+    every stage that uses its result, as cheap scalar work is in data-parallel optimizers, so that
+    no stage waits for another's."""
+    stages: dict[int, set[int]] = {}
     for position, eqn in enumerate(eqns):
         placed = [placement.get(v) for v in eqn.invars if _is_var(v)]
         placed = [p for p in placed if p is not None]
         if placed:
-            stage = max(placed)
-            stage_of[position] = stage
+            stages[position] = {max(placed)}
             for o in eqn.outvars:
-                placement[o] = stage
-    # Equations on free inputs only run where their results are needed (default: stage 0).
+                placement[o] = max(placed)
     wanted: dict[Any, set[int]] = {}
     for position in reversed(range(len(eqns))):
         eqn = eqns[position]
-        if position in stage_of:
-            for v in eqn.invars:
-                if _is_var(v):
-                    wanted.setdefault(v, set()).add(stage_of[position])
-            continue
-        users = set().union(*(wanted.get(o, set()) for o in eqn.outvars))
-        stage = min(users) if users else 0
-        stage_of[position] = stage
-        for o in eqn.outvars:
-            placement[o] = stage
+        if position not in stages:  # free: wherever its results are used
+            users = set().union(*(wanted.get(o, set()) for o in eqn.outvars))
+            stages[position] = users or {0}
         for v in eqn.invars:
             if _is_var(v):
-                wanted.setdefault(v, set()).add(stage)
-    # Greedy topological grouping: keep running equations of the current stage while any is
-    # ready, so each stage gets few segments.
-    remaining = list(range(len(eqns)))
-    produced: set[Any] = set()
-    defined_here = {o for e in eqns for o in e.outvars}
-    segments: list[tuple[int, list[int]]] = []
+                wanted.setdefault(v, set()).update(stages[position])
+    free = {o for p, e in enumerate(eqns) if placement.get(e.outvars[0]) is None for o in e.outvars}
+    defined_at = {o: p for p, e in enumerate(eqns) for o in e.outvars}
+
+    def ready(item: tuple[int, int], produced: set[tuple[Any, int | None]]) -> bool:
+        p, stage = item
+        for v in eqns[p].invars:
+            if _is_var(v) and v in defined_at and (v, stage if v in free else None) not in produced:
+                return False
+        return True
+
+    # Greedy topological grouping: keep running the current stage while any of its equations is
+    # ready, so that each stage gets few segments.
+    remaining = [(p, stage) for p in range(len(eqns)) for stage in sorted(stages[p])]
+    produced: set[tuple[Any, int | None]] = set()
+    groups: list[tuple[int, list[int]]] = []
     current: int | None = None
     while remaining:
-        ready = [
-            p
-            for p in remaining
-            if all(not _is_var(v) or v not in defined_here or v in produced for v in eqns[p].invars)
-        ]
-        same = [p for p in ready if stage_of[p] == current]
-        pick = same[0] if same else ready[0]
-        if stage_of[pick] != current or not segments:
-            current = stage_of[pick]
-            segments.append((current, []))
-        segments[-1][1].append(pick)
-        produced.update(eqns[pick].outvars)
+        candidates = [item for item in remaining if ready(item, produced)]
+        same = [item for item in candidates if item[1] == current]
+        pick = same[0] if same else candidates[0]
+        if pick[1] != current or not groups:
+            current = pick[1]
+            groups.append((current, []))
+        groups[-1][1].append(pick[0])
+        for o in eqns[pick[0]].outvars:
+            produced.add((o, pick[1] if o in free else None))
         remaining.remove(pick)
     out = []
-    needed_later: set[Any] = {v for v in outvars if _is_var(v)}
-    for _, positions in reversed(segments):
-        for p in positions:
-            needed_later.update(v for v in eqns[p].invars if _is_var(v))
-    for stage, positions in segments:
+    for n, (stage, positions) in enumerate(groups):
         seg_eqns = [eqns[p] for p in positions]
-        inputs = _free_inputs(seg_eqns)
+        defined = {o for e in seg_eqns for o in e.outvars}
+        needed = {v for v in outvars if _is_var(v)}
+        for m, (_, others) in enumerate(groups):
+            if m != n:
+                other_defined = {o for p in others for o in eqns[p].outvars}
+                needed.update(
+                    v
+                    for p in others
+                    for v in eqns[p].invars
+                    if _is_var(v) and v not in other_defined
+                )
         outputs = [
-            v for v in dict.fromkeys(o for e in seg_eqns for o in e.outvars) if v in needed_later
+            v
+            for v in dict.fromkeys(o for e in seg_eqns for o in e.outvars)
+            if v in needed and v in defined
         ]
+        inputs = _free_inputs(seg_eqns)
         out.append(
             Segment(stage, _make_jaxpr(inputs, outputs, seg_eqns), tuple(inputs), tuple(outputs))
         )

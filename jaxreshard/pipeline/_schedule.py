@@ -38,8 +38,13 @@ class Transfer:
         return min(self.src, self.dst)
 
     def label(self) -> str:
-        short = "act" if self.kind == ACTIVATION else "grad"
-        return f"send {short} mb{self.mb} s{self.src}->s{self.dst}"
+        """`send act mb3 s0->s1`; measured timelines also carry the runtime's kinds (`param`
+        copies of shared parameters, their `param_grad`s), which belong to no micro-batch."""
+        short = {ACTIVATION: "act", GRADIENT: "grad", "param_grad": "param grad"}.get(
+            self.kind, self.kind
+        )
+        mb = f" mb{self.mb}" if self.mb >= 0 else ""
+        return f"send {short}{mb} s{self.src}->s{self.dst}"
 
 
 def transfer_from(action: Action, num_stages: int) -> Transfer | None:

@@ -198,15 +198,8 @@ def plot_timeline(
         if any(t.action.kind == k for t in actions)
     ]
     handles.append(Patch(color="#55A868", label="transfer"))
-    ax.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 - 0.05 / p),
-        ncol=len(handles),
-        fontsize=8,
-        frameon=False,
-    )
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

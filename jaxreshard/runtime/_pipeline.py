@@ -16,6 +16,12 @@ that a stage can compile in the process that owns its devices (this one, or a ho
 The local executor runs one runner thread per stage; a SEND hands the value to a transfer thread
 that moves it by its plan while the stage goes on, and a RECV waits, with a deadline, for it. The
 first failure stops every runner.
+
+[Note: signal-only bound]
+The paper's upper bound on what hiding transfers can buy: every cross-mesh transfer becomes a
+signal that keeps the dependency (the receiver still waits for the sender's value to exist) but
+carries no data; the receiver computes on zeros placed on its mesh once. A step run so is as fast
+as the same schedule with free communication; its losses are meaningless.
 """
 
 from __future__ import annotations
@@ -356,6 +362,11 @@ def layout_pipeline(
     res_specs: list[list[P]] = []
     input_specs: list[list[P]] = []
     act_spec: dict[int, P] = {}
+    scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
+    # A stage's backward needs only its own forward's specs: it compiles in the background
+    # while the next stages' forwards do (XLA compiles without the GIL).
+    pool = ThreadPoolExecutor(max_workers=max(1, p), thread_name_prefix="jaxreshard-compile")
+    backward_futures: list[Future] = []
     for s, stage in enumerate(graph.loss.stages):
         specs = []
         for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
@@ -378,12 +389,13 @@ def layout_pipeline(
         for ref, sp in zip(stage.outputs, outs):
             if ref.kind == ACT:
                 act_spec[ref.index] = sp
-    scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
-    grad_specs: list[list[P]] = [[] for _ in range(p)]
-    for s in reversed(range(p)):
-        grad_specs[s] = compilers[s].compile_backward(
-            res_specs[s], out_specs[s], scale if s == p - 1 else None
+        backward_futures.append(
+            pool.submit(compilers[s].compile_backward, res, outs, scale if s == p - 1 else None)
         )
+    try:
+        grad_specs: list[list[P]] = [f.result() for f in backward_futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def sharding(s: int, spec: P) -> Any:
         mesh = meshes[s]
@@ -489,16 +501,29 @@ class PipelineError(RuntimeError):
 
 @dataclasses.dataclass
 class Event:
-    """A timed thing that happened during a step (for profiles)."""
+    """A timed thing that happened during a step (for profiles).
+
+    Kinds: `F`, `B`, `W` (compute), `A` (an optimizer segment run after the pipeline), `send`
+    (a transfer, on the sender's lane, `dst` its receiver) and `wait` (a stage blocked in a
+    RECV). Times are `time.perf_counter()` seconds of the process that ran the stage.
+    """
 
     stage: int
-    kind: str  # "F", "B", "W" (compute) or "send" (a transfer, on the sender's lane)
+    kind: str
     mb: int
     start: float
     end: float
     name: str
     nbytes: int = 0
     dst: int = -1
+
+
+SEND, WAIT, APPLY_EVENT = "send", "wait", "A"
+
+
+def transfer_name(ins: Instruction) -> str:
+    """The name of the `Transfer` an instruction moves (`act3 s0->s1`)."""
+    return f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
 
 
 class StageRunner:
@@ -585,7 +610,12 @@ class StageRunner:
             if self.stopped():
                 raise PipelineError("stopped: another stage failed")
             if ins.op == RECV_OP:
+                start = time.perf_counter()
                 value = self.recv(ins)
+                if self.record is not None:
+                    self.record(
+                        Event(s, WAIT, ins.mb, start, time.perf_counter(), transfer_name(ins))
+                    )
                 if ins.kind == ACTIVATION:
                     inbox[(ins.tensor, ins.mb)] = value
                 elif ins.kind == GRADIENT:
@@ -793,12 +823,14 @@ class LocalExecutor:
         self._mailbox: dict[tuple[str, int, int, int, int], Future] = {}
         self._failure: BaseException | None = None
         self._pool = ThreadPoolExecutor(
-            max_workers=max(4, 2 * compiled.num_stages), thread_name_prefix="jaxreshard-transfer"
+            max_workers=max(8, 4 * compiled.num_stages), thread_name_prefix="jaxreshard-transfer"
         )
         # One long-lived thread per stage, reused every step.
         self._stages = ThreadPoolExecutor(
             max_workers=compiled.num_stages, thread_name_prefix="jaxreshard-stage"
         )
+        self.signal_only = False
+        self._placeholders: dict[tuple[str, P], Any] = {}
         gbps = compiled.config.emulate_network_gbps
         self._emulator = (
             LinkEmulator(gbps, compiled.cluster.latency_s) if gbps is not None else None
@@ -808,34 +840,54 @@ class LocalExecutor:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stages.shutdown(wait=False, cancel_futures=True)
 
-    def _move(self, transfer: Transfer, value: Any) -> Any:
+    def _move(self, transfer: Transfer, value: Any, mb: int) -> tuple[Any, float]:
+        """Move a value by its plan; return it and when (monotonic clock) the receiver may use
+        it: now, or the end of its emulated hops. The receiver, not this transfer thread,
+        sleeps until then, so that slow emulated links never hold the thread pool."""
         from jaxreshard._reshard import execute
 
         start = time.perf_counter()
         jax.block_until_ready(value)
         dst = self.c.sharding(transfer.dst_stage, transfer.dst_spec)
-        moved = execute(transfer.plan, value, dst)
-        if self._emulator is not None:
-            sleep_until(emulated_end(self._emulator, self.c.cluster, transfer.plan))
+        ready = 0.0
+        if self.signal_only:
+            moved = self._placeholder(transfer, dst)
+        else:
+            moved = execute(transfer.plan, value, dst)
+            if self._emulator is not None:
+                ready = emulated_end(self._emulator, self.c.cluster, transfer.plan)
         jax.block_until_ready(moved)
         if self._record is not None:
+            end = time.perf_counter() + max(0.0, ready - time.monotonic())
             self._record(
                 Event(
                     transfer.src_stage,
-                    "send",
-                    -1,
+                    SEND,
+                    mb,
                     start,
-                    time.perf_counter(),
+                    end,
                     transfer.name,
-                    transfer.nbytes,
+                    0 if self.signal_only else transfer.nbytes,
                     transfer.dst_stage,
                 )
             )
-        return moved
+        return moved, ready
+
+    def _placeholder(self, transfer: Transfer, dst: NamedSharding) -> Any:
+        """Signal-only mode's stand-in for a transfer's result: zeros already in place, made
+        once (see [Note: signal-only bound])."""
+        key = (transfer.name, transfer.dst_spec)
+        with self._lock:
+            value = self._placeholders.get(key)
+            if value is None:
+                value = self._placeholders[key] = jax.device_put(
+                    np.zeros(transfer.shape, transfer.dtype), dst
+                )
+        return value
 
     def _send(self, ins: Instruction, value: Any) -> None:
         transfer = self.c.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
-        future = self._pool.submit(self._move, transfer, value)
+        future = self._pool.submit(self._move, transfer, value, ins.mb)
         with self._lock:
             self._mailbox[ins.key] = future
             self._lock.notify_all()
@@ -856,7 +908,9 @@ class LocalExecutor:
                 self._lock.wait(min(left, 0.5))
             future = self._mailbox.pop(ins.key)
         try:
-            return future.result(timeout=max(0.001, deadline - time.monotonic()))
+            value, ready = future.result(timeout=max(0.001, deadline - time.monotonic()))
+            sleep_until(ready)
+            return value
         except TimeoutError:
             raise PipelineError(
                 f"stage {ins.dst}: the transfer {ins} did not finish within {timeout:g} s"
@@ -869,14 +923,17 @@ class LocalExecutor:
         consts: list[list[Any]],
         *,
         record: bool = False,
+        signal_only: bool = False,
         apply_inputs: dict[int, list[Any]] | None = None,
     ) -> tuple[list[Any], list[Any], dict[int, list[Any]]]:
         """Run every stage's program; return the loss per micro-batch, the gradient per parameter
         (None where an optimizer segment was fused) and the fused segments' outputs by stage.
 
         With `record`, every action and transfer is timed into `self.events` (which blocks on
-        each action's results, so use it for profiles).
+        each action's results, so use it for profiles). With `signal_only`, transfers carry no
+        data (see [Note: signal-only bound]): the results are wrong, the timing is the bound.
         """
+        self.signal_only = signal_only
         self.events = []
         self._record = self.events.append if record else None
         self._mailbox.clear()

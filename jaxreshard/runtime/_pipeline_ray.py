@@ -38,6 +38,8 @@ from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.pipeline._emit import Instruction
 from jaxreshard.runtime._pipeline import (
+    APPLY_EVENT,
+    SEND,
     Event,
     PipelineError,
     PipelineLayout,
@@ -140,7 +142,7 @@ class HostPipeline:
     def _send(self, step_id: str, ins: Instruction, value: Any) -> None:
         transfer = self.layout.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
         if self.host_of_stage[ins.dst] == self.actor.host:
-            future = self._pool.submit(self._move_local, transfer, value)
+            future = self._pool.submit(self._move_local, transfer, value, ins.mb)
             with self._lock:
                 self._local[(step_id, *ins.key)] = future
                 self._lock.notify_all()
@@ -157,7 +159,7 @@ class HostPipeline:
             self._record(
                 Event(
                     ins.src,
-                    "send",
+                    SEND,
                     ins.mb,
                     start,
                     time.perf_counter(),
@@ -178,7 +180,7 @@ class HostPipeline:
                     self._failure = e
                 self._lock.notify_all()
 
-    def _move_local(self, transfer: Transfer, value: Any) -> Any:
+    def _move_local(self, transfer: Transfer, value: Any, mb: int) -> Any:
         from jaxreshard._reshard import execute
 
         src = self.sharding(transfer.src_stage, transfer.src_spec)
@@ -200,8 +202,8 @@ class HostPipeline:
         self._record(
             Event(
                 transfer.src_stage,
-                "send",
-                -1,
+                SEND,
+                mb,
                 start,
                 time.perf_counter(),
                 transfer.name,
@@ -327,6 +329,7 @@ class HostPipeline:
             out["losses"] = [np.asarray(v) for v in losses]
         if self._events is not None:
             out["events"] = [e.__dict__ for e in self._events]
+            out["clock"] = time.time() - time.perf_counter()  # to align hosts' event times
         return out
 
     def segment(self, index: int, step_id: str, inputs: list[tuple[str, Any]]) -> list[Any]:
@@ -548,7 +551,18 @@ class RayPipeline:
         )
         last_host = self.host_of_stage[layout.num_stages - 1]
         losses = results[last_host]["losses"]
-        self.last_events = [Event(**e) for r in results.values() for e in r.get("events", [])]
+        here = time.time() - time.perf_counter()
+        self.last_events = [
+            Event(
+                **{
+                    **e,
+                    "start": e["start"] + r["clock"] - here,
+                    "end": e["end"] + r["clock"] - here,
+                }
+            )
+            for r in results.values()
+            for e in r.get("events", [])
+        ]
         loss = np.mean(losses) if self.config.loss_reduction == "mean" else np.sum(losses)
         values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
         for k, i in enumerate(g.params):
@@ -566,6 +580,7 @@ class RayPipeline:
             )
         for index, seg in enumerate(g.segments):
             host = self.host_of_stage[seg.stage]
+            start = time.perf_counter()
             inputs = [self._locate(values[v], host) for v in seg.inputs]
             described = rt._wait(
                 {
@@ -575,6 +590,10 @@ class RayPipeline:
                 },
                 f"post segment {index}",
             )[host]
+            if record:
+                self.last_events.append(
+                    Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply")
+                )
             for var, (array_id, spec, shape, dtype) in zip(seg.outputs, described):
                 values[var] = RemoteArray(
                     rt, array_id, shape, dtype, self.sharding(seg.stage, P(*spec))

@@ -1,0 +1,270 @@
+"""End-to-end training profiles: `jaxreshard profile gpt|utransformer` and its library form.
+
+    pc = load_profile_config("gpt", "examples/configs/gpt_tiny.toml", {"run": {"steps": 20}})
+    result = run_profile(pc)          # the jaxreshard-profile/1 dict
+    rows = compare(pc, schedule_variants(pc))
+
+See [Note: what a profile measures].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxreshard.profiler._config import (
+    PROFILE_PIPELINE,
+    ProfileConfig,
+    RunConfig,
+    load_profile_config,
+)
+from jaxreshard.profiler._report import (
+    COMPARE_FORMAT,
+    chrome_trace,
+    comparison_rows,
+    comparison_table,
+    header_lines,
+    measured_timeline,
+    median_step,
+    profile_json,
+    summary_tables,
+)
+from jaxreshard.profiler._run import Session, devices_needed, run_steps
+
+__all__ = [
+    "PROFILE_PIPELINE",
+    "ProfileConfig",
+    "RunConfig",
+    "Session",
+    "compare",
+    "devices_needed",
+    "load_profile_config",
+    "resharding_variants",
+    "run_profile",
+    "schedule_variants",
+]
+
+
+@contextlib.contextmanager
+def runtime_for(pc: ProfileConfig) -> Iterator[Any]:
+    """The Ray runtime a profile needs (None for the local backend): the running one, or one
+    started for the profile (a local cluster of one host per stage, or `run.address`'s) and
+    shut down after it."""
+    if pc.pipeline.backend != "ray":
+        yield None
+        return
+    import jaxreshard
+    from jaxreshard.runtime._api import current_runtime
+
+    running = current_runtime()
+    if running.backend == "ray":
+        yield running
+        return
+    per_stage = max(pc.pipeline.devices_per_stage(pc.num_stages))
+    options: dict[str, Any] = {"timeout_s": pc.pipeline.timeout_s}
+    if pc.pipeline.emulate_network_gbps is not None:
+        options["emulate_network_gbps"] = pc.pipeline.emulate_network_gbps
+    if pc.run.address is not None:
+        runtime = jaxreshard.init("ray", address=pc.run.address, **options)
+    else:
+        runtime = jaxreshard.init(
+            "ray",
+            num_hosts=pc.num_stages,
+            devices_per_host=per_stage,
+            object_store_memory=512 * 2**20,
+            **options,
+        )
+    try:
+        yield runtime
+    finally:
+        jaxreshard.shutdown()
+
+
+def _emulating(pc: ProfileConfig) -> ProfileConfig:
+    """With network emulation, every stage is its own host unless devices_per_host says so."""
+    p = pc.pipeline
+    if p.emulate_network_gbps is not None and p.devices_per_host is None:
+        return pc.replace_pipeline(devices_per_host=max(p.devices_per_stage(pc.num_stages)))
+    return pc
+
+
+def run_profile(
+    pc: ProfileConfig,
+    *,
+    bound: bool = False,
+    console: Any = None,
+    progress: bool = True,
+    json_path: str | Path | None = None,
+    trace_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Train `pc`'s model for its warm-up and timed steps and return the profile
+    (`jaxreshard-profile/1`); print it to `console` (a rich Console) if given, and write the
+    JSON, the Chrome trace and the PNG of the median step's measured timeline if asked. With
+    `bound`, also time as many signal-only steps (local backend)."""
+    pc = _emulating(pc)
+    with runtime_for(pc) as runtime:
+        session = Session(pc, runtime=runtime)
+        if console is not None:
+            for line in header_lines(pc):
+                console.print(line, highlight=False)
+        with _status(console, "compiling and warming up"):
+            session.warm_up()
+        with _bar(console, progress, pc.run.steps * (2 if bound else 1)) as advance:
+            run_steps([session], pc.run.steps, on_step=advance)
+            if bound:
+                run_steps([session], pc.run.steps, signal_only=True, on_step=advance)
+        flops = session.flops_per_step()
+        result = profile_json(session, flops)
+        if console is not None:
+            for table in summary_tables(result):
+                console.print(table)
+        _write_outputs(session, result, console, json_path, trace_path, plot_path)
+    return result
+
+
+def _write_outputs(session, result, console, json_path, trace_path, plot_path) -> None:
+    say = console.print if console is not None else (lambda *a, **k: None)
+    if json_path:
+        write_json(json_path, result)
+        say(f"wrote {json_path}")
+    if trace_path:
+        write_json(trace_path, chrome_trace(session, session.steps))
+        say(f"wrote {trace_path} (open in https://ui.perfetto.dev)")
+    if plot_path:
+        from jaxreshard.pipeline._visualize import plot_timeline
+
+        step = median_step(session.steps)
+        timeline = measured_timeline(session, [step])
+        pc = session.pc
+        emu = pc.pipeline.emulate_network_gbps
+        title = (
+            f"{pc.model} {pc.preset}, measured: {pc.pipeline.schedule}"
+            f"{' + weight delay' if pc.pipeline.weight_delay else ''}, {pc.num_stages} stages x "
+            f"{pc.pipeline.num_micro_batches} micro-batches, step {step.seconds * 1e3:.1f} ms"
+            + (f", network emulated at {emu:g} GB/s" if emu is not None else "")
+        )
+        plot_timeline(timeline, plot_path, title=title, unit="ms (measured)")
+        say(f"wrote {plot_path}")
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+# -- comparisons ----------------------------------------------------------------------------------
+
+
+def schedule_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
+    """1F1B, eager-1F1B, eager-1F1B + weight delay and ZB-H1 (the paper's ablation)."""
+    del pc
+    return [
+        ("1f1b", {"schedule": "1f1b", "weight_delay": False}),
+        ("eager_1f1b", {"schedule": "eager_1f1b", "weight_delay": False}),
+        ("eager_1f1b + weight delay", {"schedule": "eager_1f1b", "weight_delay": True}),
+        ("zb_h1", {"schedule": "zb_h1", "weight_delay": False}),
+    ]
+
+
+def resharding_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
+    """Point-to-point, Alpa's all-gather, and the paper's load-balanced broadcast."""
+    del pc
+    return [
+        ("send_recv", {"resharding": "send_recv"}),
+        ("allgather", {"resharding": "allgather"}),
+        ("broadcast", {"resharding": "broadcast_greedy"}),
+    ]
+
+
+def compare(
+    pc: ProfileConfig,
+    variants: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    bound: bool = True,
+    console: Any = None,
+    progress: bool = True,
+    title: str = "",
+) -> list[dict[str, Any]]:
+    """Run the same model under each variant of the pipeline config, stepping them in turn
+    (so machine noise hits all alike), and return one row per variant (the first is the
+    baseline of the speedups). With `bound`, also time signal-only steps of each (local)."""
+    pc = _emulating(pc)
+    configs = [(label, pc.replace_pipeline(**changes)) for label, changes in variants]
+    with runtime_for(pc) as runtime:
+        if console is not None:
+            for line in header_lines(pc):
+                console.print(line, highlight=False)
+        sessions = []
+        for label, vpc in configs:
+            with _status(console, f"compiling {label}"):
+                session = Session(vpc, label, runtime=runtime)
+                session.warm_up()
+            sessions.append(session)
+        total = pc.run.steps * len(sessions) * (2 if bound else 1)
+        with _bar(console, progress, total) as advance:
+            run_steps(sessions, pc.run.steps, on_step=advance)
+            if bound:
+                run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance)
+        rows = comparison_rows(sessions)
+    if console is not None:
+        console.print(comparison_table(rows, title or "comparison"))
+    return rows
+
+
+def compare_json(pc: ProfileConfig, kind: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from jaxreshard.profiler._report import describe_devices
+
+    return {
+        "format": COMPARE_FORMAT,
+        "compare": kind,
+        "model": pc.model,
+        "preset": pc.preset,
+        "config": pc.to_json(),
+        "device": describe_devices(),
+        "rows": list(rows),
+    }
+
+
+# -- progress -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _status(console: Any, text: str) -> Iterator[None]:
+    if console is None:
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+@contextlib.contextmanager
+def _bar(console: Any, progress: bool, total: int) -> Iterator[Callable[[Any, Any], None]]:
+    if console is None or not progress:
+        yield lambda session, record: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("steps", total=total, info="")
+
+        def advance(session: Any, record: Any) -> None:
+            what = "signal-only" if record in session.signal_steps else f"loss {record.loss:.4f}"
+            bar.update(
+                task,
+                advance=1,
+                info=f"{session.label}: {record.seconds * 1e3:.1f} ms, {what}",
+            )
+
+        yield advance

@@ -1,0 +1,315 @@
+"""What `jaxreshard profile` runs: a model, a run and a pipeline, from TOML and flags.
+
+A profile config file has three tables, every key optional:
+
+    [model]                 # name = "gpt" (checked against the command), preset, then any
+    preset = "tiny"         # field of the model's config to override the preset's
+    [run]                   # RunConfig: batch_size, steps, warmup_steps, seed, ...
+    steps = 20
+    [pipeline]              # PipelineConfig: num_stages, num_micro_batches, schedule, ...
+    schedule = "eager_1f1b"
+
+Later sources win: defaults, then the preset, then the file, then command-line flags. Every
+error names the key, where it came from, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxreshard._config import PipelineConfig
+from jaxreshard.models import ModelSpec, get_model
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TABLES = ("model", "run", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How long and on what to run.
+
+    Attributes:
+        batch_size: samples per step (split into the pipeline's micro-batches).
+        steps: timed steps.
+        warmup_steps: untimed steps first (the first one compiles).
+        seed: seeds the parameters and the synthetic data.
+        learning_rate: Adam's.
+        address: Ray only: the cluster to join (`auto` or `HOST:PORT`); none starts a local one
+            with one host per stage.
+    """
+
+    batch_size: int = 16
+    steps: int = 10
+    warmup_steps: int = 1
+    seed: int = 0
+    learning_rate: float = 1e-3
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "steps", "warmup_steps"):
+            value = getattr(self, name)
+            low = 0 if name == "warmup_steps" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"[run] {name}={value!r}: must be an int >= {low}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"[run] learning_rate={self.learning_rate!r}: must be > 0")
+
+
+# The pipeline a profile runs unless told otherwise: two stages of a (data, model) mesh.
+PROFILE_PIPELINE = {
+    "num_stages": 2,
+    "num_micro_batches": 4,
+    "schedule": "eager_1f1b",
+    "weight_delay": True,
+    "stage_mesh_shape": (1, 2),
+    "mesh_axis_names": ("data", "model"),
+    "backend": "local",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A model config, a run config and a pipeline config, ready to profile."""
+
+    model: str
+    preset: str
+    model_config: Any
+    run: RunConfig
+    pipeline: PipelineConfig
+
+    @property
+    def spec(self) -> ModelSpec:
+        return get_model(self.model)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline.num_stages or 2
+
+    def replace_pipeline(self, **changes: Any) -> ProfileConfig:
+        return dataclasses.replace(self, pipeline=self.pipeline.replace(**changes))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "preset": self.preset,
+            "model_config": _jsonable(dataclasses.asdict(self.model_config)),
+            "run": dataclasses.asdict(self.run),
+            "pipeline": _jsonable(self.pipeline.to_dict()),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# -- building one -------------------------------------------------------------------------------
+
+
+def load_profile_config(
+    model: str,
+    path: str | Path | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ProfileConfig:
+    """Build the config for `model` from an optional TOML file and flag overrides
+    (`{"model": {...}, "run": {...}, "pipeline": {...}}`, the flags' values by field name)."""
+    spec = get_model(model)
+    data: dict[str, dict[str, Any]] = {t: {} for t in TABLES}
+    origin: dict[tuple[str, str], str] = {}
+    if path is not None:
+        file_data = _read_toml(Path(path))
+        for table, values in file_data.items():
+            data[table].update(values)
+            origin.update({(table, k): f"{path} [{table}]" for k in values})
+    for table, values in (overrides or {}).items():
+        data[table].update(values)
+        origin.update({(table, k): f"--{k.replace('_', '-')}" for k in values})
+
+    model_table = dict(data["model"])
+    name = model_table.pop("name", model)
+    if name != model:
+        raise ValueError(
+            f"{origin[('model', 'name')]}: name={name!r} but the command profiles {model!r}; "
+            f"run `jaxreshard profile {name}` or change the name"
+        )
+    preset = model_table.pop("preset", "tiny")
+    if preset not in spec.presets:
+        raise ValueError(
+            f"{origin.get(('model', 'preset'), '[model]')}: preset={preset!r} is not a {model} "
+            f"preset; choose one of {', '.join(spec.presets)}"
+        )
+    base = spec.presets[preset]
+    model_fields = {f.name: f for f in dataclasses.fields(spec.config_type)}
+    for key, value in model_table.items():
+        where = origin[("model", key)]
+        if key not in model_fields:
+            raise ValueError(
+                f"{where}: unknown key {key!r} for {model}; valid keys: name, preset, "
+                f"{', '.join(model_fields)}"
+            )
+        model_table[key] = coerce(value, _hint(spec.config_type, key), f"{where} {key}")
+    model_config = _build(
+        lambda: dataclasses.replace(base, **model_table), origin, "model", model_table
+    )
+
+    run_values = _checked(data["run"], RunConfig, "run", origin)
+    run = _build(lambda: RunConfig(**run_values), origin, "run", run_values)
+
+    pipe_values = {
+        **PROFILE_PIPELINE,
+        **_checked(data["pipeline"], PipelineConfig, "pipeline", origin),
+    }
+    pipeline = _build(lambda: PipelineConfig(**pipe_values), origin, "pipeline", pipe_values)
+    if pipeline.num_stages is None:
+        pipeline = pipeline.replace(num_stages=2)
+    units = spec.num_units(model_config)
+    if pipeline.num_stages > units:
+        raise ValueError(
+            f"num_stages={pipeline.num_stages}"
+            f"{_from(origin, 'pipeline', 'num_stages')}: the {model} {preset} model has "
+            f"{units} layers to share, so at most {units} stages; use fewer stages or a bigger "
+            "model"
+        )
+    if run.batch_size % pipeline.num_micro_batches:
+        raise ValueError(
+            f"batch_size={run.batch_size}{_from(origin, 'run', 'batch_size')} is not a multiple "
+            f"of num_micro_batches={pipeline.num_micro_batches}"
+            f"{_from(origin, 'pipeline', 'num_micro_batches')}; make it one"
+        )
+    return ProfileConfig(model, preset, model_config, run, pipeline)
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    for key, value in data.items():
+        if key not in TABLES:
+            raise ValueError(
+                f"{path}: unknown table or key {key!r}; a profile config has the tables "
+                f"{', '.join(f'[{t}]' for t in TABLES)}"
+            )
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: {key!r} must be a table ([{key}]), not {value!r}")
+    return data
+
+
+def _checked(
+    values: Mapping[str, Any], cls: type, table: str, origin: Mapping[tuple[str, str], str]
+) -> dict[str, Any]:
+    fields = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in values.items():
+        where = origin[(table, key)]
+        if key not in fields:
+            raise ValueError(f"{where}: unknown key {key!r}; valid keys: {', '.join(fields)}")
+        out[key] = coerce(value, _hint(cls, key), f"{where} {key}")
+    return out
+
+
+def _build(make, origin, table, values) -> Any:
+    """Call `make`; add to a validation error where the keys it names were set."""
+    try:
+        return make()
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        sources = [
+            f"{key} from {origin[(table, key)]}"
+            for key in values
+            if (table, key) in origin and key in text
+        ]
+        raise ValueError(text + (f" ({'; '.join(sources)})" if sources else "")) from None
+
+
+def _from(origin: Mapping[tuple[str, str], str], table: str, key: str) -> str:
+    where = origin.get((table, key))
+    return f" (from {where})" if where else ""
+
+
+def _hint(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check (and convert, for flags' strings) a value against a field's type."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() == "none")
+        if is_none and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return coerce(value, a, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[-1] + (" or none" if type(None) in args else ""))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"{where}={value!r}: must be true or false")
+    if hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}={value!r}: must be an integer")
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{where}={value!r}: must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where}={value!r}: must be a string")
+    if origin is tuple:
+        if isinstance(value, str):
+            return parse_tuple(value, args, where)
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        raise ValueError(f"{where}={value!r}: must be a list, e.g. [1, 2]")
+    return value
+
+
+def parse_tuple(text: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+    """A flag's tuple: `1,2` (or `1x2`) for ints, `data,model` for names; `;` separates
+    per-stage shapes (`1,2;2,1`)."""
+    if ";" in text:
+        return tuple(parse_tuple(part, args, where) for part in text.split(";"))
+    if args and args[0] is str:
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    parts = [p.strip() for p in text.replace("x", ",").split(",") if p.strip()]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"{where}={text!r}: must be comma-separated integers, e.g. 1,2 (per stage: 1,2;2,1)"
+        ) from None

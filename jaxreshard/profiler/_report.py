@@ -1,0 +1,368 @@
+"""What a profile shows: tables, `jaxreshard-profile/1` JSON, a Chrome trace and a PNG.
+
+The measured timeline is a `jaxreshard.pipeline.Timeline` built from the recorded events, so
+the trace and the picture look exactly like those of a simulated schedule (`jaxreshard
+schedule`), in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jaxreshard.pipeline._action import Action
+from jaxreshard.pipeline._schedule import ACTIVATION, GRADIENT, Transfer
+from jaxreshard.pipeline._simulate import TimedAction, TimedTransfer, Timeline
+from jaxreshard.pipeline._visualize import to_chrome_trace
+from jaxreshard.profiler._run import (
+    COMPUTE_KINDS,
+    Session,
+    StepRecord,
+    median,
+    stage_stats,
+    transfer_stats,
+)
+from jaxreshard.runtime._pipeline import SEND, WAIT
+
+PROFILE_FORMAT = "jaxreshard-profile/1"
+COMPARE_FORMAT = "jaxreshard-profile-compare/1"
+MS = 1e3
+
+
+def _transfer_kind(name: str) -> str:
+    kind = name.split(" ")[0].rstrip("0123456789")
+    return {"act": ACTIVATION, "grad": GRADIENT}.get(kind, kind)
+
+
+def measured_timeline(session: Session, steps: Sequence[StepRecord]) -> Timeline:
+    """The steps' events laid end to end as a timeline in milliseconds."""
+    p = session.layout.num_stages
+    stages: list[list[TimedAction]] = [[] for _ in range(p)]
+    transfers: list[TimedTransfer] = []
+    offset = 0.0
+    for st in steps:
+        for e in st.events:
+            start, end = (offset + e.start) * MS, (offset + e.end) * MS
+            if e.kind in COMPUTE_KINDS:
+                stages[e.stage].append(TimedAction(Action(e.stage, e.kind, e.mb), start, end))
+            elif e.kind == SEND:
+                tr = Transfer(_transfer_kind(e.name), e.mb, e.stage, e.dst)
+                transfers.append(TimedTransfer(tr, start, end))
+        offset += st.seconds
+    return Timeline(
+        session.layout.schedule,
+        None,
+        True,
+        tuple(tuple(sorted(s, key=lambda t: t.start)) for s in stages),
+        tuple(sorted(transfers, key=lambda t: t.start)),
+    )
+
+
+def median_step(steps: Sequence[StepRecord]) -> StepRecord:
+    ordered = sorted(steps, key=lambda s: s.seconds)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def chrome_trace(session: Session, steps: Sequence[StepRecord]) -> dict[str, Any]:
+    """Perfetto-ready trace of all timed steps: one process per stage with a compute lane, a
+    transfers-out lane and a lane of the time blocked in receives; a marker per step."""
+    timeline = measured_timeline(session, steps)
+    trace = to_chrome_trace(timeline, seconds_per_unit=1e-3)
+    events = trace["traceEvents"]
+    for s in range(len(timeline.stages)):
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": s, "tid": 2, "args": {"name": "blocked"}}
+        )
+    offset = 0.0
+    for i, st in enumerate(steps):
+        events.append(
+            {
+                "name": f"step {i} ({st.seconds * MS:.1f} ms, loss {st.loss:.4g})",
+                "ph": "i",
+                "s": "g",
+                "pid": 0,
+                "tid": 0,
+                "ts": offset * 1e6,
+            }
+        )
+        for e in st.events:
+            if e.kind == WAIT and e.end > e.start:
+                events.append(
+                    {
+                        "name": f"wait {e.name}" + (f" mb{e.mb}" if e.mb >= 0 else ""),
+                        "cat": "wait",
+                        "ph": "X",
+                        "pid": e.stage,
+                        "tid": 2,
+                        "ts": (offset + e.start) * 1e6,
+                        "dur": (e.end - e.start) * 1e6,
+                    }
+                )
+        offset += st.seconds
+    return trace
+
+
+# -- the summary ----------------------------------------------------------------------------------
+
+
+def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
+    """The `jaxreshard-profile/1` object (see DESIGN.md, "Formats")."""
+    pc, steps = session.pc, session.steps
+    layout = session.layout
+    step_s = median([s.seconds for s in steps])
+    per_sample = pc.spec.units_per_sample(pc.model_config)
+    samples_per_s = pc.run.batch_size / step_s if step_s > 0 else None
+    stats = stage_stats(steps, layout.num_stages)
+    memory = session.memory()
+    shapes = layout.mesh_shapes
+    for row, mem in zip(stats, memory):
+        row.update(mem)
+        row["mesh_shape"] = dict(shapes[row["stage"]])
+    out: dict[str, Any] = {
+        "format": PROFILE_FORMAT,
+        "model": pc.model,
+        "preset": pc.preset,
+        "num_params": pc.model_config.num_params,
+        "schedule": pc.pipeline.schedule,
+        "weight_delay": pc.pipeline.weight_delay,
+        "resharding": pc.pipeline.resharding,
+        "backend": pc.pipeline.backend,
+        "emulate_network_gbps": pc.pipeline.emulate_network_gbps,
+        "config": pc.to_json(),
+        "device": describe_devices(),
+        "compile_seconds": session.compile_seconds,
+        "steps": [{"seconds": s.seconds, "loss": s.loss} for s in steps],
+        "step_seconds": step_s,
+        "samples_per_second": samples_per_s,
+        "unit": pc.spec.unit,
+        "units_per_second": samples_per_s * per_sample if samples_per_s else None,
+        "flops_per_step": flops,
+        "model_tflops": flops / step_s / 1e12 if flops and step_s > 0 else None,
+        "transfer_seconds": median(
+            [sum(e.end - e.start for e in st.events if e.kind == SEND) for st in steps]
+        ),
+        "stages": stats,
+        "boundary_tensors": transfer_stats(steps, layout),
+    }
+    if session.signal_steps:
+        bound = median([s.seconds for s in session.signal_steps])
+        out["signal_only"] = {
+            "step_seconds": bound,
+            "steps": [{"seconds": s.seconds} for s in session.signal_steps],
+            "fraction_of_bound": bound / step_s if step_s > 0 else None,
+        }
+    return out
+
+
+def describe_devices() -> str:
+    import jax
+
+    devices = jax.devices()
+    kind = devices[0].device_kind if devices else "?"
+    return f"{len(devices)} x {devices[0].platform} ({kind})" if devices else "none"
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"  # pragma: no cover
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def header_lines(pc: Any) -> list[str]:
+    """What runs, in a few lines (with the emulation notice when it is on)."""
+    p = pc.pipeline
+    lines = [
+        f"{pc.model} {pc.preset}: {pc.model_config.num_params / 1e6:.2f} M parameters; "
+        f"batch {pc.run.batch_size} = {p.num_micro_batches} micro-batches x "
+        f"{pc.run.batch_size // p.num_micro_batches}",
+        f"pipeline: {pc.num_stages} stages on meshes {list(p.mesh_shapes(pc.num_stages))} "
+        f"{tuple(p.mesh_axis_names)}, schedule {p.schedule}"
+        f"{' + weight delay' if p.weight_delay else ''}, resharding {p.resharding}, "
+        f"backend {p.backend}; devices: {describe_devices()}",
+    ]
+    if p.emulate_network_gbps is not None:
+        lines.append(
+            f"[bold yellow]network emulation ON[/]: every transfer between stages on different "
+            f"hosts waits as on a {p.emulate_network_gbps:g} GB/s "
+            f"({p.emulate_network_gbps * 8:g} Gbit/s) NIC per host (cluster cost model), "
+            f"{p.devices_per_host} devices per host; step times include those waits"
+        )
+    return lines
+
+
+def summary_tables(result: dict[str, Any]) -> list[Any]:
+    """Rich tables: the step, the stages, the boundary tensors."""
+    from rich.table import Table
+
+    step = Table(title="step (median over timed steps; compile excluded)", title_justify="left")
+    for col in (
+        "step time",
+        f"{result['unit']}/s",
+        "samples/s",
+        "model TFLOP/s",
+        "transfers (sum)",
+        "compile",
+        "loss first -> last",
+    ):
+        step.add_column(col, justify="right")
+    losses = [s["loss"] for s in result["steps"]]
+    tflops = result["model_tflops"]
+    step.add_row(
+        _fmt_s(result["step_seconds"]),
+        f"{result['units_per_second']:,.0f}" if result["units_per_second"] else "n/a",
+        f"{result['samples_per_second']:,.1f}" if result["samples_per_second"] else "n/a",
+        f"{tflops:.4f}" if tflops else "n/a",
+        _fmt_s(result["transfer_seconds"]),
+        _fmt_s(result["compile_seconds"]),
+        f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a",
+    )
+    stages = Table(title="stages (medians per step)", title_justify="left")
+    for col in (
+        "stage",
+        "mesh",
+        "compute",
+        "blocked in receives",
+        "bubble",
+        "peak activations (mb)",
+        "activations/mb/device",
+        "peak memory",
+    ):
+        stages.add_column(col, justify="right")
+    for row in result["stages"]:
+        stages.add_row(
+            str(row["stage"]),
+            "x".join(str(v) for v in row["mesh_shape"].values()),
+            _fmt_s(row["compute_seconds"]),
+            _fmt_s(row["blocked_seconds"]),
+            f"{row['bubble_fraction']:.1%}",
+            str(row["peak_activations"]),
+            _fmt_bytes(row["activation_bytes_per_microbatch"]),
+            _fmt_bytes(row["peak_memory_bytes"])
+            if row["peak_memory_bytes"] is not None
+            else "n/a (backend reports none)",
+        )
+    tensors = Table(title="boundary tensors (measured: median per transfer)", title_justify="left")
+    for col in (
+        "transfer",
+        "shape",
+        "src sharding",
+        "dst sharding",
+        "strategy",
+        "bytes",
+        "planned",
+        "measured",
+        "per step",
+    ):
+        tensors.add_column(
+            col, justify="right" if col in ("bytes", "planned", "measured", "per step") else "left"
+        )
+    for t in result["boundary_tensors"]:
+        strategy = (
+            t["strategy"] if t["strategy"] == t["chosen"] else f"{t['strategy']}: {t['chosen']}"
+        )
+        tensors.add_row(
+            t["name"],
+            f"{tuple(t['shape'])} {t['dtype']}",
+            f"{t['src_spec']} on {_mesh_text(t['src_mesh'])}",
+            f"{t['dst_spec']} on {_mesh_text(t['dst_mesh'])}",
+            strategy,
+            _fmt_bytes(t["bytes"]),
+            _fmt_s(t["planned_seconds"]),
+            _fmt_s(t["measured_seconds"]),
+            f"{t['per_step']:g}",
+        )
+    tables = [step, stages, tensors]
+    if "signal_only" in result:
+        bound = result["signal_only"]
+        tables.append(
+            f"signal-only bound (every transfer a signal that keeps its dependency): "
+            f"{_fmt_s(bound['step_seconds'])} per step; this run reaches "
+            f"{bound['fraction_of_bound']:.0%} of it"
+        )
+    return tables
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mesh.items()) + "}"
+
+
+# -- comparisons ----------------------------------------------------------------------------------
+
+
+def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
+    """One row per session: median step time, speedup over the first, the signal-only bound
+    and how close to it the run is, and the largest loss difference from the first."""
+    base = median([s.seconds for s in sessions[0].steps])
+    base_losses = [s.loss for s in sessions[0].steps]
+    rows = []
+    for session in sessions:
+        step_s = median([s.seconds for s in session.steps])
+        bound = median([s.seconds for s in session.signal_steps]) if session.signal_steps else None
+        losses = [s.loss for s in session.steps]
+        rows.append(
+            {
+                "label": session.label,
+                "schedule": session.pc.pipeline.schedule,
+                "weight_delay": session.pc.pipeline.weight_delay,
+                "resharding": session.pc.pipeline.resharding,
+                "step_seconds": step_s,
+                "best_step_seconds": min(s.seconds for s in session.steps),
+                "speedup": base / step_s if step_s > 0 else None,
+                "signal_only_seconds": bound,
+                "fraction_of_bound": bound / step_s if bound and step_s > 0 else None,
+                "max_loss_difference": max(
+                    (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, base_losses)),
+                    default=0.0,
+                ),
+                "compile_seconds": session.compile_seconds,
+                "blocked_seconds": [
+                    r["blocked_seconds"]
+                    for r in stage_stats(session.steps, session.layout.num_stages)
+                ],
+            }
+        )
+    return rows
+
+
+def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in (
+        "variant",
+        "step time (median)",
+        "best",
+        "speedup",
+        "signal-only bound",
+        "% of bound",
+        "blocked per stage",
+        "loss diff",
+    ):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in rows:
+        table.add_row(
+            r["label"],
+            _fmt_s(r["step_seconds"]),
+            _fmt_s(r["best_step_seconds"]),
+            f"{r['speedup']:.2f}x" if r["speedup"] else "n/a",
+            _fmt_s(r["signal_only_seconds"]),
+            f"{r['fraction_of_bound']:.0%}" if r["fraction_of_bound"] else "n/a",
+            " ".join(_fmt_s(b) for b in r["blocked_seconds"]),
+            f"{r['max_loss_difference']:.1e}",
+        )
+    return table

@@ -1,0 +1,283 @@
+"""Running a profile: train a model with `parallelize` and time every action and transfer.
+
+[Note: what a profile measures]
+The first `warmup_steps` steps (the first one compiles) are not timed. Every timed step is one
+`Parallelized.profile_call`: the step's wall time from the call until the loss is on the host,
+and per stage the `Event`s the runtime records (F/B/W actions, post-gradient segments `A`,
+transfers on the sender's lane, and the time a stage sat blocked in a RECV). Recording blocks on
+each action's results, so a profiled step dispatches a little less ahead than an unprofiled one.
+The signal-only bound (see [Note: signal-only bound]) runs extra steps whose outputs are thrown
+away, so training goes on from correct parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+import jaxreshard as jr
+from jaxreshard.profiler._config import ProfileConfig
+from jaxreshard.runtime._pipeline import APPLY_EVENT, SEND, WAIT, Event, transplant_spec
+
+COMPUTE_KINDS = ("F", "B", "W", APPLY_EVENT)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One timed step: wall seconds, the loss, and its events (times from the step's start)."""
+
+    seconds: float
+    loss: float
+    events: list[Event]
+
+
+def devices_needed(pc: ProfileConfig) -> int:
+    return sum(pc.pipeline.devices_per_stage(pc.num_stages))
+
+
+class Session:
+    """One model under one pipeline config, stepped on demand (comparisons interleave several).
+
+    Args:
+        pc: what to run.
+        label: a name for tables.
+        runtime: the Ray runtime to use when `pc.pipeline.backend == 'ray'`.
+    """
+
+    def __init__(self, pc: ProfileConfig, label: str = "", runtime: Any = None):
+        self.pc, self.label = pc, label or pc.pipeline.schedule
+        spec = pc.spec
+        self.module = spec.module
+        cfg = pc.model_config
+        params, opt = self.module.init_state(cfg, pc.run.seed)
+        self._host_state = (params, opt)
+        self.step_fn = self.module.train_step(cfg, pc.num_stages, pc.run.learning_rate)
+        pipeline = pc.pipeline
+        if pipeline.backend == "ray" and runtime is None:
+            raise ValueError("backend 'ray' needs a running Ray runtime (jaxreshard.init)")
+        self.pstep = jr.parallelize(self.step_fn, config=pipeline, batch_argnums=(2,))
+        self.params, self.opt = _place_params(pc, params), opt
+        self.compile_seconds = 0.0
+        self.steps: list[StepRecord] = []
+        self.signal_steps: list[StepRecord] = []
+        self._next_batch = 0
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def _batch(self) -> dict[str, Any]:
+        batch = self.module.synthetic_batch(
+            self.pc.model_config, self.pc.run.batch_size, self._next_batch, self.pc.run.seed
+        )
+        self._next_batch += 1
+        return batch
+
+    def warm_up(self) -> None:
+        """Compile, and run the untimed steps."""
+        for i in range(self.pc.run.warmup_steps):
+            start = time.perf_counter()
+            self.params, self.opt, loss = self.pstep(self.params, self.opt, self._batch())
+            float(np.asarray(loss))
+            if i == 0:
+                self.compile_seconds = time.perf_counter() - start
+
+    def step(self, *, signal_only: bool = False) -> StepRecord:
+        """One timed step (with `signal_only`, one bound step whose outputs are dropped)."""
+        batch = self._batch() if not signal_only else self._peek_batch()
+        start = time.perf_counter()
+        (params, opt, loss), events = self.pstep.profile_call(
+            self.params, self.opt, batch, signal_only=signal_only
+        )
+        value = float(np.asarray(loss))
+        seconds = time.perf_counter() - start
+        if not signal_only:
+            self.params, self.opt = params, opt
+        shifted = [dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events]
+        record = StepRecord(seconds, value, sorted(shifted, key=lambda e: e.start))
+        (self.signal_steps if signal_only else self.steps).append(record)
+        return record
+
+    def _peek_batch(self) -> dict[str, Any]:
+        return self.module.synthetic_batch(
+            self.pc.model_config, self.pc.run.batch_size, self._next_batch, self.pc.run.seed
+        )
+
+    # -- what was built ---------------------------------------------------------------------------
+
+    @property
+    def pipeline(self) -> Any:
+        return self.pstep.pipeline(self.params, self.opt, self._peek_batch())
+
+    @property
+    def layout(self) -> Any:
+        return self.pipeline.layout
+
+    def flops_per_step(self) -> float | None:
+        """XLA's count of the unpipelined step's floating-point operations."""
+        structs = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+            (*self._host_state, self._peek_batch()),
+        )
+        try:
+            analysis = jax.jit(self.step_fn).trace(*structs).lower().cost_analysis()
+        except Exception:  # the count is a nicety; some backends have none
+            return None
+        if isinstance(analysis, (list, tuple)):
+            analysis = analysis[0] if analysis else {}
+        flops = (analysis or {}).get("flops")
+        return float(flops) if flops and flops > 0 else None
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Per stage: micro-batches whose activations are held at the peak (the schedule's),
+        XLA's size of one micro-batch's forward outputs per device (local runtime), and the
+        backend's peak bytes in use on the stage's devices (where it reports them)."""
+        layout, pipeline = self.layout, self.pipeline
+        from jaxreshard.pipeline._simulate import peak_activations
+
+        peaks = peak_activations(layout.schedule)
+        compilers = getattr(getattr(pipeline, "compiled", None), "compilers", None)
+        out = []
+        for s in range(layout.num_stages):
+            per_mb = None
+            peak_bytes = None
+            if compilers is not None:
+                try:
+                    analysis = compilers[s].forward.memory_analysis()
+                    per_mb = int(analysis.output_size_in_bytes)
+                except Exception:
+                    per_mb = None
+                stats = [d.memory_stats() for d in compilers[s].mesh.devices.flat]
+                if all(st and "peak_bytes_in_use" in st for st in stats):
+                    peak_bytes = max(int(st["peak_bytes_in_use"]) for st in stats)
+            out.append(
+                {
+                    "peak_activations": int(peaks[s]),
+                    "activation_bytes_per_microbatch": per_mb,
+                    "peak_memory_bytes": peak_bytes,
+                }
+            )
+        return out
+
+
+def _place_params(pc: ProfileConfig, params: Any) -> Any:
+    """Give the parameters the model's tensor-parallel PartitionSpecs (on the first stage's
+    mesh shape, over this process's first devices); the pipeline moves them to their stages.
+    Without enough devices here (a Ray driver), they stay on the host, replicated."""
+    shape = pc.pipeline.mesh_shapes(pc.num_stages)[0]
+    n = math.prod(shape)
+    if len(jax.devices()) < n:
+        return params
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape(shape), pc.pipeline.mesh_axis_names)
+    axis = "model" if "model" in pc.pipeline.mesh_axis_names else pc.pipeline.mesh_axis_names[-1]
+    specs = pc.spec.module.param_specs(pc.model_config, axis)
+    sizes = dict(mesh.shape)
+
+    def place(x: Any, spec: Any) -> Any:
+        fitted = transplant_spec(spec, sizes, np.shape(x))
+        return jax.device_put(x, NamedSharding(mesh, fitted))
+
+    return jax.tree.map(place, params, specs)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def stage_stats(steps: Sequence[StepRecord], num_stages: int) -> list[dict[str, float]]:
+    """Per stage, medians over steps: compute seconds, seconds blocked in RECVs, bubble."""
+    out = []
+    for s in range(num_stages):
+        compute, blocked, bubble = [], [], []
+        for st in steps:
+            c = sum(e.end - e.start for e in st.events if e.stage == s and e.kind in COMPUTE_KINDS)
+            w = sum(e.end - e.start for e in st.events if e.stage == s and e.kind == WAIT)
+            compute.append(c)
+            blocked.append(w)
+            bubble.append(max(0.0, 1.0 - c / st.seconds) if st.seconds > 0 else 0.0)
+        out.append(
+            {
+                "stage": s,
+                "compute_seconds": median(compute),
+                "blocked_seconds": median(blocked),
+                "bubble_fraction": median(bubble),
+            }
+        )
+    return out
+
+
+def transfer_stats(steps: Sequence[StepRecord], layout: Any) -> list[dict[str, Any]]:
+    """Per boundary tensor (and gradient, parameter copy): its layouts, plan and the median
+    measured time of one transfer."""
+    durations: dict[str, list[float]] = {}
+    for st in steps:
+        for e in st.events:
+            if e.kind == SEND:
+                durations.setdefault(e.name, []).append(e.end - e.start)
+    rows = []
+    for t in sorted(layout.transfers.values(), key=_transfer_order):
+        measured = durations.get(t.name, [])
+        kind = t.name.split(" ")[0].rstrip("0123456789")
+        rows.append(
+            {
+                "name": t.name,
+                "kind": kind,
+                "src_stage": t.src_stage,
+                "dst_stage": t.dst_stage,
+                "shape": list(t.shape),
+                "dtype": np.dtype(t.dtype).name,
+                "src_spec": _spec_text(t.src_spec),
+                "dst_spec": _spec_text(t.dst_spec),
+                "src_mesh": dict(layout.mesh_shapes[t.src_stage]),
+                "dst_mesh": dict(layout.mesh_shapes[t.dst_stage]),
+                "strategy": t.plan.strategy,
+                "chosen": t.plan.chosen,
+                "bytes": t.nbytes,
+                "planned_seconds": t.plan.seconds,
+                "measured_seconds": median(measured) if measured else None,
+                "per_step": len(measured) / max(1, len(steps)),
+            }
+        )
+    return rows
+
+
+def _transfer_order(t: Any) -> tuple[Any, ...]:
+    kind = t.name.split(" ")[0].rstrip("0123456789")
+    order = {"act": 0, "grad": 1, "param": 2, "param_grad": 3}
+    return (order.get(kind, 9), t.src_stage, t.dst_stage, t.name)
+
+
+def _spec_text(spec: Any) -> str:
+    parts = []
+    for entry in tuple(spec):
+        if entry is None:
+            parts.append("None")
+        elif isinstance(entry, tuple):
+            parts.append("(" + ",".join(entry) + ")")
+        else:
+            parts.append(str(entry))
+    return "P(" + ", ".join(parts) + ")"
+
+
+def run_steps(
+    sessions: Sequence[Session],
+    steps: int,
+    *,
+    signal_only: bool = False,
+    on_step: Callable[[Session, StepRecord], None] | None = None,
+) -> None:
+    """Step every session `steps` times, round-robin, so that machine noise hits all alike."""
+    for _ in range(steps):
+        for session in sessions:
+            record = session.step(signal_only=signal_only)
+            if on_step is not None:
+                on_step(session, record)

@@ -1,0 +1,123 @@
+"""`jaxreshard profile` configuration: TOML tables, flag overrides and their errors."""
+
+import pytest
+
+from jaxreshard._cli import main
+from jaxreshard.profiler import load_profile_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "profile.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_preset_file_and_flags_in_order(tmp_path):
+    path = write(
+        tmp_path,
+        """
+[model]
+name = "gpt"
+preset = "tiny"
+layers = 6
+[run]
+steps = 7
+[pipeline]
+num_stages = 3
+schedule = "1f1b"
+stage_mesh_shape = [2, 1]
+""",
+    )
+    pc = load_profile_config(
+        "gpt", path, {"pipeline": {"schedule": "zb_h1", "num_micro_batches": "8"}}
+    )
+    assert pc.model_config.layers == 6  # the file overrides the preset
+    assert pc.model_config.hidden == 64  # the preset's
+    assert pc.run.steps == 7
+    assert pc.pipeline.schedule == "zb_h1"  # the flag overrides the file
+    assert pc.pipeline.num_micro_batches == 8  # flags arrive as strings
+    assert pc.pipeline.stage_mesh_shape == (2, 1)
+    assert pc.pipeline.mesh_axis_names == ("data", "model")  # the profile's default
+    assert pc.num_stages == 3
+
+
+def test_flag_values_are_parsed_by_field_type():
+    pc = load_profile_config(
+        "utransformer",
+        None,
+        {
+            "model": {"channel_mult": "1,2,2,4", "base": "8"},
+            "run": {"learning_rate": "3e-3", "address": "none"},
+            "pipeline": {
+                "stage_mesh_shape": "1x2",
+                "emulate_network_gbps": "1.25",
+                "batch_axis": "none",
+                "weight_delay": False,
+            },
+        },
+    )
+    assert pc.model_config.channel_mult == (1, 2, 2, 4)
+    assert pc.model_config.base == 8
+    assert pc.run.learning_rate == 3e-3 and pc.run.address is None
+    assert pc.pipeline.stage_mesh_shape == (1, 2)
+    assert pc.pipeline.emulate_network_gbps == 1.25
+    assert pc.pipeline.batch_axis is None
+    assert pc.pipeline.weight_delay is False
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[modle]\npreset = 'tiny'\n", ["modle", "[model]", "[run]", "[pipeline]"]),
+        ("[model]\nhiden = 32\n", ["hiden", "valid keys", "hidden"]),
+        ("[model]\npreset = 'huge'\n", ["preset='huge'", "tiny", "125M", "2.6B"]),
+        ("[model]\nname = 'utransformer'\n", ["name='utransformer'", "gpt"]),
+        ("[run]\nsteps = 'ten'\n", ["steps", "'ten'", "integer"]),
+        ("[run]\nbatch_size = 10\n", ["batch_size=10", "num_micro_batches=4", "multiple"]),
+        ("[pipeline]\nschedule = '1f2b'\n", ["schedule='1f2b'", "eager_1f1b", "zb_h1"]),
+        ("[pipeline]\nresharding = 'magic'\n", ["resharding='magic'", "broadcast_greedy"]),
+        ("[pipeline]\nnum_stages = 9\n", ["num_stages=9", "4 layers", "at most 4"]),
+        ("[pipeline]\nmicro_batches = 4\n", ["micro_batches", "num_micro_batches"]),
+        ("[model]\nhidden = 30\n", ["hidden=30", "heads=4"]),
+        ("not toml = = 1", ["not valid TOML"]),
+    ],
+)
+def test_bad_config_files_name_key_value_and_choices(tmp_path, text, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_profile_config("gpt", path)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert str(path) in str(info.value) or "hidden=30" in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_profile_config("gpt", tmp_path / "nope.toml")
+
+
+def test_bad_flags_exit_2_with_the_flag_named(capsys):
+    assert main(["profile", "gpt", "--schedule", "1f2b"]) == 2
+    err = capsys.readouterr().err
+    assert "schedule='1f2b'" in err and "--schedule" in err and "eager_1f1b" in err
+    assert main(["profile", "gpt", "--steps", "many"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["profile", "utransformer", "--stage-mesh-shape", "1,two"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_unknown_model_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["profile", "bert"])
+    assert "gpt" in capsys.readouterr().err
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.toml"))
+    assert len(configs) >= 4
+    for path in configs:
+        model = "gpt" if path.name.startswith("gpt") else "utransformer"
+        pc = load_profile_config(model, path)
+        assert pc.model_config.num_params > 0

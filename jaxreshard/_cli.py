@@ -302,7 +302,11 @@ def _add_profile_parser(commands: argparse._SubParsersAction) -> None:
         )
         model_group = sub.add_argument_group(f"[model] ({name})")
         model_group.add_argument(
-            "--preset", dest="model__preset", default=None, help=", ".join(spec.presets)
+            "--preset",
+            dest="model__preset",
+            default=None,
+            metavar="NAME",
+            help=", ".join(spec.presets),
         )
         for f in dataclasses.fields(spec.config_type):
             _field_flag(model_group, "model", f.name, f"{name} config field")

@@ -163,12 +163,7 @@ class PipelineConfig:
     def from_toml(cls, path: str | Path, **overrides: Any) -> PipelineConfig:
         """Load the `[pipeline]` table of a TOML file (or its top level), then apply overrides."""
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"pipeline config {path}: no such file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"pipeline config {path}: not valid TOML ({e})") from None
+        data = read_toml(path, what="pipeline config")
         table = data.get("pipeline", data)
         return cls.from_dict({**table, **overrides}, where=f"{path} [pipeline]")
 
@@ -206,3 +201,13 @@ def _shape_or_shapes(value: Any) -> tuple[Any, ...]:
                 ">= 1, e.g. (1, 2); or give one such tuple per stage"
             )
     return value
+
+
+def read_toml(path: Path, *, what: str) -> dict[str, Any]:
+    """Parse a TOML file; errors name `what` (how the user gave the file) and the path."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{what} {path}: not valid TOML ({e})") from None

@@ -52,7 +52,8 @@ def ray_runtime(_ray_session):
     from jaxreshard.runtime import _api
 
     current = _api._current
-    if current is None or not current.is_alive or getattr(current, "_broken", None):
+    stale = current is None or not current.is_alive or getattr(current, "_broken", None)
+    if stale or current.backend != "ray":
         jaxreshard.shutdown()
         current = jaxreshard.init(**RAY_CONFIG)
     return current

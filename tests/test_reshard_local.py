@@ -160,3 +160,19 @@ def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
     assert pointers(third) == released  # the released buffers came back
     check(second, reference * 2, dst)
     check(third, reference * 3, dst)
+
+
+def test_init_replaces_the_local_runtime_started_on_demand():
+    from jaxreshard.runtime import _api
+
+    saved = (_api._current, _api._implicit)
+    try:
+        _api._current, _api._implicit = None, False
+        on_demand = _api.current_runtime()  # what reshard/parallelize start when none runs
+        runtime = jaxreshard.init("local")
+        assert runtime is not on_demand and not on_demand.is_alive
+        with pytest.raises(RuntimeError, match="already initialised"):
+            jaxreshard.init("local")
+        jaxreshard.shutdown()
+    finally:
+        _api._current, _api._implicit = saved

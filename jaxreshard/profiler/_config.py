@@ -16,20 +16,14 @@ error names the key, where it came from, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxreshard._config import PipelineConfig
+from jaxreshard._config import PipelineConfig, read_toml
 from jaxreshard.models import ModelSpec, get_model
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 TABLES = ("model", "run", "pipeline")
 
@@ -193,12 +187,7 @@ def load_profile_config(
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    data = read_toml(path, what="--config")
     for key, value in data.items():
         if key not in TABLES:
             raise ValueError(
@@ -268,24 +257,17 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise ValueError(f"{where}={value!r}: must be true or false")
-    if hint is int:
+    if hint in (int, float):
+        accepted = (int,) if hint is int else (int, float)
         if isinstance(value, str):
             try:
-                return int(value)
+                return hint(value)
             except ValueError:
                 pass
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"{where}={value!r}: must be an integer")
-    if hint is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ValueError(f"{where}={value!r}: must be a number")
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return hint(value)
+        kind = "an integer" if hint is int else "a number"
+        raise ValueError(f"{where}={value!r}: must be {kind}")
     if hint is str:
         if isinstance(value, str):
             return value

@@ -156,8 +156,15 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
 
 
 def describe_devices() -> str:
+    """The devices the stages run on: this process's, or the running Ray runtime's hosts'."""
     import jax
 
+    from jaxreshard.runtime._api import _current
+
+    if getattr(_current, "backend", None) == "ray" and _current.is_alive:
+        hosts = _current.hosts
+        platform = _current.devices[0].platform if _current.devices else "?"
+        return f"{len(hosts)} Ray hosts x {max(map(len, hosts))} {platform}"
     devices = jax.devices()
     kind = devices[0].device_kind if devices else "?"
     return f"{len(devices)} x {devices[0].platform} ({kind})" if devices else "none"

@@ -7,6 +7,8 @@ from typing import Any
 BACKENDS = ("local", "ray")
 
 _current: Any = None
+# True while `_current` is the local runtime started on demand (not by `init`): `init` replaces it.
+_implicit = False
 
 
 class LocalRuntime:
@@ -51,12 +53,16 @@ def init(
             the planner's cost model, as in `Cluster`).
 
     Raises:
-        RuntimeError: a runtime is already running (call `jaxreshard.shutdown()` first).
+        RuntimeError: a runtime started by `init` is already running (call
+            `jaxreshard.shutdown()` first). The local runtime that calls start on demand is
+            replaced silently.
         ValueError: an unknown backend or bad sizes.
     """
-    global _current
+    global _current, _implicit
     if backend not in BACKENDS:
         raise ValueError(f"init(backend={backend!r}): choose one of {', '.join(BACKENDS)}")
+    if _current is not None and _current.is_alive and _implicit:
+        shutdown()
     if _current is not None and _current.is_alive:
         raise RuntimeError(
             f"jaxreshard is already initialised ({_current!r}); call jaxreshard.shutdown() first"
@@ -68,18 +74,21 @@ def init(
                 "those are for backend='ray'"
             )
         _current = LocalRuntime()
+        _implicit = False
     else:
         from jaxreshard.runtime._ray import RayRuntime
 
         _current = RayRuntime(
             address=address, num_hosts=num_hosts, devices_per_host=devices_per_host, **options
         )
+        _implicit = False
     return _current
 
 
 def shutdown() -> None:
     """Stop the current runtime (host actors and Ray, for the Ray backend). Idempotent."""
-    global _current
+    global _current, _implicit
+    _implicit = False
     if _current is not None:
         runtime, _current = _current, None
         runtime.shutdown()
@@ -87,7 +96,8 @@ def shutdown() -> None:
 
 def current_runtime() -> Any:
     """The running runtime, starting the local one if none was initialised."""
-    global _current
+    global _current, _implicit
     if _current is None or not _current.is_alive:
         _current = LocalRuntime()
+        _implicit = True
     return _current

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import jax
@@ -100,6 +101,7 @@ class HostPipeline:
         self._local_plans: dict[tuple[Any, ...], Any] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxreshard-send")
         self._failure: BaseException | None = None
+        self._sends: list[Future] = []  # this step's cross-host sends
 
     def sharding(self, s: int, spec: P) -> NamedSharding:
         return NamedSharding(self.meshes[s], spec)
@@ -169,7 +171,8 @@ class HostPipeline:
                 )
             )
 
-        self._pool.submit(self._guard, send)
+        with self._lock:
+            self._sends.append(self._pool.submit(self._guard, send))
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:
@@ -260,6 +263,7 @@ class HostPipeline:
     ) -> dict[str, Any]:
         """Run this host's stages for one step; keep gradients; return losses (last stage)."""
         self._failure = None
+        self._sends = []
         self._events: list[Event] | None = [] if record else None
         layout, graph = self.layout, self.graph
         losses: list[Any] = [None] * self.config.num_micro_batches
@@ -314,6 +318,14 @@ class HostPipeline:
             t.start()
         for t in threads:
             t.join()
+        # A step ends when its sends have: their errors belong to it, and so do their events.
+        _, pending = wait_futures(list(self._sends), timeout=self.config.timeout_s)
+        if pending and not errors and self._failure is None:
+            raise TimeoutError(
+                f"host {self.actor.host}: {len(pending)} send(s) of step {step_id} did not finish "
+                f"within timeout_s={self.config.timeout_s} s after the stages did; a receiving "
+                "host may be stuck or dead (raise PipelineConfig.timeout_s if transfers are slow)"
+            )
         if errors or self._failure is not None:
             raise errors[0] if errors else self._failure  # type: ignore[misc]
         grads = {}

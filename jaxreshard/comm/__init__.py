@@ -5,8 +5,7 @@ Attributes load lazily, so that modules such as `comm._order` are usable without
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from jaxreshard._lazy import lazy_exports
 
 _EXPORTS = {
     "Cluster": "jaxreshard.comm._cluster",
@@ -30,15 +29,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxreshard.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -517,6 +517,14 @@ class Event:
     nbytes: int = 0
     dst: int = -1
 
+    @classmethod
+    def send(cls, transfer: Any, mb: int, start: float, end: float, nbytes: int | None = None):
+        """A `send` event of one micro-batch's `transfer` (its bytes unless `nbytes` says)."""
+        size = transfer.nbytes if nbytes is None else nbytes
+        return cls(
+            transfer.src_stage, SEND, mb, start, end, transfer.name, size, transfer.dst_stage
+        )
+
 
 SEND, WAIT, APPLY_EVENT = "send", "wait", "A"
 
@@ -859,18 +867,7 @@ class LocalExecutor:
         jax.block_until_ready(moved)
         if self._record is not None:
             end = time.perf_counter() + max(0.0, ready - time.monotonic())
-            self._record(
-                Event(
-                    transfer.src_stage,
-                    SEND,
-                    mb,
-                    start,
-                    end,
-                    transfer.name,
-                    0 if self.signal_only else transfer.nbytes,
-                    transfer.dst_stage,
-                )
-            )
+            self._record(Event.send(transfer, mb, start, end, 0 if self.signal_only else None))
         return moved, ready
 
     def _placeholder(self, transfer: Transfer, dst: NamedSharding) -> Any:

@@ -40,7 +40,6 @@ from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.pipeline._emit import Instruction
 from jaxreshard.runtime._pipeline import (
     APPLY_EVENT,
-    SEND,
     Event,
     PipelineError,
     PipelineLayout,
@@ -158,18 +157,7 @@ class HostPipeline:
             data = HostData(work, self._shards(value), self.actor.devices)
             start = time.perf_counter()
             run_host_work(work, data, self.actor._transport)
-            self._record(
-                Event(
-                    ins.src,
-                    SEND,
-                    ins.mb,
-                    start,
-                    time.perf_counter(),
-                    transfer.name,
-                    transfer.nbytes,
-                    ins.dst,
-                )
-            )
+            self._record(Event.send(transfer, ins.mb, start, time.perf_counter()))
 
         with self._lock:
             self._sends.append(self._pool.submit(self._guard, send))
@@ -202,18 +190,7 @@ class HostPipeline:
             else jax.device_put(value, dst)
         )
         jax.block_until_ready(moved)
-        self._record(
-            Event(
-                transfer.src_stage,
-                SEND,
-                mb,
-                start,
-                time.perf_counter(),
-                transfer.name,
-                transfer.nbytes,
-                transfer.dst_stage,
-            )
-        )
+        self._record(Event.send(transfer, mb, start, time.perf_counter()))
         return moved
 
     def _recv(self, step_id: str, ins: Instruction) -> Any:

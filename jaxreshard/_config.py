@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
 RESHARDING = (
@@ -25,6 +20,7 @@ RESHARDING = (
     "broadcast_match",
     "auto",
 )
+AXIS_TYPES = ("auto", "explicit")
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("auto", "local", "ray")
 
@@ -41,6 +37,10 @@ class PipelineConfig:
             delay the latter to hide the gradient transfers (backward weight delaying).
         stage_mesh_shape: the device mesh of every stage, e.g. `(1, 2)`; or one shape per stage.
         mesh_axis_names: names of the mesh axes (for `PartitionSpec`s inside the step).
+        mesh_axis_types: `auto` (the compiler propagates shardings; `with_sharding_constraint`
+            steers it) or `explicit` (shardings are part of array types, JAX's "sharding in
+            types"), for every axis or one per axis. `parallelize(meshes=...)` takes the
+            meshes' own axis types instead.
         resharding: the strategy for boundary tensors (any of `jaxreshard.comm.STRATEGY_NAMES`).
         num_stages: the number of stages the step must have (boundaries + 1); None: whatever
             the markers say, at least two. Set 1 to run an unmarked step as one stage.
@@ -65,6 +65,7 @@ class PipelineConfig:
     weight_delay: bool = False
     stage_mesh_shape: tuple[Any, ...] = (1,)
     mesh_axis_names: tuple[str, ...] = ("data",)
+    mesh_axis_types: str | tuple[str, ...] = "auto"
     resharding: str = "auto"
     num_stages: int | None = None
     batch_axis: str | None = "data"
@@ -101,6 +102,17 @@ class PipelineConfig:
                     f"mesh_axis_names={self.mesh_axis_names} names {len(self.mesh_axis_names)}; "
                     "give one name per mesh axis"
                 )
+        types = self.mesh_axis_types
+        if not isinstance(types, str):
+            types = tuple(types)
+            object.__setattr__(self, "mesh_axis_types", types)
+            if len(types) != len(self.mesh_axis_names):
+                raise ValueError(
+                    f"PipelineConfig(mesh_axis_types={types}): gives {len(types)} types for "
+                    f"mesh_axis_names={self.mesh_axis_names}; give one per axis or one for all"
+                )
+        for t in (types,) if isinstance(types, str) else types:
+            _choice("mesh_axis_types", t, AXIS_TYPES)
         if len(set(self.mesh_axis_names)) != len(self.mesh_axis_names):
             raise ValueError(
                 f"PipelineConfig: mesh_axis_names={self.mesh_axis_names} repeats a name"
@@ -125,6 +137,12 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig(emulate_network_gbps={self.emulate_network_gbps!r}): must be > 0"
             )
+
+    @property
+    def axis_types(self) -> tuple[str, ...]:
+        """`mesh_axis_types` as one name per mesh axis."""
+        types = self.mesh_axis_types
+        return (types,) * len(self.mesh_axis_names) if isinstance(types, str) else tuple(types)
 
     def mesh_shapes(self, num_stages: int | None) -> tuple[tuple[int, ...], ...]:
         """The mesh shape of every stage (one shape repeated, or the per-stage list)."""

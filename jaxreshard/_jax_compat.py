@@ -9,9 +9,52 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 Slices = tuple[slice, ...]
+
+# [Note: mesh axis types]
+# JAX meshes have per-axis types: `Auto` (the compiler propagates shardings; the long-standing
+# behaviour) and `Explicit` (shardings are part of array types, "sharding in types"). Defaults
+# differ between constructors and releases: `Mesh(devices, names)` makes `Auto` axes,
+# `jax.make_mesh` `Explicit` ones, and `AbstractMesh(shape, names)` made `Auto` axes up to jax
+# 0.10 and makes `Explicit` ones since 0.11. A step must be traced under an abstract mesh with
+# the same axis types as the concrete meshes its stages compile on, or JAX refuses the mismatch.
+# So this library never relies on a default: every mesh it makes names its axis types.
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def axis_types(names: str | Sequence[str], num_axes: int) -> tuple[Any, ...]:
+    """`AxisType`s from config names: one name for every axis, or one per axis."""
+    names = (names,) * num_axes if isinstance(names, str) else tuple(names)
+    return tuple(AXIS_TYPES[n] for n in names)
+
+
+def axis_type_names(mesh: Any) -> tuple[str, ...]:
+    """A mesh's axis types as config names (`auto` / `explicit`); `Manual` is refused."""
+    types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
+    by_type = {t: n for n, t in AXIS_TYPES.items()}
+    out = []
+    for name, t in zip(mesh.axis_names, types):
+        if t not in by_type:
+            raise ValueError(
+                f"mesh axis {name!r} has axis type {t}; stage meshes take Auto or Explicit axes "
+                "(Manual axes belong inside shard_map)"
+            )
+        out.append(by_type[t])
+    return tuple(out)
+
+
+def make_mesh(devices: Any, names: Sequence[str], types: str | Sequence[str] = "auto") -> Mesh:
+    """`Mesh(devices, names)` with the axis types named by `types` (see `axis_types`)."""
+    return Mesh(devices, tuple(names), axis_types=axis_types(types, len(names)))
+
+
+def abstract_mesh(
+    shape: Sequence[int], names: Sequence[str], types: str | Sequence[str] = "auto"
+) -> Any:
+    """`AbstractMesh(shape, names)` with the axis types named by `types`."""
+    return AbstractMesh(tuple(shape), tuple(names), axis_types=axis_types(types, len(names)))
 
 
 def named_sharding_indices(
@@ -27,7 +70,7 @@ def named_sharding_indices(
     abstract mesh and converts it to per-device indices. Shardings over devices that are not in
     this process (remote hosts, benchmark clusters) use it so that JAX stays the source of truth.
     """
-    mesh = AbstractMesh(tuple(mesh_shape), tuple(axis_names))
+    mesh = abstract_mesh(mesh_shape, axis_names)
     hlo = NamedSharding(mesh, spec)._to_xla_hlo_sharding(len(shape))
     from jax._src import op_shardings
 

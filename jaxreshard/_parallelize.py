@@ -14,6 +14,7 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard._config import PipelineConfig
+from jaxreshard._jax_compat import axis_type_names
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
@@ -167,7 +168,10 @@ class Parallelized:
             if self.meshes is None
             else [tuple(m.devices.shape) for m in self.meshes]
         )
-        names = self.config.mesh_axis_names if self.meshes is None else self.meshes[0].axis_names
+        if self.meshes is None:
+            names, types = self.config.mesh_axis_names, self.config.axis_types
+        else:
+            names, types = self.meshes[0].axis_names, mesh_axis_types(self.meshes)
         graph, out_tree = trace_step(
             self.fun,
             in_tree,
@@ -177,6 +181,7 @@ class Parallelized:
             shapes[0],
             names,
             self.config.num_stages,
+            types,
         )
         from jaxreshard.runtime._api import current_runtime
 
@@ -512,3 +517,16 @@ class PipelinePlan:
         lines.append("instructions (first ones):")
         lines.append(format_programs(layout.programs, limit=12))
         return "\n".join(lines)
+
+
+def mesh_axis_types(meshes: Sequence[Mesh]) -> tuple[str, ...]:
+    """The axis types (`auto` / `explicit`) the stage meshes share (tracing needs one set)."""
+    first = axis_type_names(meshes[0])
+    for s, mesh in enumerate(meshes):
+        if tuple(mesh.axis_names) != tuple(meshes[0].axis_names) or axis_type_names(mesh) != first:
+            raise ValueError(
+                f"parallelize(meshes=...): stage mesh {s} has axes {tuple(mesh.axis_names)} of "
+                f"types {axis_type_names(mesh)} but stage mesh 0 has {tuple(meshes[0].axis_names)}"
+                f" of types {first}; every stage mesh needs the same axis names and types"
+            )
+    return first

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh
 
+from jaxreshard._jax_compat import abstract_mesh
 from jaxreshard.frontend._markers import tracing_pipeline
 from jaxreshard.frontend._split import StepGraph, split_step
 
@@ -21,13 +21,15 @@ def trace_step(
     mesh_shape: Sequence[int],
     axis_names: Sequence[str],
     expected_stages: int | None,
+    mesh_axis_types: Sequence[str] | None = None,
 ) -> tuple[StepGraph, Any]:
     """Trace `fun` per micro-batch and cut it (see [Note: stage cutting]).
 
     The batch leaves are traced with dim 0 divided by `num_micro_batches`, so the loss, and with
     it every stage, sees one micro-batch. Tracing happens under an abstract mesh with the stages'
-    axes, so PartitionSpec-based sharding constraints in the step work; each stage later compiles
-    them on its own mesh. A fresh wrapper function is traced every time, so that JAX's tracing
+    axes and axis types (`auto` unless `mesh_axis_types` says; see [Note: mesh axis types]), so
+    PartitionSpec-based sharding constraints in the step work; each stage later compiles them on
+    its own mesh. A fresh wrapper function is traced every time, so that JAX's tracing
     cache never hands back a trace made outside `parallelize`.
 
     Returns:
@@ -40,10 +42,8 @@ def trace_step(
         for i, a in enumerate(avals)
     ]
     wrapped = lambda *flat: fun(*jax.tree.unflatten(in_tree, flat))
-    with (
-        tracing_pipeline(),
-        jax.sharding.use_abstract_mesh(AbstractMesh(tuple(mesh_shape), tuple(axis_names))),
-    ):
+    mesh = abstract_mesh(mesh_shape, axis_names, mesh_axis_types or "auto")
+    with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh):
         closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*structs)
     graph = split_step(closed, list(batch_leaves), expected_stages=expected_stages)
     return graph, jax.tree.structure(out_shape)

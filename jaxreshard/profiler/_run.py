@@ -21,9 +21,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 import jaxreshard as jr
+from jaxreshard._jax_compat import make_mesh
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.runtime._pipeline import APPLY_EVENT, SEND, WAIT, Event, transplant_spec
 
@@ -174,7 +175,8 @@ def _place_params(pc: ProfileConfig, params: Any) -> Any:
     n = math.prod(shape)
     if len(jax.devices()) < n:
         return params
-    mesh = Mesh(np.array(jax.devices()[:n]).reshape(shape), pc.pipeline.mesh_axis_names)
+    grid = np.array(jax.devices()[:n]).reshape(shape)
+    mesh = make_mesh(grid, pc.pipeline.mesh_axis_names, pc.pipeline.axis_types)
     axis = "model" if "model" in pc.pipeline.mesh_axis_names else pc.pipeline.mesh_axis_names[-1]
     specs = pc.spec.module.param_specs(pc.model_config, axis)
     sizes = dict(mesh.shape)

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._config import PipelineConfig
+from jaxreshard._jax_compat import make_mesh
 from jaxreshard.comm import Cluster, Plan, plan_reshard
 from jaxreshard.comm._emulate import LinkEmulator, sleep_until
 from jaxreshard.comm._layout import spec_axes
@@ -102,7 +103,8 @@ def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]
     meshes, at = [], 0
     for shape in shapes:
         n = int(np.prod(shape))
-        meshes.append(Mesh(np.array(devices[at : at + n]).reshape(shape), config.mesh_axis_names))
+        grid = np.array(devices[at : at + n]).reshape(shape)
+        meshes.append(make_mesh(grid, config.mesh_axis_names, config.axis_types))
         at += n
     return meshes
 

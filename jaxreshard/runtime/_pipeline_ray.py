@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._config import PipelineConfig
+from jaxreshard._jax_compat import make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding, plan_reshard
 from jaxreshard.comm._order import host_programs
 from jaxreshard.comm._transport import HostData, HostWork, run_host_work
@@ -86,7 +87,7 @@ class HostPipeline:
         for s, grid in stage_devices.items():
             grid = np.asarray(grid)
             devices = np.vectorize(lambda g: actor.devices[int(g)], otypes=[object])(grid)
-            self.meshes[s] = Mesh(devices, config.mesh_axis_names)
+            self.meshes[s] = make_mesh(devices, config.mesh_axis_names, config.axis_types)
             self.compilers[s] = StageCompiler(
                 self.graph,
                 derive_backward(self.graph.loss.stages[s], split=split),

@@ -1,11 +1,13 @@
 """Runtime overhead of `parallelize` on the local runtime: one stage, one micro-batch.
 
-The same train step (an MLP, `jr.value_and_grad`, SGD) runs under `jax.jit` and under
-`jr.parallelize` with `num_stages=1, num_micro_batches=1`; both are timed alternately in one
-process after a warm-up, so the machine's noise hits both alike. The target of the issue:
-at most 1.2x `jax.jit`. Prints a table; writes JSON with --out.
+The same train step (an MLP with `jr.value_and_grad` and SGD, or the GPT of
+`jaxreshard.models` with Adam) runs under `jax.jit` and under `jr.parallelize` with
+`num_stages=1, num_micro_batches=1`; both are timed alternately in one process after a warm-up,
+so the machine's noise hits both alike. Targets: at most 1.1x `jax.jit` on the medium and large
+MLPs (CPU) and on one GPU. Prints a table; writes JSON with --out.
 
     python benchmarks/parallelize_overhead.py --out parallelize_overhead.json
+    python benchmarks/parallelize_overhead.py --sizes gpt12 xl --dtype bfloat16   # a GPU
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ SIZES = {  # name: (layers, hidden, batch)
     "small": (4, 512, 128),
     "medium": (4, 1024, 256),
     "large": (4, 2048, 512),
+    "xl": (8, 4096, 4096),  # GPU-sized
+}
+GPT_SIZES = {  # name: the GPT of jaxreshard.models (Adam) at this config, batch 8
+    "gpt12": dict(vocab=51200, seq=1024, hidden=1024, layers=12, heads=16),
 }
 
 
@@ -46,17 +52,41 @@ def make_step(layers: int):
     return step
 
 
-def measure(name: str, layers: int, hidden: int, rows: int, steps: int) -> dict:
+def mlp_case(layers: int, hidden: int, rows: int, dtype: str) -> tuple:
+    """(step, state, batch, FLOPs per step, batch argnum) of the MLP case."""
     rng = np.random.default_rng(0)
     params = {
-        f"w{i}": rng.normal(size=(hidden, hidden)).astype(np.float32) / hidden**0.5
+        f"w{i}": (rng.normal(size=(hidden, hidden)) / hidden**0.5).astype(dtype)
         for i in range(layers)
     }
     batch = {
-        "x": rng.normal(size=(rows, hidden)).astype(np.float32),
-        "y": rng.normal(size=(rows, hidden)).astype(np.float32),
+        "x": rng.normal(size=(rows, hidden)).astype(dtype),
+        "y": rng.normal(size=(rows, hidden)).astype(dtype),
     }
-    step = make_step(layers)
+    flops = 6 * layers * rows * hidden * hidden  # forward + backward matmuls
+    return make_step(layers), (params,), batch, flops
+
+
+def gpt_case(dims: dict, rows: int, dtype: str) -> tuple:
+    from jaxreshard.models import gpt
+
+    cfg = gpt.GPTConfig(**dims)
+    params, opt = gpt.init_state(cfg)
+    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    opt = jax.tree.map(lambda x: np.asarray(x).astype(dtype) if x.ndim else x, opt)
+    step = gpt.train_step(cfg, 1)
+    flops = cfg.flops_per_token() * cfg.seq * rows
+    return step, (params, opt), gpt.synthetic_batch(cfg, rows, 0), flops
+
+
+def measure(name: str, steps: int, dtype: str) -> dict:
+    if name in GPT_SIZES:
+        step, state0, batch, flops = gpt_case(GPT_SIZES[name], 8, dtype)
+        layers, hidden, rows = GPT_SIZES[name]["layers"], GPT_SIZES[name]["hidden"], 8
+    else:
+        layers, hidden, rows = SIZES[name]
+        step, state0, batch, flops = mlp_case(layers, hidden, rows, dtype)
+    nstate = len(state0)
     jitted = jax.jit(step)
     config = jr.PipelineConfig(
         num_stages=1,
@@ -65,21 +95,24 @@ def measure(name: str, layers: int, hidden: int, rows: int, steps: int) -> dict:
         mesh_axis_names=("data",),
         backend="local",
     )
-    piped = jr.parallelize(step, config=config, batch_argnums=(1,))
-    state = {"jit": jax.device_put(params), "parallelize": piped(params, batch)[0]}
-    state["jit"] = jitted(state["jit"], batch)[0]
+    piped = jr.parallelize(step, config=config, batch_argnums=(nstate,))
+    state = {
+        "jit": jitted(*jax.device_put(state0), batch)[:nstate],
+        "parallelize": piped(*state0, batch)[:nstate],
+    }
     times: dict[str, list[float]] = {"jit": [], "parallelize": []}
     for _ in range(steps):
         for label, fn in (("jit", jitted), ("parallelize", piped)):
             start = time.perf_counter()
-            state[label], loss = fn(state[label], batch)
-            jax.block_until_ready((state[label], loss))
+            out = fn(*state[label], batch)
+            jax.block_until_ready(out)
+            state[label] = out[:nstate]
             times[label].append(time.perf_counter() - start)
     jit_ms = statistics.median(times["jit"]) * 1e3
     ours_ms = statistics.median(times["parallelize"]) * 1e3
-    flops = 6 * layers * rows * hidden * hidden  # forward + backward matmuls
     return {
         "name": name,
+        "dtype": np.dtype(dtype).name,
         "layers": layers,
         "hidden": hidden,
         "batch": rows,
@@ -99,12 +132,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["tiny", "small", "medium", "large"],
+        choices=[*SIZES, *GPT_SIZES],
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    rows = [measure(n, *SIZES[n], args.steps) for n in args.sizes]
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else np.float32
+    rows = [measure(n, args.steps, dtype) for n in args.sizes]
+    device = jax.devices()[0]
     table = Table(
         title=f"parallelize (1 stage, 1 micro-batch) vs jax.jit, {args.steps} alternating steps"
-        f" each: median and best; {jax.devices()[0].platform}"
+        f" each: median and best; {device.platform} ({device.device_kind}), {args.dtype}"
     )
     for column in (
         "model",
@@ -140,6 +181,7 @@ def main() -> None:
                     "format": "jaxreshard-parallelize-overhead/1",
                     "when": time.strftime("%Y-%m-%d"),
                     "machine": platform.node(),
+                    "device": f"{device.platform} ({device.device_kind})",
                     "jax": jax.__version__,
                     "results": rows,
                 },

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard._config import PipelineConfig
-from jaxreshard._jax_compat import axis_type_names
+from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
@@ -24,6 +25,7 @@ from jaxreshard.runtime._pipeline import (
     CompiledPipeline,
     Event,
     LocalExecutor,
+    batch_spec,
     check_meshes,
     compile_local,
     spec_of,
@@ -163,35 +165,27 @@ class Parallelized:
     def _compile(
         self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
     ) -> _Entry:
-        shapes = (
-            self.config.mesh_shapes(None)
-            if self.meshes is None
-            else [tuple(m.devices.shape) for m in self.meshes]
-        )
-        if self.meshes is None:
-            names, types = self.config.mesh_axis_names, self.config.axis_types
-        else:
-            names, types = self.meshes[0].axis_names, mesh_axis_types(self.meshes)
+        from jaxreshard.runtime._api import current_runtime
+
+        runtime = current_runtime() if self.config.backend != "local" else None
+        on_ray = runtime is not None and runtime.backend == "ray"
+        trace_mesh, input_specs = self._trace_mesh(leaves, batch_leaves, on_ray)
         graph, out_tree = trace_step(
             self.fun,
             in_tree,
             leaves,
             batch_leaves,
             self.config.num_micro_batches,
-            shapes[0],
-            names,
+            trace_mesh,
             self.config.num_stages,
-            types,
+            input_specs,
         )
-        from jaxreshard.runtime._api import current_runtime
-
-        runtime = current_runtime() if self.config.backend != "local" else None
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
             raise RuntimeError(
                 "PipelineConfig(backend='ray') but no Ray runtime is running; call "
                 "jaxreshard.init(backend='ray', ...) first"
             )
-        if runtime is not None and runtime.backend == "ray":
+        if on_ray:
             if self.meshes is not None:
                 raise ValueError(
                     "parallelize(meshes=...) is for the local runtime; on Ray the "
@@ -207,7 +201,7 @@ class Parallelized:
                 in_tree,
                 leaves,
                 batch_leaves,
-                (shapes[0], names),
+                input_specs,
             )
             return _Entry(graph, pipeline, in_tree, out_tree)
         if self.meshes is not None:
@@ -220,6 +214,35 @@ class Parallelized:
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
         return _Entry(graph, LocalPipeline(compiled), in_tree, out_tree)
+
+    def _trace_mesh(
+        self, leaves: list[Any], batch_leaves: list[int], on_ray: bool
+    ) -> tuple[Any, list[Any] | None]:
+        """The mesh to trace the step under, and (for `Explicit` axes) every leaf's
+        PartitionSpec in the traced types (see [Note: mesh axis types])."""
+        if self.meshes is None:
+            shapes = self.config.mesh_shapes(None)
+            names, types = self.config.mesh_axis_names, self.config.axis_types
+        else:
+            shapes = tuple(tuple(m.devices.shape) for m in self.meshes)
+            names, types = tuple(self.meshes[0].axis_names), mesh_axis_types(self.meshes)
+        if "explicit" not in types:
+            return abstract_mesh(shapes[0], names, types), None
+        if len(set(shapes)) > 1:
+            raise ValueError(
+                f"stage meshes of shapes {list(shapes)} with Explicit axes {names}: a step is "
+                "traced once, and with Explicit axes the trace's types name one mesh shape; give "
+                "every stage the same mesh shape, or use mesh_axis_types='auto'"
+            )
+        if self.meshes is not None:
+            mesh = self.meshes[0].abstract_mesh
+        elif on_ray:  # the hosts trace under their own meshes; the driver needs no devices
+            mesh = abstract_mesh(shapes[0], names, types)
+        else:
+            n = math.prod(shapes[0])
+            devices = np.array(jax.devices()[:n]).reshape(shapes[0])
+            mesh = make_mesh(devices, names, types).abstract_mesh
+        return mesh, typed_specs(leaves, batch_leaves, dict(zip(names, shapes[0])), self.config)
 
     # Running ------------------------------------------------------------------------------------
 
@@ -530,3 +553,20 @@ def mesh_axis_types(meshes: Sequence[Mesh]) -> tuple[str, ...]:
                 f" of types {first}; every stage mesh needs the same axis names and types"
             )
     return first
+
+
+def typed_specs(
+    leaves: Sequence[Any], batch_leaves: Sequence[int], sizes: dict[str, int], config: Any
+) -> list[Any]:
+    """Every leaf's PartitionSpec as a stage will compile it: the batch over `batch_axis` (per
+    micro-batch), other leaves as they are sharded, where that fits (else replicated)."""
+    batch = set(batch_leaves)
+    m = config.num_micro_batches
+    out = []
+    for i, leaf in enumerate(leaves):
+        shape = tuple(leaf.shape)
+        if i in batch:
+            out.append(batch_spec(sizes, (shape[0] // m, *shape[1:]), config.batch_axis))
+        else:
+            out.append(transplant_spec(spec_of(getattr(leaf, "sharding", None)), sizes, shape))
+    return out

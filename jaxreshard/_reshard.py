@@ -70,16 +70,15 @@ def reshard(
             "reshard(x=...): x spans devices of other processes; the local runtime moves arrays "
             "between devices of this process (use the Ray runtime across hosts)."
         )
-    local = {d.id for d in jax.local_devices(backend=_platform(dst_sharding))}
-    missing = sorted(d.id for d in dst_sharding.device_set if d.id not in local)
+    local = set(jax.local_devices(backend=_platform(dst_sharding)))
+    missing = sorted(str(d) for d in dst_sharding.device_set if d not in local)
     if missing:
         raise ValueError(
             f"reshard(dst_sharding=...): devices {missing} are not devices of this process "
-            f"(it has {sorted(local)}); build the destination mesh from jax.local_devices()."
+            f"(it has {sorted(str(d) for d in local)}); build the destination mesh from "
+            "jax.local_devices()."
         )
-    src_ids = {d.id for d in x.sharding.device_set}
-    dst_ids = {d.id for d in dst_sharding.device_set}
-    if src_ids & dst_ids:
+    if set(x.sharding.device_set) & set(dst_sharding.device_set):
         return jax.device_put(x, dst_sharding)
     plan = plan_reshard(
         x.shape, x.dtype, x.sharding, dst_sharding, cluster=cluster, strategy=strategy

@@ -83,3 +83,19 @@ def test_virtual_mesh_errors():
         VirtualMesh.from_ids((2, 4), ("x",), range(8))
     with pytest.raises(ValueError, match="has no devices"):
         VirtualMesh(np.empty((0,), dtype=object), ("x",))
+
+
+def test_device_keys_stay_unique_across_platforms():
+    """A CPU device and a GPU device may share an id; plans must still tell them apart."""
+    from types import SimpleNamespace
+
+    from jaxreshard.comm._layout import PLATFORM_STRIDE, device_key
+
+    cpu0 = jax.devices()[0]
+    assert cpu0.platform == "cpu" and device_key(cpu0) == cpu0.id
+    gpu0 = SimpleNamespace(id=0, platform="gpu")
+    assert device_key(gpu0) not in {device_key(d) for d in jax.devices()}
+    assert device_key(gpu0) % PLATFORM_STRIDE == 0
+    assert device_key(SimpleNamespace(id=7, platform="virtual")) == 7
+    with pytest.raises(ValueError, match="platform 'metal'"):
+        device_key(SimpleNamespace(id=0, platform="metal"))

@@ -125,6 +125,64 @@ def test_matches_jax_jit(model, schedule, weight_delay, num_micro_batches):
     assert_same(params, losses, *reference(num_stages, skip, shared))
 
 
+@pytest.mark.parametrize(
+    "schedule, weight_delay", [("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
+)
+def test_explicit_mesh_axes_match_jax_jit(schedule, weight_delay):
+    """Stage meshes with Explicit axes (sharding in types): the batch is sharded over `data` in
+    the traced types, and the pipeline still computes what jax.jit does."""
+    cfg = config(
+        num_micro_batches=2,
+        schedule=schedule,
+        weight_delay=weight_delay,
+        stage_mesh_shape=(2, 1),
+        mesh_axis_types="explicit",
+    )
+    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(3), make_batch())
+    assert_same(params, losses, *reference(3, True, True))
+    meshes = step.plan(params, make_batch()).meshes
+    assert all(t == jax.sharding.AxisType.Explicit for t in meshes[0].axis_types)
+
+
+def test_meshes_from_jax_make_mesh(cpu_devices):
+    """`jax.make_mesh` makes Explicit axes: the step is traced under those meshes' own types."""
+    meshes = [
+        jax.make_mesh((2, 1), ("data", "model"), devices=cpu_devices[2 * i : 2 * i + 2])
+        for i in range(3)
+    ]
+    step = jr.parallelize(
+        make_step(3, skip=True, shared=True),
+        config=config(num_micro_batches=2),
+        batch_argnums=(1,),
+        meshes=meshes,
+    )
+    params, losses = run_steps(step, make_params(3), make_batch())
+    assert_same(params, losses, *reference(3, True, True))
+
+
+def test_explicit_axes_need_one_mesh_shape(cpu_devices):
+    cfg = config(stage_mesh_shape=[(1, 2), (2, 2), (1, 2)], mesh_axis_types="explicit")
+    step = jr.parallelize(make_step(3), config=cfg, batch_argnums=(1,))
+    with pytest.raises(ValueError, match=r"Explicit axes .* same mesh shape"):
+        step(make_params(3), make_batch())
+    mixed = [
+        jax.sharding.Mesh(np.array(cpu_devices[:2]).reshape(1, 2), ("data", "model")),
+        jax.make_mesh((1, 2), ("data", "model"), devices=cpu_devices[2:4]),
+    ]
+    step = jr.parallelize(make_step(2), config=config(), batch_argnums=(1,), meshes=mixed)
+    with pytest.raises(ValueError, match=r"stage mesh 1 has axes .* same axis names and types"):
+        step(make_params(2), make_batch())
+
+
+def test_mesh_axis_types_are_checked():
+    with pytest.raises(ValueError, match=r"mesh_axis_types='manual'.*auto, explicit"):
+        config(mesh_axis_types="manual")
+    with pytest.raises(ValueError, match=r"gives 1 types for mesh_axis_names"):
+        config(mesh_axis_types=("auto",))
+    assert config(mesh_axis_types=["explicit", "auto"]).axis_types == ("explicit", "auto")
+
+
 def test_params_stay_on_their_stage_and_are_not_moved_again(cpu_devices):
     step = jr.parallelize(
         make_step(3, shared=True, skip=True), config=config(num_micro_batches=2), batch_argnums=(1,)
@@ -335,7 +393,7 @@ def test_bad_input_is_explained():
         lambda: jr.parallelize(
             make_step(2), config=config(), batch_argnums=(1,), meshes=[mesh_a, mesh_b]
         )(params, batch),
-        "stage meshes 0 and 1 share device 1",
+        "stage meshes 0 and 1 share device cpu:1",
     )
 
 
@@ -371,8 +429,15 @@ def test_config_validation_and_toml(tmp_path):
 
 
 @pytest.mark.ray
-def test_same_numbers_on_the_ray_runtime(ray_runtime):
-    cfg = config(num_micro_batches=4, schedule="eager_1f1b", weight_delay=True, backend="ray")
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_same_numbers_on_the_ray_runtime(ray_runtime, axis_types):
+    cfg = config(
+        num_micro_batches=4,
+        schedule="eager_1f1b",
+        weight_delay=True,
+        backend="ray",
+        mesh_axis_types=axis_types,
+    )
     step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
     params, losses = run_steps(step, make_params(3), make_batch())
     assert isinstance(params["w1"], jr.RemoteArray)

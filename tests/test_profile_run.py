@@ -130,6 +130,7 @@ def test_emulated_network_delays_transfers():
     assert big["measured_seconds"] >= big["bytes"] / (gbps * 1e9)
 
 
+@pytest.mark.ray
 def test_local_and_ray_give_the_same_losses(ray_runtime):
     pc = gpt_config(schedule="1f1b", weight_delay=True)
     local = profiler.run_profile(pc)
@@ -142,6 +143,7 @@ def test_local_and_ray_give_the_same_losses(ray_runtime):
     assert sends and all(t["measured_seconds"] and t["measured_seconds"] > 0 for t in sends)
 
 
+@pytest.mark.ray
 def test_signal_only_is_refused_on_ray(ray_runtime):
     pc = gpt_config(backend="ray")
     session = profiler.Session(pc, runtime=ray_runtime)

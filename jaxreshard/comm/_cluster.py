@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from jaxreshard.comm._layout import device_key
+
 PAPER_DEVICES_PER_HOST = 4
 PAPER_INTER_HOST_GBYTES_PER_S = 1.25
 PAPER_INTRA_HOST_GBYTES_PER_S = 50.0
@@ -118,7 +120,7 @@ class Cluster:
             devices_per_host: if given, override the grouping as described above.
             **links: bandwidth/latency overrides, as in the constructor.
         """
-        devices = sorted(devices, key=lambda d: d.id)
+        devices = sorted(devices, key=device_key)
         if not devices:
             raise ValueError("Cluster.from_devices(devices=[]): need at least one device.")
         if devices_per_host is not None:
@@ -126,12 +128,12 @@ class Cluster:
                 raise ValueError(
                     f"Cluster.from_devices(devices_per_host={devices_per_host}): must be >= 1."
                 )
-            ids = [d.id for d in devices]
+            ids = [device_key(d) for d in devices]
             hosts = [ids[i : i + devices_per_host] for i in range(0, len(ids), devices_per_host)]
             return cls(tuple(tuple(h) for h in hosts), **links)
         by_process: dict[int, list[int]] = {}
         for d in devices:
-            by_process.setdefault(int(getattr(d, "process_index", 0)), []).append(d.id)
+            by_process.setdefault(int(getattr(d, "process_index", 0)), []).append(device_key(d))
         return cls(tuple(tuple(by_process[p]) for p in sorted(by_process)), **links)
 
     # -- queries -----------------------------------------------------------------------------

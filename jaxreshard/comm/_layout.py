@@ -76,9 +76,39 @@ class Layout:
             raise ValueError(f"{what} {sharding} has no devices; a mesh needs at least one device.")
         devices, indices = [], []
         for device, slices in index_map.items():
-            devices.append(int(device.id))
+            devices.append(device_key(device))
             indices.append(_normalize(slices, shape))
         return cls(shape, tuple(devices), tuple(indices))
+
+
+# [Note: device keys]
+# Plans, clusters and host programs name devices by integer keys. A JAX device id is unique only
+# within its platform: `CudaDevice(id=0)` and `CpuDevice(id=0)` live side by side in one process.
+# So a device's key is its id on the process's default platform (the usual, single-platform
+# case, where keys are the ids users see), and `PLATFORM_STRIDE * k + id` on another platform
+# (k = 1 + its position in `_OTHER_PLATFORMS`), which keeps a CPU stage beside GPU stages
+# distinct. `VirtualDevice`s (devices of remote hosts) carry their key as their id.
+PLATFORM_STRIDE = 1 << 20
+_OTHER_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
+def device_key(device: Any) -> int:
+    """The integer that plans and clusters use for `device` (see [Note: device keys])."""
+    platform = getattr(device, "platform", None)
+    if platform in (None, "virtual") or platform == _default_platform():
+        return int(device.id)
+    if platform not in _OTHER_PLATFORMS:
+        raise ValueError(
+            f"device {device} is on platform {platform!r}, beside {_default_platform()!r} devices; "
+            f"mixing platforms in one plan works for {_OTHER_PLATFORMS} only"
+        )
+    return PLATFORM_STRIDE * (1 + _OTHER_PLATFORMS.index(platform)) + int(device.id)
+
+
+def _default_platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
 
 
 def _normalize(slices: Sequence[slice], shape: tuple[int, ...]) -> Index:

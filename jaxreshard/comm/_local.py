@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxreshard.comm._layout import Index, index_size
+from jaxreshard.comm._layout import Index, device_key, index_size
 from jaxreshard.comm._plan import Plan
 
 _ALIGN = 64
@@ -219,8 +219,8 @@ def execute_cpu(
     dtype = np.dtype(x.dtype)
     views: dict[int, tuple[Index, np.ndarray]] = {}
     for shard in x.addressable_shards:
-        index = plan.src.index_of(shard.device.id)
-        views[shard.device.id] = (index, np.asarray(shard.data))
+        key = device_key(shard.device)
+        views[key] = (plan.src.index_of(key), np.asarray(shard.data))
     adopted = _adoptable(plan, views)
     buffers: dict[int, tuple[Index, np.ndarray]] = {}
     for device, index in zip(plan.dst.devices, plan.dst.indices):
@@ -272,7 +272,7 @@ def execute_cpu(
         tasks.sort(key=lambda t: -index_size(t[1]))
         for future in [pool.submit(copy, task) for task in tasks]:
             future.result()
-    devices = {d.id: d for d in dst_sharding.device_set}
+    devices = {device_key(d): d for d in dst_sharding.device_set}
     arrays = [jax.device_put(buffers[d][1], devices[d], may_alias=True) for d in plan.dst.devices]
     return jax.make_array_from_single_device_arrays(plan.shape, dst_sharding, arrays)
 
@@ -292,10 +292,11 @@ def _slice(array: jax.Array, slices: tuple[tuple[int, int], ...]) -> jax.Array:
 
 def execute_devices(plan: Plan, x: jax.Array, dst_sharding: Any) -> jax.Array:
     """Run `plan` with device-to-device copies (the general path of [Note: local execution])."""
-    devices = {d.id: d for d in (*x.sharding.device_set, *dst_sharding.device_set)}
+    devices = {device_key(d): d for d in (*x.sharding.device_set, *dst_sharding.device_set)}
     held: dict[int, list[tuple[Index, jax.Array]]] = {}
     for shard in x.addressable_shards:
-        held[shard.device.id] = [(plan.src.index_of(shard.device.id), shard.data)]
+        key = device_key(shard.device)
+        held[key] = [(plan.src.index_of(key), shard.data)]
     pieces: dict[int, list[tuple[Index, jax.Array]]] = {d: [] for d in plan.dst.devices}
 
     def cut(device: int, index: Index) -> jax.Array:

@@ -207,7 +207,7 @@ class HostActor:
         in_tree: Any,
         avals: Any,
         batch_leaves: Any,
-        trace_mesh: Any,
+        input_specs: Any,
         stages: Any,
     ) -> Any:
         """Trace and cut a pipelined step here; return its fingerprint."""
@@ -224,7 +224,7 @@ class HostActor:
             in_tree,
             avals,
             batch_leaves,
-            trace_mesh,
+            input_specs,
             {int(s): grid for s, grid in stages.items()},
         )
         return fingerprint(pipelines[key].graph)

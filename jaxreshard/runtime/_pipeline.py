@@ -114,15 +114,15 @@ def check_meshes(meshes: Sequence[Any], num_stages: int) -> None:
         raise ValueError(
             f"parallelize(meshes=...) gives {len(meshes)} meshes for a step of {num_stages} stages"
         )
-    seen: dict[int, int] = {}
+    seen: dict[Any, int] = {}
     for s, mesh in enumerate(meshes):
         for d in mesh.devices.flat:
-            if d.id in seen:
+            if d in seen:
                 raise ValueError(
-                    f"stage meshes {seen[d.id]} and {s} share device {d.id}; every stage needs its "
+                    f"stage meshes {seen[d]} and {s} share device {d}; every stage needs its "
                     "own devices (cross-mesh pipelines move data between disjoint meshes)"
                 )
-            seen[d.id] = s
+            seen[d] = s
 
 
 # -- compiling one stage ---------------------------------------------------------------------------

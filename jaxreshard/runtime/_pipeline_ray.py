@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._config import PipelineConfig
-from jaxreshard._jax_compat import make_mesh
+from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding, plan_reshard
 from jaxreshard.comm._order import host_programs
 from jaxreshard.comm._transport import HostData, HostWork, run_host_work
@@ -67,27 +67,35 @@ class HostPipeline:
         in_tree: Any,
         avals: Sequence[Any],
         batch_leaves: Sequence[int],
-        trace_mesh: tuple[tuple[int, ...], tuple[str, ...]],
+        input_specs: Sequence[P] | None,
         stage_devices: dict[int, Any],
     ):
         self.actor, self.config = actor, config
+        self.meshes: dict[int, Mesh] = {}
+        for s, grid in stage_devices.items():
+            grid = np.asarray(grid)
+            devices = np.vectorize(lambda g: actor.devices[int(g)], otypes=[object])(grid)
+            self.meshes[s] = make_mesh(devices, config.mesh_axis_names, config.axis_types)
+        # Traced as the driver did (see [Note: mesh axis types]): with Explicit axes, under this
+        # host's own stage mesh, since JAX records the mesh in every equation.
+        trace_mesh = (
+            abstract_mesh(config.mesh_shapes(None)[0], config.mesh_axis_names, config.axis_types)
+            if input_specs is None
+            else next(iter(self.meshes.values())).abstract_mesh
+        )
         self.graph, _ = trace_step(
             fun,
             in_tree,
             avals,
             batch_leaves,
             config.num_micro_batches,
-            trace_mesh[0],
-            trace_mesh[1],
+            trace_mesh,
             config.num_stages,
+            input_specs,
         )
         split = config.weight_delay or config.schedule == "zb_h1"
-        self.meshes: dict[int, Mesh] = {}
         self.compilers: dict[int, StageCompiler] = {}
-        for s, grid in stage_devices.items():
-            grid = np.asarray(grid)
-            devices = np.vectorize(lambda g: actor.devices[int(g)], otypes=[object])(grid)
-            self.meshes[s] = make_mesh(devices, config.mesh_axis_names, config.axis_types)
+        for s in stage_devices:
             self.compilers[s] = StageCompiler(
                 self.graph,
                 derive_backward(self.graph.loss.stages[s], split=split),
@@ -418,7 +426,7 @@ class RayPipeline:
         in_tree: Any,
         leaves: Sequence[Any],
         batch_leaves: Sequence[int],
-        trace_mesh: tuple[Any, Any],
+        input_specs: Sequence[P] | None,
     ):
         self.runtime, self.config, self.graph = runtime, config, graph
         self.key = f"pipeline-{uuid.uuid4().hex[:8]}"
@@ -462,7 +470,7 @@ class RayPipeline:
                     in_tree,
                     avals,
                     list(batch_leaves),
-                    trace_mesh,
+                    input_specs,
                     stages,
                 )
                 for h, stages in stages_of.items()

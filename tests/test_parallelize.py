@@ -125,6 +125,19 @@ def test_matches_jax_jit(model, schedule, weight_delay, num_micro_batches):
     assert_same(params, losses, *reference(num_stages, skip, shared))
 
 
+@pytest.mark.parametrize("weight_delay", [False, True])
+@pytest.mark.parametrize(
+    "shapes", [[(1, 1), (1, 2), (2, 2)], [(2, 2), (1, 1), (1, 2)], [(1, 2), (2, 1), (1, 1)]]
+)
+def test_stages_of_different_sizes_match_jax_jit(shapes, weight_delay):
+    """Meshes of 1, 2 and 4 devices: a gradient leaves every backward variant (first, later,
+    fused with the optimizer) with the sharding its transfer was planned for."""
+    cfg = config(num_micro_batches=4, stage_mesh_shape=shapes, weight_delay=weight_delay)
+    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(3), make_batch())
+    assert_same(params, losses, *reference(3, True, True))
+
+
 @pytest.mark.parametrize(
     "schedule, weight_delay", [("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
 )

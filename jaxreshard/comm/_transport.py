@@ -73,7 +73,13 @@ class Transport:
     def flush(self, work: HostWork) -> None:
         """Deliver what `send` may have held back to batch."""
 
-    def collective(self, work: HostWork, step: Step, data: HostData, deadline: float) -> None:
+    def complete(self, work: HostWork, deadline: float) -> None:
+        """End this host's part of `work`: deliver what is held back, and wait (until
+        `deadline`) for whatever the transport still has in flight for it."""
+        self.flush(work)
+
+    def collective(self, work: HostWork, step: Step, data: Any, deadline: float) -> None:
+        """Issue op `step.op`'s collective; it may still be in flight when this returns."""
         raise NotImplementedError(f"{self.name} transport has no collectives")
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
@@ -84,31 +90,18 @@ class Transport:
 class HostData:
     """The source shards and destination buffers of one resharding on one host.
 
-    On CPU, sources are zero-copy numpy views and destinations 64-byte-aligned numpy buffers
-    that JAX adopts without a copy (see [Note: local execution]). `xp` is the array module
-    (numpy; CuPy for the NCCL transport).
+    Sources are zero-copy numpy views and destinations 64-byte-aligned numpy buffers that JAX
+    adopts without a copy (see [Note: local execution]). GPU data lives in `_nccl.DeviceData`.
     """
 
-    def __init__(
-        self,
-        work: HostWork,
-        src: Mapping[int, jax.Array],
-        devices: Mapping[int, Any],
-        xp: Any = np,
-        to_xp: Callable[[jax.Array], Any] = np.asarray,
-    ):
-        self.work, self.devices, self.xp = work, devices, xp
-        self.views = {d: (work.src_regions[d], to_xp(src[d])) for d in work.src_regions}
-        self.buffers: dict[int, tuple[Index, Any]] = {}
+    def __init__(self, work: HostWork, src: Mapping[int, jax.Array], devices: Mapping[int, Any]):
+        self.work, self.devices = work, devices
+        self.views = {d: (work.src_regions[d], np.asarray(src[d])) for d in work.src_regions}
         dtype = jax.numpy.dtype(work.dtype)
-        for d, region in work.dst_regions.items():
-            shape = [b - a for a, b in region]
-            self.buffers[d] = (
-                region,
-                aligned_empty(shape, dtype)
-                if xp is np
-                else _empty_on(xp, devices[d], shape, dtype),
-            )
+        self.buffers: dict[int, tuple[Index, Any]] = {
+            d: (region, aligned_empty([b - a for a, b in region], dtype))
+            for d, region in work.dst_regions.items()
+        }
 
     def read(self, device: int, index: Index) -> Any:
         """The slice `index` as `device` holds it now (its source shard, or delivered data)."""
@@ -126,10 +119,7 @@ class HostData:
                 f"{self.work.describe}: device {device} expects {target.dtype}{list(target.shape)} "
                 f"for {format_index(index)} but got {data.dtype}{list(data.shape)}"
             )
-        if self.xp is np:
-            np.copyto(target, data)
-        else:
-            target[...] = data
+        np.copyto(target, data)
 
     def local(self, op: Op) -> None:
         """Run an op whose devices are all on this host (copies)."""
@@ -146,16 +136,13 @@ class HostData:
 
     def finish(self) -> dict[int, jax.Array]:
         """The destination shards as JAX arrays on their devices (zero-copy on CPU)."""
-        out = {}
-        for d, (_, buffer) in self.buffers.items():
-            if self.xp is np:
-                out[d] = jax.device_put(buffer, self.devices[d], may_alias=True)
-            else:
-                out[d] = jax.dlpack.from_dlpack(buffer)
-        return out
+        return {
+            d: jax.device_put(buffer, self.devices[d], may_alias=True)
+            for d, (_, buffer) in self.buffers.items()
+        }
 
 
-def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[str, float]:
+def run_host_work(work: HostWork, data: Any, transport: Transport) -> dict[str, float]:
     """Run a host's steps in order; return byte and time counters.
 
     A `recv` directly followed by a `send` of the same op is a relay: each chunk is written to
@@ -199,7 +186,7 @@ def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[
         else:  # pragma: no cover
             raise AssertionError(step)
         position += 1
-    transport.flush(work)
+    transport.complete(work, deadline)
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -359,8 +346,3 @@ class ObjectStoreTransport(Transport):
             for key in [k for k in self._pending if k[0] == work_id]:
                 del self._pending[key]
             self._fetched.clear()
-
-
-def _empty_on(xp: Any, device: Any, shape: list[int], dtype: Any) -> Any:
-    with xp.cuda.Device(device.local_hardware_id if hasattr(device, "local_hardware_id") else 0):
-        return xp.empty(shape, dtype=dtype)

@@ -123,10 +123,9 @@ class HostActor:
         src = self._array(work.src_array) if work.src_regions else {}
         try:
             if transport == "nccl":
-                from jaxreshard.comm._nccl import cupy_modules, cupy_view
+                from jaxreshard.comm._nccl import DeviceData
 
-                cupy, _ = cupy_modules()
-                data = HostData(work, src, self.devices, xp=cupy, to_xp=cupy_view)
+                data: Any = DeviceData(work, src, self.devices, self._nccl_transport())
                 stats = run_host_work(work, data, self._nccl)
             else:
                 data = HostData(work, src, self.devices)
@@ -134,6 +133,8 @@ class HostActor:
             result = data.finish()
         finally:
             self._transport.forget(work.work_id)
+            if self._nccl is not None:
+                self._nccl.forget(work.work_id)
         with self._lock:
             self.arrays.setdefault(work.dst_array, {}).update(result)
         return stats
@@ -185,17 +186,19 @@ class HostActor:
 
     # -- NCCL ----------------------------------------------------------------------------------
 
-    def nccl_unique_id(self) -> Any:
-        from jaxreshard.comm._nccl import NcclTransport
-
-        return NcclTransport.unique_id()
-
-    def nccl_create(self, group: tuple[int, ...], uid: Any) -> None:
-        from jaxreshard.comm._nccl import NcclTransport
-
+    def _nccl_transport(self) -> Any:
         if self._nccl is None:
+            from jaxreshard.comm._nccl import NcclTransport
+
             self._nccl = NcclTransport(self.devices)
-        self._nccl.create(tuple(group), uid)
+        return self._nccl
+
+    def nccl_unique_id(self) -> Any:
+        return self._nccl_transport().unique_id()
+
+    def nccl_create(self, group: tuple[int, ...], uid: Any, channel: str = "reshard") -> None:
+        """Make this host's ranks of a communicator (every member host calls it at once)."""
+        self._nccl_transport().create(tuple(group), uid, channel)
 
     # -- pipelines (see runtime/_pipeline_ray.py) ---------------------------------------------
 

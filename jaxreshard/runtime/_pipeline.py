@@ -181,27 +181,32 @@ class StageCompiler:
             for a, k in zip(acc_avals, bw.param_grads)
         ]
         self.acc_shardings = [st.sharding for st in acc]
+        # An activation's gradient leaves with the activation's own sharding, the same in every
+        # executable variant: each transfer is planned once for one source sharding.
+        self.act_grad_shardings = [self.input_shardings[bw.diff[k]] for k in bw.act_grads]
         fns = self.fns = backward_functions(bw, fans, loss_scale)
         # Two variants each: the first micro-batch's gradients become the accumulators (no
         # zeros to fill and add to), the later ones are added to them in place.
+        outs = (self.act_grad_shardings, self.acc_shardings)
         with jax.set_mesh(self.mesh):
             if bw.w is None:
                 self.backward_first = (
-                    jax.jit(fns["full_first"], out_shardings=(None, self.acc_shardings))
-                    .lower(res, cts)
-                    .compile()
+                    jax.jit(fns["full_first"], out_shardings=outs).lower(res, cts).compile()
                 )
                 self.backward = (
-                    jax.jit(
-                        fns["full"], donate_argnums=(0,), out_shardings=(None, self.acc_shardings)
-                    )
+                    jax.jit(fns["full"], donate_argnums=(0,), out_shardings=outs)
                     .lower(acc, res, cts)
                     .compile()
                 )
-                act_out = self.backward.output_shardings[0]
+                act_out = self.act_grad_shardings
             else:
-                self.b_part = jax.jit(fns["b"]).lower(res, cts).compile()
-                act_out, export_sh = self.b_part.output_shardings
+                self.b_part = (
+                    jax.jit(fns["b"], out_shardings=(self.act_grad_shardings, None))
+                    .lower(res, cts)
+                    .compile()
+                )
+                act_out = self.act_grad_shardings
+                export_sh = self.b_part.output_shardings[1]
                 exports = [
                     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                     for a, sh in zip(bw.b.out_avals[len(bw.act_grads) :], export_sh)
@@ -247,8 +252,13 @@ class StageCompiler:
             def later(acc, res, cts, exports, extra):
                 return update(fns["w"](acc, res, cts, exports), extra)
 
-        self.apply_first = jax.jit(first)
-        self.apply_later = jax.jit(later, donate_argnums=(0,))
+        if self.bw.w is None:  # the activation gradients keep their planned sharding
+            outs: Any = (self.act_grad_shardings, None)
+            self.apply_first = jax.jit(first, out_shardings=outs)
+            self.apply_later = jax.jit(later, donate_argnums=(0,), out_shardings=outs)
+        else:
+            self.apply_first = jax.jit(first)
+            self.apply_later = jax.jit(later, donate_argnums=(0,))
         self.fused = True
 
     fused = False
@@ -857,6 +867,7 @@ class LocalExecutor:
         from jaxreshard._reshard import execute
 
         start = time.perf_counter()
+        check_source(transfer, value, self.c.sharding(transfer.src_stage, transfer.src_spec))
         jax.block_until_ready(value)
         dst = self.c.sharding(transfer.dst_stage, transfer.dst_spec)
         ready = 0.0
@@ -981,6 +992,16 @@ class LocalExecutor:
             raise self._failure
         grads = [accumulators[owner[k]].get(k) for k in range(len(params))]
         return losses, grads, applied
+
+
+def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
+    """A transfer's plan says which device holds which slice: moving a value laid out otherwise
+    would deliver wrong data, so refuse it (an internal error, never silent)."""
+    if not value.sharding.is_equivalent_to(planned, len(transfer.shape)):
+        raise PipelineError(
+            f"{transfer.name}: the value leaves stage {transfer.src_stage} as {value.sharding} but "
+            f"its transfer was planned for {planned}; this is a jaxreshard bug, please report it"
+        )
 
 
 def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:

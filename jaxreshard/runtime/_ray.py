@@ -55,6 +55,7 @@ class RayRuntime:
         start_timeout_s: float = 180.0,
         nodes: str = "per_host",
         emulate_network_gbps: float | None = None,
+        gpu_memory_fraction: float = 0.6,
     ):
         import ray
 
@@ -104,6 +105,11 @@ class RayRuntime:
         else:
             ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard")
         self.emulate_network_gbps = emulate_network_gbps
+        if not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(
+                f"init(gpu_memory_fraction={gpu_memory_fraction!r}): a fraction in (0, 1]"
+            )
+        self.gpu_memory_fraction = gpu_memory_fraction
         try:
             self._start_actors(local, num_hosts, devices_per_host, start_timeout_s)
         except BaseException:
@@ -120,7 +126,7 @@ class RayRuntime:
         )
         if self.transport not in ("object_store", "nccl"):
             raise ValueError(f"transport={transport!r}: choose 'auto', 'object_store' or 'nccl'")
-        self._communicators: set[tuple[int, ...]] = set()
+        self._communicators: set[tuple[str, tuple[int, ...]]] = set()
 
     def _start_actors(
         self,
@@ -163,7 +169,11 @@ class RayRuntime:
         hosts, first = [], 0
         for h, (count, placement) in enumerate(zip(counts, placements)):
             env = {"JAX_PLATFORMS": "cuda" if use_gpu else "cpu"}
-            if not use_gpu:
+            if use_gpu:
+                # XLA preallocates 75% of a GPU by default; keep it to the fraction, so that
+                # CuPy (receive buffers) and NCCL have room (see [Note: NCCL transport]).
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.gpu_memory_fraction:g}"
+            else:
                 env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
             options: dict[str, Any] = dict(
                 max_concurrency=16, num_cpus=0, num_gpus=gpus[h], runtime_env={"env_vars": env}
@@ -392,10 +402,14 @@ class RayRuntime:
             )
         return works
 
-    def _ensure_communicators(self, programs: dict[int, list[Any]]) -> None:
+    def _ensure_communicators(
+        self, programs: dict[int, list[Any]], channel: str = "reshard"
+    ) -> None:
+        """Create the communicators the programs use that do not exist yet (see
+        [Note: NCCL transport]), one group at a time in sorted order."""
         groups = sorted({s.group for steps in programs.values() for s in steps if s.group})
         for group in groups:  # one fixed global order, the same on every host
-            if group in self._communicators:
+            if (channel, group) in self._communicators:
                 continue
             members = sorted({self.cluster.host_of(d) for d in group})
             uid = self._wait(
@@ -403,10 +417,10 @@ class RayRuntime:
                 f"making the NCCL id of {list(group)}",
             )[members[0]]
             self._wait(
-                {h: self.actors[h].nccl_create.remote(group, uid) for h in members},
-                f"creating the NCCL communicator {list(group)}",
+                {h: self.actors[h].nccl_create.remote(group, uid, channel) for h in members},
+                f"creating the NCCL communicator {list(group)} ({channel})",
             )
-            self._communicators.add(group)
+            self._communicators.add((channel, group))
 
     # -- waiting, failures, shutdown -------------------------------------------------------------
 
@@ -455,6 +469,8 @@ class RayRuntime:
     def _abort(self, work_id: str | None, reason: str) -> None:
         if work_id is None:
             return
+        # An abort ends every NCCL communicator on every host: they are made anew on next use.
+        self._communicators.clear()
         for h, actor in enumerate(self.actors):
             try:
                 actor.abort.remote(work_id, reason)

@@ -253,9 +253,9 @@ def _cpu_devices(n: int) -> None:
 def _add_profile_parser(commands: argparse._SubParsersAction) -> None:
     import dataclasses
 
-    from jaxreshard._config import PipelineConfig
     from jaxreshard.models import MODEL_NAMES, get_model
     from jaxreshard.profiler import RunConfig
+    from jaxreshard.runtime._config import PipelineConfig
 
     profile = commands.add_parser(
         "profile",

@@ -14,20 +14,17 @@ import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
-from jaxreshard._config import PipelineConfig
 from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
 from jaxreshard.pipeline._emit import format_programs
-from jaxreshard.runtime._pipeline import (
-    APPLY_EVENT,
-    CompiledPipeline,
-    Event,
-    LocalExecutor,
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._executor import APPLY_EVENT, Event
+from jaxreshard.runtime._local import CompiledPipeline, LocalExecutor, compile_local
+from jaxreshard.runtime._specs import (
     batch_spec,
     check_meshes,
-    compile_local,
     spec_of,
     stage_meshes,
     transplant_spec,
@@ -165,7 +162,7 @@ class Parallelized:
     def _compile(
         self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
     ) -> _Entry:
-        from jaxreshard.runtime._api import current_runtime
+        from jaxreshard.runtime import current_runtime
 
         runtime = current_runtime() if self.config.backend != "local" else None
         on_ray = runtime is not None and runtime.backend == "ray"

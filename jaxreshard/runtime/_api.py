@@ -96,6 +96,12 @@ def shutdown() -> None:
         runtime.shutdown()
 
 
+def running_runtime() -> Any:
+    """The runtime `init` (or a call needing one) started, if it is still running; else None.
+    Unlike `current_runtime`, this never starts one."""
+    return _current if _current is not None and _current.is_alive else None
+
+
 def current_runtime() -> Any:
     """The running runtime, starting the local one if none was initialised."""
     global _current, _implicit

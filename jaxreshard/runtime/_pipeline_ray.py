@@ -30,7 +30,6 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard._config import PipelineConfig
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding, plan_reshard
 from jaxreshard.comm._order import host_programs
@@ -39,19 +38,12 @@ from jaxreshard.frontend._backward import derive_backward
 from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.pipeline._emit import Instruction
-from jaxreshard.runtime._pipeline import (
-    APPLY_EVENT,
-    Event,
-    PipelineError,
-    PipelineLayout,
-    StageCompiler,
-    StageRunner,
-    Transfer,
-    layout_pipeline,
-    spec_of,
-    transplant_spec,
-)
+from jaxreshard.runtime._compile import StageCompiler
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._executor import APPLY_EVENT, Event, PipelineError, StageRunner
+from jaxreshard.runtime._layout import PipelineLayout, Transfer, layout_pipeline
 from jaxreshard.runtime._remote import RemoteArray
+from jaxreshard.runtime._specs import spec_of, transplant_spec
 
 # -- in the host actor -----------------------------------------------------------------------------
 
@@ -181,7 +173,7 @@ class HostPipeline:
                 self._lock.notify_all()
 
     def _move_local(self, transfer: Transfer, value: Any, mb: int) -> Any:
-        from jaxreshard._reshard import execute
+        from jaxreshard.comm._local import execute_local
 
         src = self.sharding(transfer.src_stage, transfer.src_spec)
         dst = self.sharding(transfer.dst_stage, transfer.dst_spec)
@@ -194,7 +186,7 @@ class HostPipeline:
         start = time.perf_counter()
         jax.block_until_ready(value)
         moved = (
-            execute(plan, value, dst)
+            execute_local(plan, value, dst)
             if not set(src.device_set) & set(dst.device_set)
             else jax.device_put(value, dst)
         )

@@ -1,0 +1,73 @@
+"""PartitionSpecs of stage inputs and outputs, and the stage meshes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxreshard._jax_compat import make_mesh
+from jaxreshard.comm._layout import spec_axes
+from jaxreshard.runtime._config import PipelineConfig
+
+
+def transplant_spec(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> P:
+    """`spec` when it fits a mesh of `mesh_shape` and an array of `shape`, else replicated."""
+    if spec is None or len(spec) > len(shape):
+        return P()
+    for dim, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        if any(a not in mesh_shape for a in axes):
+            return P()
+        if shape[dim] % int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)):
+            return P()
+    return P(*spec)
+
+
+def batch_spec(mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None) -> P:
+    if batch_axis and batch_axis in mesh_shape and shape and shape[0] % mesh_shape[batch_axis] == 0:
+        return P(batch_axis)
+    return P()
+
+
+def spec_of(sharding: Any) -> P:
+    spec = getattr(sharding, "spec", None)
+    return P(*spec) if spec is not None else P()
+
+
+def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]) -> list[Mesh]:
+    """Consecutive groups of `devices`, one mesh per stage."""
+    shapes = config.mesh_shapes(num_stages)
+    need = sum(int(np.prod(s)) for s in shapes)
+    if need > len(devices):
+        raise ValueError(
+            f"the step has {num_stages} stages on meshes {list(shapes)}: {need} devices, but "
+            f"this runtime has {len(devices)}; use fewer stages or a smaller stage_mesh_shape, "
+            "or more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
+    meshes, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        grid = np.array(devices[at : at + n]).reshape(shape)
+        meshes.append(make_mesh(grid, config.mesh_axis_names, config.axis_types))
+        at += n
+    return meshes
+
+
+def check_meshes(meshes: Sequence[Any], num_stages: int) -> None:
+    if len(meshes) != num_stages:
+        raise ValueError(
+            f"parallelize(meshes=...) gives {len(meshes)} meshes for a step of {num_stages} stages"
+        )
+    seen: dict[Any, int] = {}
+    for s, mesh in enumerate(meshes):
+        for d in mesh.devices.flat:
+            if d in seen:
+                raise ValueError(
+                    f"stage meshes {seen[d]} and {s} share device {d}; every stage needs its "
+                    "own devices (cross-mesh pipelines move data between disjoint meshes)"
+                )
+            seen[d] = s

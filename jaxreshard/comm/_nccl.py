@@ -43,7 +43,7 @@ from jaxreshard.comm._layout import Index, format_index
 from jaxreshard.comm._local import contains, relative_slices
 from jaxreshard.comm._order import Step
 from jaxreshard.comm._plan import Op
-from jaxreshard.comm._transport import HostWork, Transport
+from jaxreshard.comm._transport import HostWork, Transport, aborted_reason
 
 RESHARD_CHANNEL = "reshard"
 
@@ -300,10 +300,9 @@ class NcclTransport(Transport):
         op = work.ops[step.op]
         channel = getattr(data, "channel", RESHARD_CHANNEL)
         group = tuple(sorted(step.group))
-        if work.work_id in self._aborted:
-            raise RuntimeError(
-                f"host {work.host}: {work.where(step.op)}: aborted: {self._aborted[work.work_id]}"
-            )
+        reason = aborted_reason(self._aborted, work.work_id)
+        if reason is not None:
+            raise RuntimeError(f"host {work.host}: {work.where(step.op)}: aborted: {reason}")
         comms = self.comms.get((channel, group))
         if comms is None:
             raise RuntimeError(
@@ -363,10 +362,11 @@ class NcclTransport(Transport):
         ]
         while True:
             # An abort lets the aborted kernels exit, so their events fire: check it first.
-            if work.work_id in self._aborted:
+            reason = aborted_reason(self._aborted, work.work_id)
+            if reason is not None:
                 raise RuntimeError(
                     f"host {work.host}: {work.describe or work.work_id} aborted while in flight: "
-                    f"{self._aborted[work.work_id]}"
+                    f"{reason}"
                 )
             for group, comm in comms:
                 try:

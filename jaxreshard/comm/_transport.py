@@ -142,14 +142,27 @@ class HostData:
         }
 
 
-def run_host_work(work: HostWork, data: Any, transport: Transport) -> dict[str, float]:
+def run_host_work(
+    work: HostWork,
+    data: Any,
+    transport: Transport,
+    *,
+    deadline: float | None = None,
+    complete: bool = True,
+) -> dict[str, float]:
     """Run a host's steps in order; return byte and time counters.
 
     A `recv` directly followed by a `send` of the same op is a relay: each chunk is written to
     this host's receivers and forwarded as soon as it arrives, so a broadcast chain pipelines.
     Before any wait, the host flushes the sends it has batched, so no peer waits on them.
+
+    Args:
+        deadline: when every wait gives up (monotonic clock; default: `work.timeout_s` from
+            now).
+        complete: end with `transport.complete`; without it, what a transport queued (NCCL's
+            broadcasts) may still be in flight, and the caller completes the work later.
     """
-    deadline = time.monotonic() + work.timeout_s
+    deadline = time.monotonic() + work.timeout_s if deadline is None else deadline
     stats = {"sent_bytes": 0.0, "received_bytes": 0.0, "seconds": 0.0}
     start = time.perf_counter()
     steps = work.steps
@@ -186,9 +199,24 @@ def run_host_work(work: HostWork, data: Any, transport: Transport) -> dict[str, 
         else:  # pragma: no cover
             raise AssertionError(step)
         position += 1
-    transport.complete(work, deadline)
+    if complete:
+        transport.complete(work, deadline)
+    else:
+        transport.flush(work)
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def aborted_reason(aborted: Mapping[str, str], work_id: str) -> str | None:
+    """Why `work_id` was aborted: it, or a work it belongs to (`step:...`), was; else None."""
+    if work_id in aborted:
+        return aborted[work_id]
+    parts = work_id.split(":")
+    for i in range(len(parts) - 1, 0, -1):
+        reason = aborted.get(":".join(parts[:i]))
+        if reason is not None:
+            return reason
+    return None
 
 
 def expected_chunks(work: HostWork, op: Op) -> list[Index]:
@@ -216,7 +244,7 @@ class ObjectStoreTransport(Transport):
         self._emulator = emulator  # a LinkEmulator actor, see [Note: network emulation]
         self._mailbox: dict[tuple[str, int], list[tuple[Index, Any, int | None, float]]] = {}
         self._pending: dict[tuple[str, int], list[tuple[int, Index, Any]]] = {}
-        self._fetched: dict[Any, Any] = {}
+        self._fetched: dict[str, dict[Any, Any]] = {}  # work id -> fetched batch objects
         self._aborted: dict[str, str] = {}
         self._cond = threading.Condition()
 
@@ -236,19 +264,25 @@ class ObjectStoreTransport(Transport):
                     work.work_id, [(step.op, region, None)], [ref], ready
                 )
             return
-        batch = self._pending.setdefault((work.work_id, peer), [])
-        batch.append((step.op, op.index, np.ascontiguousarray(data)))
-        if sum(a.nbytes for _, _, a in batch) >= work.batch_bytes:
+        piece = np.ascontiguousarray(data)
+        with self._cond:  # works of several threads (a pipeline's transfers) batch here
+            batch = self._pending.setdefault((work.work_id, peer), [])
+            batch.append((step.op, op.index, piece))
+            full = sum(a.nbytes for _, _, a in batch) >= work.batch_bytes
+        if full:
             self._flush_peer(work.work_id, peer)
 
     def flush(self, work: HostWork) -> None:
-        for work_id, peer in [k for k in self._pending if k[0] == work.work_id]:
+        with self._cond:
+            keys = [k for k in self._pending if k[0] == work.work_id]
+        for work_id, peer in keys:
             self._flush_peer(work_id, peer)
 
     def _flush_peer(self, work_id: str, peer: int) -> None:
         import ray
 
-        batch = self._pending.pop((work_id, peer), [])
+        with self._cond:
+            batch = self._pending.pop((work_id, peer), [])
         if batch:
             ref = ray.put([array for _, _, array in batch])
             items = [(op, region, k) for k, (op, region, _) in enumerate(batch)]
@@ -307,12 +341,15 @@ class ObjectStoreTransport(Transport):
                             [ref],
                             self._book(peer, nbytes),
                         )
+                fetched = self._fetched.setdefault(work.work_id, {})
                 try:
-                    value = self._fetched.get(ref)
+                    value = fetched.get(ref)
                     if value is None:
-                        value = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+                        # The slice was announced, so it exists: fetching it gets timeout_s.
+                        left = min(deadline - time.monotonic(), work.timeout_s)
+                        value = ray.get(ref, timeout=max(0.001, left))
                         if position is not None:
-                            self._fetched[ref] = value
+                            fetched[ref] = value
                 except ray.exceptions.GetTimeoutError:
                     raise TimeoutError(
                         f"host {work.host}: {work.where(step.op)} could not fetch a slice from "
@@ -322,10 +359,11 @@ class ObjectStoreTransport(Transport):
                 missing.discard(region)
 
     def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
-        if work.work_id in self._aborted:
+        reason = aborted_reason(self._aborted, work.work_id)
+        if reason is not None:
             raise RuntimeError(
                 f"host {work.host}: {work.where(step.op)} aborted while waiting for host "
-                f"{step.peers[0]}: {self._aborted[work.work_id]}"
+                f"{step.peers[0]}: {reason}"
             )
         if time.monotonic() >= deadline:
             raise TimeoutError(
@@ -334,15 +372,22 @@ class ObjectStoreTransport(Transport):
             )
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
+        """Wake the waits of `work_id` and of every work under it (`work_id:...`: a pipeline
+        step's transfers) with an error."""
         with self._cond:
             self._aborted[work_id] = reason
             self._cond.notify_all()
 
     def forget(self, work_id: str) -> None:
+        """Drop what is left of `work_id` and of the works under it."""
+
+        def mine(w: str) -> bool:
+            return w == work_id or w.startswith(work_id + ":")
+
         with self._cond:
-            self._aborted.pop(work_id, None)
-            for key in [k for k in self._mailbox if k[0] == work_id]:
-                del self._mailbox[key]
-            for key in [k for k in self._pending if k[0] == work_id]:
-                del self._pending[key]
-            self._fetched.clear()
+            for table in (self._aborted, self._fetched):
+                for key in [k for k in table if mine(k)]:
+                    del table[key]
+            for table in (self._mailbox, self._pending):
+                for key in [k for k in table if mine(k[0])]:
+                    del table[key]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ class StageCompiler:
         self.w_part: Any = None
         self.input_shardings: list[NamedSharding] = []
         self.acc_shardings: list[NamedSharding] = []
+        self._variants: dict[str, Any] = {}
 
     def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:
         return [
@@ -123,6 +124,8 @@ class StageCompiler:
             rest = iter(extra)
             return apply(*[grads[k] if k is not None else next(rest) for k in slots])
 
+        self._update = update
+
         if self.bw.w is None:
 
             def first(res, cts, extra):
@@ -150,6 +153,57 @@ class StageCompiler:
         self.fused = True
 
     fused = False
+
+    # The last stage's forward and whole backward as one executable (see `StageProgram`): the
+    # loss, the activation gradients and the accumulators (or the fused optimizer's outputs).
+
+    def _forward_backward(self, args: Sequence[Any]) -> tuple[Any, list[Any], list[Any]]:
+        outs, res = self.bw.forward(*args)
+        acts, grads = self.fns["full_first"](res, [])
+        return outs[0], acts, grads
+
+    def fb_first(self, args: Sequence[Any]) -> Any:
+        return self._lazy("fb_first", self._forward_backward, (), True)(args)
+
+    def fb_later(self, acc: Sequence[Any], args: Sequence[Any]) -> Any:
+        def later(acc, args):
+            loss, acts, grads = self._forward_backward(args)
+            return loss, acts, [a + g for a, g in zip(acc, grads)]
+
+        return self._lazy("fb_later", later, (0,), True)(acc, args)
+
+    def fb_apply_first(self, args: Sequence[Any], extra: Sequence[Any]) -> Any:
+        def first(args, extra):
+            loss, acts, grads = self._forward_backward(args)
+            return loss, acts, self._update(grads, extra)
+
+        return self._lazy("fb_apply_first", first, (), False)(args, extra)
+
+    def fb_apply_later(self, acc: Sequence[Any], args: Sequence[Any], extra: Sequence[Any]) -> Any:
+        def later(acc, args, extra):
+            loss, acts, grads = self._forward_backward(args)
+            return loss, acts, self._update([a + g for a, g in zip(acc, grads)], extra)
+
+        return self._lazy("fb_apply_later", later, (0,), False)(acc, args, extra)
+
+    def _lazy(
+        self, name: str, fn: Callable[..., Any], donate: tuple[int, ...], accumulate: bool
+    ) -> Callable[..., Any]:
+        """`fn` jitted with the planned output shardings, compiled under the stage's mesh at
+        its first call (only the variants a program uses get compiled)."""
+        compiled = self._variants.get(name)
+        if compiled is None:
+            outs = (None, self.act_grad_shardings, self.acc_shardings if accumulate else None)
+            jitted = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
+
+            def first_call(*args: Any) -> Any:
+                with jax.set_mesh(self.mesh):
+                    executable = jitted.lower(*args).compile()
+                self._variants[name] = executable
+                return executable(*args)
+
+            return first_call
+        return compiled
 
     @property
     def acc_params(self) -> list[int]:
@@ -197,8 +251,9 @@ def backward_functions(
     return {"full": full, "full_first": full_first, "b": b, "w": w, "w_first": w_first}
 
 
-def fusable_segments(graph: StepGraph, compilers: Sequence[StageCompiler]) -> dict[int, int]:
-    """Post segments that can run inside their stage's last backward: stage -> segment index.
+def fusable_segments(graph: StepGraph, compilers: Mapping[int, StageCompiler]) -> dict[int, int]:
+    """Post segments that can run inside their stage's last backward: stage -> segment index,
+    for the stages of `compilers` (all of them locally, a host's own on Ray).
 
     A segment qualifies when it is its stage's only one, reads only that stage's own parameters,
     their gradients (which nothing else needs, not even the step's outputs) and the step's
@@ -225,7 +280,7 @@ def fusable_segments(graph: StepGraph, compilers: Sequence[StageCompiler]) -> di
     fused = {}
     for s, (j, *others) in by_stage.items():
         seg = graph.segments[j]
-        if others or s in exchanging:
+        if others or s in exchanging or s not in compilers:
             continue
         grads = [v for v in seg.inputs if v in grad_of]
         ok = bool(grads)

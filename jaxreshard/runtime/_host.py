@@ -112,9 +112,12 @@ class HostActor:
         self._transport.deliver(work_id, items, boxed, ready)
 
     def abort(self, work_id: str, reason: str) -> None:
+        """Stop `work_id` (a resharding, or a pipeline step) here: a peer failed."""
         self._transport.abort(work_id, reason)
         if self._nccl is not None:
             self._nccl.abort(work_id, reason)
+        for pipeline in self.__dict__.get("_pipelines", {}).values():
+            pipeline.abort(work_id, reason)
 
     def run(self, work: Any, transport: str = "object_store") -> dict[str, float]:
         """Run this host's part of a resharding; keep the result as `work.dst_array`."""
@@ -222,6 +225,7 @@ class HostActor:
         pipelines = self.__dict__.setdefault("_pipelines", {})
         pipelines[key] = HostPipeline(
             self,
+            key,
             pickle.loads(fun),
             config,
             in_tree,

@@ -14,11 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard.comm import Cluster, Plan, plan_reshard
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
-from jaxreshard.pipeline import Costs, Schedule, build_schedule
+from jaxreshard.pipeline import Costs, Schedule, build_schedule, simulate
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
     PARAM_GRAD,
+    RECV_OP,
+    RUN,
     Edge,
     Instruction,
     SharedParam,
@@ -61,6 +63,9 @@ class PipelineLayout:
     programs: tuple[tuple[Instruction, ...], ...]
     loss_scale: float
     micro_batch_rows: int
+    # When each RECV's consumer starts in the simulated schedule (by instruction key): a
+    # stage's outgoing transfers go out in this order (see [Note: boundary tensors]).
+    need: dict[tuple[Any, ...], float] = dataclasses.field(default_factory=dict)
 
 
 def layout_pipeline(
@@ -218,4 +223,23 @@ def layout_pipeline(
         programs,
         scale,
         next(iter(rows)) if rows else 0,
+        need_times(schedule, costs, programs),
     )
+
+
+def need_times(
+    schedule: Schedule, costs: Costs, programs: Sequence[Sequence[Instruction]]
+) -> dict[tuple[Any, ...], float]:
+    """For every RECV: the simulated start of the action that consumes it (the next RUN of its
+    program; none after it, as for the step's last gradient contributions: infinity)."""
+    timeline = simulate(schedule, costs)
+    start = {t.action: t.start for stage in timeline.stages for t in stage}
+    need: dict[tuple[Any, ...], float] = {}
+    for program in programs:
+        upcoming = float("inf")
+        for ins in reversed(program):
+            if ins.op == RUN:
+                upcoming = start.get(ins.action, upcoming)
+            elif ins.op == RECV_OP:
+                need[ins.key] = upcoming
+    return need

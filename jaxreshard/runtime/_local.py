@@ -4,28 +4,43 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
-import numpy as np
+from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.comm import Cluster, Plan
-from jaxreshard.comm._emulate import LinkEmulator, sleep_until
+from jaxreshard.comm._emulate import LinkEmulator
 from jaxreshard.comm._local import execute_local
 from jaxreshard.frontend._backward import derive_backward
-from jaxreshard.frontend._split import StepGraph
+from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.pipeline import Schedule
 from jaxreshard.pipeline._emit import Instruction
 from jaxreshard.runtime._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._executor import Event, PipelineError, StageRunner
+from jaxreshard.runtime._executor import (
+    APPLY_EVENT,
+    Channels,
+    Event,
+    PipelineError,
+    StageProgram,
+    check_source,
+    transfer_key,
+)
 from jaxreshard.runtime._layout import PipelineLayout, Transfer, layout_pipeline
+from jaxreshard.runtime._specs import spec_of, transplant_spec
+from jaxreshard.runtime._step import (
+    combine_losses,
+    donated,
+    pre_values,
+    segment_function,
+    stage_feeds,
+)
 
 
 @dataclasses.dataclass
@@ -76,7 +91,7 @@ def compile_local(
         for s, stage in enumerate(graph.loss.stages)
     ]
     layout = layout_pipeline(graph, config, meshes, leaves, cluster, compilers)
-    fused = fusable_segments(graph, compilers)
+    fused = fusable_segments(graph, dict(enumerate(compilers)))
     grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
     for s, j in fused.items():
         seg = graph.segments[j]
@@ -84,98 +99,74 @@ def compile_local(
     return CompiledPipeline(graph, layout, meshes, cluster, compilers, fused)
 
 
-class LocalExecutor:
-    """Runs a compiled pipeline on this process's devices (see [Note: pipeline execution])."""
+class LocalChannels(Channels):
+    """Boundary tensors between stages of this process: the sender thread runs the transfer's
+    plan (`comm._local.execute_local`) and delivers the result (see [Note: boundary tensors])."""
 
     def __init__(self, compiled: CompiledPipeline):
+        super().__init__(compiled.layout, compiled.config.timeout_s)
         self.c = compiled
-        self.events: list[Event] = []
-        self._record: Callable[[Event], None] | None = None
-        self._lock = threading.Condition()
-        self._mailbox: dict[tuple[str, int, int, int, int], Future] = {}
-        self._failure: BaseException | None = None
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(8, 4 * compiled.num_stages), thread_name_prefix="jaxreshard-transfer"
-        )
-        # One long-lived thread per stage, reused every step.
-        self._stages = ThreadPoolExecutor(
-            max_workers=compiled.num_stages, thread_name_prefix="jaxreshard-stage"
-        )
-        self.signal_only = False
-        self._placeholders: dict[tuple[str, P], Any] = {}
         gbps = compiled.config.emulate_network_gbps
         self._emulator = (
             LinkEmulator(gbps, compiled.cluster.latency_s) if gbps is not None else None
         )
+        self._shardings = {
+            key: (
+                compiled.sharding(t.src_stage, t.src_spec),
+                compiled.sharding(t.dst_stage, t.dst_spec),
+            )
+            for key, t in compiled.transfers.items()
+        }
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._stages.shutdown(wait=False, cancel_futures=True)
-
-    def _move(self, transfer: Transfer, value: Any, mb: int) -> tuple[Any, float]:
-        """Move a value by its plan; return it and when (monotonic clock) the receiver may use
-        it: now, or the end of its emulated hops. The receiver, not this transfer thread,
-        sleeps until then, so that slow emulated links never hold the thread pool."""
-
-        start = time.perf_counter()
-        check_source(transfer, value, self.c.sharding(transfer.src_stage, transfer.src_spec))
+    def _move(self, ins: Instruction, transfer: Transfer, value: Any) -> None:
+        src, dst = self._shardings[transfer_key(ins)]
+        check_source(transfer, value, src)
         jax.block_until_ready(value)
-        dst = self.c.sharding(transfer.dst_stage, transfer.dst_spec)
+        start = time.perf_counter()
         ready = 0.0
         if self.signal_only:
-            moved = self._placeholder(transfer, dst)
+            moved = self.placeholder(transfer, dst)
         else:
             moved = execute_local(transfer.plan, value, dst)
             if self._emulator is not None:
+                # The receiver, not this thread, sleeps until the emulated hops end.
                 ready = emulated_end(self._emulator, self.c.cluster, transfer.plan)
-        jax.block_until_ready(moved)
-        if self._record is not None:
+        if self.record is not None:
+            jax.block_until_ready(moved)
             end = time.perf_counter() + max(0.0, ready - time.monotonic())
-            self._record(Event.send(transfer, mb, start, end, 0 if self.signal_only else None))
-        return moved, ready
+            nbytes = 0 if self.signal_only else None
+            self.record(Event.send(transfer, ins.mb, start, end, nbytes))
+        self.deliver(ins.key, moved, ready)
 
-    def _placeholder(self, transfer: Transfer, dst: NamedSharding) -> Any:
-        """Signal-only mode's stand-in for a transfer's result: zeros already in place, made
-        once (see [Note: signal-only bound])."""
-        key = (transfer.name, transfer.dst_spec)
-        with self._lock:
-            value = self._placeholders.get(key)
-            if value is None:
-                value = self._placeholders[key] = jax.device_put(
-                    np.zeros(transfer.shape, transfer.dtype), dst
-                )
-        return value
 
-    def _send(self, ins: Instruction, value: Any) -> None:
-        transfer = self.c.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
-        future = self._pool.submit(self._move, transfer, value, ins.mb)
-        with self._lock:
-            self._mailbox[ins.key] = future
-            self._lock.notify_all()
+class LocalExecutor:
+    """Runs a compiled pipeline on this process's devices: one `StageProgram` per stage, each in
+    its own long-lived thread, over `LocalChannels` (see [Note: pipeline execution]).
 
-    def _recv(self, ins: Instruction) -> Any:
-        timeout = self.c.config.timeout_s
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while ins.key not in self._mailbox:
-                if self._failure is not None:
-                    raise PipelineError("stopped: another stage failed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PipelineError(
-                        f"stage {ins.dst} waited {timeout:g} s for {ins}; stage {ins.src} never "
-                        "sent it"
-                    )
-                self._lock.wait(min(left, 0.5))
-            future = self._mailbox.pop(ins.key)
-        try:
-            value, ready = future.result(timeout=max(0.001, deadline - time.monotonic()))
-            sleep_until(ready)
-            return value
-        except TimeoutError:
-            raise PipelineError(
-                f"stage {ins.dst}: the transfer {ins} did not finish within {timeout:g} s"
-            ) from None
+    `channels` may give each stage other channels instead (tests run `HostChannels` of several
+    emulated hosts in one process this way).
+    """
+
+    def __init__(self, compiled: CompiledPipeline, channels: dict[int, Channels] | None = None):
+        self.c = compiled
+        self.events: list[Event] = []
+        self.channels_of = channels or dict.fromkeys(
+            range(compiled.num_stages), LocalChannels(compiled)
+        )
+        self._channels = list({id(c): c for c in self.channels_of.values()}.values())
+        self.programs = [
+            StageProgram(compiler, compiled.graph, compiled.layout, self.channels_of[s])
+            for s, compiler in enumerate(compiled.compilers)
+        ]
+        self._steps = itertools.count()
+        self._stages = ThreadPoolExecutor(
+            max_workers=compiled.num_stages, thread_name_prefix="jaxreshard-stage"
+        )
+
+    def close(self) -> None:
+        for channels in self._channels:
+            channels.close()
+        self._stages.shutdown(wait=False, cancel_futures=True)
 
     def run(
         self,
@@ -194,65 +185,48 @@ class LocalExecutor:
         each action's results, so use it for profiles). With `signal_only`, transfers carry no
         data (see [Note: signal-only bound]): the results are wrong, the timing is the bound.
         """
-        self.signal_only = signal_only
         self.events = []
-        self._record = self.events.append if record else None
-        self._mailbox.clear()
-        self._failure = None
+        recorder = self.events.append if record else None
         p = self.c.num_stages
+        step_id = f"local:{next(self._steps)}"
+        for channels in self._channels:
+            stages = [s for s in range(p) if self.channels_of[s] is channels]
+            channels.begin(stages, step_id=step_id, record=recorder, signal_only=signal_only)
         owner = self.c.graph.owner
         accumulators: list[dict[int, Any]] = [{} for _ in range(p)]
         applied: dict[int, list[Any]] = {}
         losses: list[Any] = [None] * self.c.config.num_micro_batches
 
         def worker(s: int) -> None:
-            runner = StageRunner(
-                self.c.compilers[s],
-                self.c.graph,
-                self.c.layout,
-                self._send,
-                self._recv,
-                lambda: self._failure is not None,
-                self._record,
-            )
+            program = self.programs[s]
+            program.record = recorder
             mine = {k: v for k, v in enumerate(params) if owner[k] == s}
             try:
                 with jax.set_mesh(self.c.meshes[s]):
-                    accumulators[s], out = runner.run(
+                    accumulators[s], out = program.run(
                         mine, batches[s], consts[s], losses, (apply_inputs or {}).get(s)
                     )
                 if out is not None:
                     applied[s] = out
             except BaseException as e:
-                with self._lock:
-                    if self._failure is None:
-                        self._failure = (
-                            e
-                            if isinstance(e, PipelineError)
-                            else PipelineError(f"stage {s} failed: {type(e).__name__}: {e}")
-                        )
-                        self._failure.__cause__ = e
-                    self._lock.notify_all()
+                error = (
+                    e
+                    if isinstance(e, PipelineError)
+                    else PipelineError(f"stage {s} failed: {type(e).__name__}: {e}")
+                )
+                error.__cause__ = e
+                for channels in self._channels:
+                    channels.fail(error)
 
         if p == 1:
             worker(0)  # nothing to overlap with: no thread
         else:
             for future in [self._stages.submit(worker, s) for s in range(p)]:
                 future.result()
-        if self._failure is not None:
-            raise self._failure
+        for channels in self._channels:
+            channels.end()
         grads = [accumulators[owner[k]].get(k) for k in range(len(params))]
         return losses, grads, applied
-
-
-def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
-    """A transfer's plan says which device holds which slice: moving a value laid out otherwise
-    would deliver wrong data, so refuse it (an internal error, never silent)."""
-    if not value.sharding.is_equivalent_to(planned, len(transfer.shape)):
-        raise PipelineError(
-            f"{transfer.name}: the value leaves stage {transfer.src_stage} as {value.sharding} but "
-            f"its transfer was planned for {planned}; this is a jaxreshard bug, please report it"
-        )
 
 
 def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:
@@ -268,3 +242,116 @@ def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:
             if host(a) != host(b):
                 end = max(end, emulator.reserve(host(a), host(b), op.nbytes)[1])
     return end
+
+
+class LocalPipeline:
+    """A step compiled for this process's devices: runs it (see [Note: pipeline execution])."""
+
+    def __init__(self, compiled: CompiledPipeline, channels: dict[int, Channels] | None = None):
+        self.compiled = compiled
+        # Its threads live as long as the pipeline.
+        self.executor = LocalExecutor(compiled, channels)
+        self.last_events: list[Event] = []
+        g = compiled.graph
+        self._donate = {j: donated(g, j) for j in range(len(g.segments))}
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self.compiled.layout
+
+    @property
+    def meshes(self) -> list[Mesh]:
+        return self.compiled.meshes
+
+    def sharding(self, s: int, spec: P) -> NamedSharding:
+        return self.compiled.sharding(s, spec)
+
+    def run(
+        self, leaves: list[Any], *, record: bool = False, signal_only: bool = False
+    ) -> list[Any]:
+        """Run one step; return the flat outputs. With `record`, `last_events` also gets the
+        post-gradient segments (kind `A`)."""
+        c, executor = self.compiled, self.executor
+        g, layout = c.graph, c.layout
+        m = c.config.num_micro_batches
+        params = [
+            _place(leaves[i], c.sharding(g.owner[k], layout.param_specs[k]))
+            for k, i in enumerate(g.params)
+        ]
+        pre = pre_values(g, leaves)
+        raw_batches, raw_consts = stage_feeds(g, leaves, pre, m)
+        batches: list[list[list[Any]]] = []
+        consts: list[list[Any]] = []
+        for s, stage in enumerate(g.loss.stages):
+            specs = layout.input_specs[s]
+            batch_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == BATCH]
+            const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
+            batches.append(
+                [
+                    [jax.device_put(x, c.sharding(s, sp)) for x, sp in zip(pieces, batch_specs)]
+                    for pieces in raw_batches[s]
+                ]
+            )
+            consts.append(
+                [_place(x, c.sharding(s, sp)) for x, sp in zip(raw_consts[s], const_specs)]
+            )
+        values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
+        for k, i in enumerate(g.params):
+            values[g.outer.jaxpr.invars[i]] = params[k]
+        values.update(pre)
+        grad_vars = set(g.grad_outputs[1:])
+        apply_inputs = {
+            s: [on_mesh(values[v], c.meshes[s]) for v in g.segments[j].inputs if v not in grad_vars]
+            for s, j in c.fused.items()
+        }
+        losses, grads, applied = executor.run(
+            params,
+            batches,
+            consts,
+            record=record,
+            signal_only=signal_only,
+            apply_inputs=apply_inputs,
+        )
+        values[g.grad_outputs[0]] = combine_losses(losses, c.config.loss_reduction)
+        for k, v in enumerate(g.grad_outputs[1:]):
+            if grads[k] is not None:
+                values[v] = grads[k]
+            elif g.owner[k] not in c.fused:  # the loss does not use this parameter
+                values[v] = jax.numpy.zeros_like(params[k])
+        for s, j in c.fused.items():
+            values.update(zip(g.segments[j].outputs, applied[s]))
+        fused = set(c.fused.values())
+        for index, segment in enumerate(g.segments):
+            if index in fused:
+                continue
+            inputs = [on_mesh(values[v], c.meshes[segment.stage]) for v in segment.inputs]
+            start = time.perf_counter()
+            outs = segment_function(segment.jaxpr, self._donate[index])(*inputs)
+            if record:
+                jax.block_until_ready(outs)
+                executor.events.append(
+                    Event(segment.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply")
+                )
+            values.update(zip(segment.outputs, outs))
+        self.last_events = executor.events
+        return [
+            values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars
+        ]
+
+
+def _place(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def on_mesh(x: Any, mesh: Mesh) -> Any:
+    """`x` on `mesh`'s devices: as it is if it is there already, else moved (same spec if it
+    fits, else replicated)."""
+    devices = set(mesh.devices.flat)
+    if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+        return x
+    if not hasattr(x, "shape"):
+        return x
+    spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
+    return jax.device_put(x, NamedSharding(mesh, spec))

@@ -461,9 +461,8 @@ class RayRuntime:
                         f"{_first_line(e)}. Call jaxreshard.shutdown() and jaxreshard.init() again."
                     ) from None
                 except ray.exceptions.RayTaskError as e:
-                    self._abort(work_id, f"host {h} failed")
-                    cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
-                    raise type(cause)(f"host {h}: {cause}") from None
+                    self._abort(work_id, f"host {h} failed during {what}")
+                    raise _named(e, h, what) from None
         return results
 
     def _abort(self, work_id: str | None, reason: str) -> None:
@@ -575,6 +574,19 @@ def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
         nodes.shutdown()
         raise
     return nodes
+
+
+def _named(e: Any, h: int, what: str) -> BaseException:
+    """A host's error as the driver raises it: its own type where possible, naming the host
+    (once) and what the driver was doing."""
+    cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
+    text = str(cause)
+    prefix = f"host {h}: "
+    message = (text if text.startswith(prefix) else prefix + text) + f" (during {what})"
+    try:
+        return type(cause)(message)
+    except Exception:  # an exception type that cannot be made from a message
+        return RuntimeError(f"{type(cause).__name__}: {message}")
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,7 +33,7 @@ def test_schedule_cli_writes_json_trace_and_png(tmp_path, capsys):
     assert "eager_1f1b + weight delay, 4 stages, 8 micro-batches" in printed
     assert "stage 3 |" in printed and "makespan" in printed
     data = json.loads(out.read_text())
-    assert data["format"] == "jaxreshard-schedule/1"
+    assert data["format"] == "jaxreshard-schedule/2"
     assert data["schedule"] == "eager_1f1b" and data["weight_delay"] is True
     assert data["num_stages"] == 4 and data["num_micro_batches"] == 8
     assert data["costs"]["comm"] == 1.0 and len(data["peak_activations"]) == 4

@@ -280,3 +280,11 @@ def test_pictures_show_chunks(tmp_path):
     assert not any(e.get("name", "").endswith("s1->s2") for e in trace)
     png = plot_timeline(timeline, tmp_path / "dpv.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_emitter_refuses_chunks_until_the_runtime_maps_them():
+    from jaxreshard.pipeline._emit import emit
+
+    with pytest.raises(ValueError, match="emit: zbv, 2 ranks x 2 virtual stages"):
+        emit(build_schedule("zbv", 2, 4), [])
+    assert emit(build_schedule("1f1b", 2, 2), [])  # one chunk per rank: as before

@@ -88,8 +88,9 @@ class Timeline:
     def to_json(self) -> dict[str, Any]:
         """The `jaxreshard-schedule/2` JSON object (see DESIGN.md, "Formats", and the README).
 
-        /2 is /1 plus `virtual_stages`, `placement` (the rank of each chunk), `chunk` and
-        `fused` on every action, and `src_chunk`/`dst_chunk` on every transfer; `stages`,
+        /2 is /1 plus `virtual_stages`, `placement` (the rank of each chunk),
+        `split_backward`, `chunk` and `fused` on every action, and `src_chunk`/`dst_chunk` and
+        `local` (both chunks on one rank: it takes no time) on every transfer; `stages`,
         `peak_activations` and a transfer's `src`/`dst` stay indexed by rank.
         """
         sched = self.schedule
@@ -130,6 +131,7 @@ class Timeline:
                     "dst": _rank(sched, t.transfer.dst),
                     "src_chunk": t.transfer.src,
                     "dst_chunk": t.transfer.dst,
+                    "local": _rank(sched, t.transfer.src) == _rank(sched, t.transfer.dst),
                     "start": t.start - origin,
                     "end": t.end - origin,
                 }

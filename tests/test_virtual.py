@@ -248,7 +248,7 @@ def test_virtual_stage_errors():
         build_schedule("interleaved_1f1b", 2, 4, weight_delay=True, costs=Costs.make(2))
     with pytest.raises(ValueError, match="give one cost per chunk"):
         simulate(build_schedule("zbv", 2, 4), Costs.make(2))
-    with pytest.raises(ValueError, match="must put the same number of chunks on each"):
+    with pytest.raises(ValueError, match="give every rank at least one chunk"):
         Schedule("x", 2, 1, False, False, [["0F0", "0B0"], []], (0, 0))
 
 
@@ -288,3 +288,12 @@ def test_the_emitter_refuses_chunks_until_the_runtime_maps_them():
     with pytest.raises(ValueError, match="emit: zbv, 2 ranks x 2 virtual stages"):
         emit(build_schedule("zbv", 2, 4), [])
     assert emit(build_schedule("1f1b", 2, 2), [])  # one chunk per rank: as before
+
+
+def test_hand_written_lists_infer_the_placement():
+    lists = [["0F0", "2F0", "2B0", "0B0"], ["1F0", "3F0", "3B0", "1B0"]]
+    schedule = Schedule.from_lists(lists)
+    assert schedule.placement == (0, 1, 0, 1) and schedule.num_chunks == 4
+    check_schedule(schedule)
+    with pytest.raises(ValueError, match=r"chunk 2 appears on ranks \[0, 1\]"):
+        Schedule.from_lists([["0F0", "2F0", "0B0"], ["1F0", "2B0", "1B0"]])

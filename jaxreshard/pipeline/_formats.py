@@ -10,8 +10,8 @@ possible). torch's DualPipeV writes a fused forward/backward pair as one cell,
 Our actions say `B` for the input-gradient part when a schedule splits its backward (see
 `Schedule.split_backward`), so in such a schedule a CSV `I` reads as our `B`, and a whole `B`
 reads as our `B` then `W`, fused (one unit that sends its gradient when it ends; see [Note:
-fused actions] in `_simulate.py`). A chunk (model stage) must appear on exactly one row, and
-every row must hold the same number of chunks.
+fused actions] in `_simulate.py`). A chunk (model stage) must appear on exactly one row; rows
+may hold different numbers of chunks.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def schedule_from_csv(
 
     Raises:
         ScheduleError: a cell does not parse, an action is missing or repeated, a chunk is on
-            two rows, rows hold different numbers of chunks, or the ranks wait on each other
-            (the message names the actions in the cycle).
+            two rows, a row is empty, or the ranks wait on each other (the message names the
+            actions in the cycle).
     """
     rows = list(csv.reader(io.StringIO(text)))
     while rows and not any(cell.strip() for cell in rows[-1]):

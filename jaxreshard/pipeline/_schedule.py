@@ -86,7 +86,8 @@ class Schedule:
             gradient).
         weight_delay: `W`s were placed by the weight-delaying policy.
         actions: one tuple of actions per rank, in execution order.
-        placement: the rank of each chunk; empty means chunk c on rank c (v = 1).
+        placement: the rank of each chunk; empty means chunk c on rank c (v = 1). Every rank
+            holds at least one chunk; the built schedules hold v each, an imported one may not.
         fused: actions that run fused with the next action of their rank (see [Note: fused
             actions] in `_simulate.py`): DualPipeV's forward/backward pairs, and an imported
             whole backward (`B` then `W` of one micro-batch) in a split schedule.
@@ -112,12 +113,12 @@ class Schedule:
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "fused", frozenset(self.fused))
         p = self.num_stages
-        held = [[c for c, r in enumerate(placement) if r == rank] for rank in range(p)]
-        if any(not 0 <= r < p for r in placement) or len({len(h) for h in held}) != 1:
+        if any(not 0 <= r < p for r in placement) or len(set(placement)) != p:
+            held = {rank: [c for c, r in enumerate(placement) if r == rank] for rank in range(p)}
             raise ValueError(
-                f"schedule {self.name!r}: placement={list(placement)} must put the same number "
-                f"of chunks on each of the {p} ranks (rank -> chunks: "
-                f"{dict(enumerate(held))}); e.g. chunk c on rank c % {p}"
+                f"schedule {self.name!r}: placement={list(placement)} must put each chunk on one "
+                f"of the {p} ranks and give every rank at least one chunk (rank -> chunks: "
+                f"{held}); e.g. chunk c on rank c % {p}"
             )
 
     @property
@@ -127,8 +128,8 @@ class Schedule:
 
     @property
     def virtual_stages(self) -> int:
-        """v: chunks per rank."""
-        return len(self.placement) // self.num_stages
+        """v: chunks per rank (the most any rank holds, should a placement be uneven)."""
+        return max(self.placement.count(r) for r in range(self.num_stages))
 
     def rank_of(self, chunk: int) -> int:
         """The rank that runs `chunk`."""
@@ -215,10 +216,12 @@ class Schedule:
 
     def describe(self) -> str:
         extra = " + weight delay" if self.weight_delay else ""
-        p, m, v = self.num_stages, self.num_micro_batches, self.virtual_stages
+        p, m, v, n = self.num_stages, self.num_micro_batches, self.virtual_stages, self.num_chunks
         if v == 1:
             return f"{self.name}{extra}, {p} stages, {m} micro-batches"
-        return f"{self.name}{extra}, {p} ranks x {v} virtual stages, {m} micro-batches"
+        if n == p * v:
+            return f"{self.name}{extra}, {p} ranks x {v} virtual stages, {m} micro-batches"
+        return f"{self.name}{extra}, {p} ranks, {n} chunks, {m} micro-batches"
 
     def grid(self, mark: dict[Action, str] | None = None) -> str:
         """The action lists as a text grid; `mark` flags actions with a reason."""

@@ -8,8 +8,9 @@ See [Note: chunks and ranks] in `_schedule.py` for the data model. Three familie
   chunk order, and interleaves them 1F1B-style after (v - 1) * g + 2 * (p - 1 - r) warm-up
   forwards, so the bubble shrinks by v. When p does not divide m, the m // p groups differ by
   at most one micro-batch, the larger first (torch takes equal groups of m / (m // p) and
-  refuses other m; a short last group would deadlock). With v = 1 this is `eager_1f1b`'s
-  order (Megatron's interleaved warm-up keeps two micro-batches per downstream rank).
+  refuses other m; with a short last group the ranks can wait on each other). With v = 1
+  this is `eager_1f1b`'s order (Megatron's interleaved warm-up keeps two micro-batches per
+  downstream rank).
   `eager_interleaved_1f1b` uses groups of g = 2p: twice the micro-batches in flight, as
   eager-1F1B has over 1F1B, so that a rank has forwards to run while a boundary tensor goes
   round the ring of ranks. Both split their backward with weight delay (see [Note: weight
@@ -26,9 +27,11 @@ See [Note: chunks and ranks] in `_schedule.py` for the data model. Three familie
   `_simulate.py`. Its backwards are whole (written `B` then `W`, fused), except where DualPipe
   splits them to fill the warm-up and cool-down bubbles.
 
-Every order here is built for at least the micro-batches its phases need (2p - 1 for ZB-V, 2p
-for DualPipeV) and then drops the actions of micro-batches beyond m: a subset of a valid
-order is valid, so small m needs no special cases.
+ZB-V and DualPipeV are built for at least the micro-batches their phases need (2p - 1 and 2p)
+and then drop the actions of micro-batches beyond m: a subset of a valid order is valid, so
+small m needs no special cases. None of these orders is proved valid for every (p, v, m); the
+checker accepts them for p <= 10, v <= 5 and m <= 64 (swept once), and tests/test_virtual.py
+checks a grid and random configurations.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ class ObjectStoreTransport(Transport):
             return 0.0
         import ray
 
-        _, end = ray.get(self._emulator.reserve.remote(self._host, peer, nbytes))
+        _, end = ray.get(self._emulator.reserve.remote(self._host, peer, nbytes), timeout=60.0)
         return end
 
     def deliver(

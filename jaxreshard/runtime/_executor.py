@@ -50,6 +50,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import jax
@@ -309,6 +310,29 @@ class Channels:
             f"{self.where(ins.dst)} waited timeout_s={self.timeout_s:g} s for {ins}; "
             f"{self.where(ins.src)} never sent it (it is stuck, dead, or slower than timeout_s)"
         )
+
+
+def wait_for_stages(
+    stages: Sequence[Any], channels: Sequence[Channels], timeout_s: float, what: str
+) -> None:
+    """Wait until every stage's runner (a `Future` or a `Thread`) has returned. Each of their
+    waits has a deadline, so they end; once the step has failed, they get `timeout_s` more to
+    notice it before the step gives up on them (a stuck device)."""
+    deadline: float | None = None
+    for stage in stages:
+        while not (stage.done() if hasattr(stage, "done") else not stage.is_alive()):
+            if hasattr(stage, "join"):
+                stage.join(0.5)
+            else:
+                futures_wait([stage], timeout=0.5)
+            if deadline is None and any(c.stopped for c in channels):
+                deadline = time.monotonic() + timeout_s
+            if deadline is not None and time.monotonic() > deadline:
+                raise PipelineError(
+                    f"{what}: a stage did not stop within {timeout_s:g} s after the step failed "
+                    "(a device or a transfer is stuck); restart the runtime "
+                    "(jaxreshard.shutdown(); jaxreshard.init())"
+                )
 
 
 def check_source(transfer: Transfer, value: Any, planned: Any) -> None:

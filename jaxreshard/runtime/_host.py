@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+_RPC_TIMEOUT_S = 60.0  # a small call to a live actor (the link emulator's bookkeeping)
+
 
 class HostActor:
     """Ray actor body (wrapped with `ray.remote` by the driver; threaded, so deliveries from
@@ -157,6 +159,7 @@ class HostActor:
         dtype: str,
         refs: list[tuple[Any, list[Any]]],
         regions: Mapping[int, Any],
+        timeout_s: float = 120.0,
     ) -> None:
         """Fetch every source region (the whole tensor) and keep this host's regions of it."""
         import jax
@@ -173,9 +176,10 @@ class HostActor:
         for src_index, (ref,), src_host in refs:
             if self._emulator is not None and src_host != self.host:
                 nbytes = math.prod(b - a for a, b in src_index) * jax.numpy.dtype(dtype).itemsize
-                _, end = ray.get(self._emulator.reserve.remote(src_host, self.host, nbytes))
+                reserved = self._emulator.reserve.remote(src_host, self.host, nbytes)
+                _, end = ray.get(reserved, timeout=_RPC_TIMEOUT_S)
                 sleep_until(end)
-            data = ray.get(ref)
+            data = ray.get(ref, timeout=timeout_s)
             for d, region in regions.items():
                 part = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(src_index, region))
                 if all(b > a for a, b in part):

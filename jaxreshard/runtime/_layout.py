@@ -87,7 +87,10 @@ def layout_pipeline(
     shapes = [dict(mesh.shape) for mesh in meshes]
     param_specs = [
         transplant_spec(
-            spec_of(getattr(leaves[i], "sharding", None)), shapes[graph.owner[k]], avals[i].shape
+            spec_of(getattr(leaves[i], "sharding", None)),
+            shapes[graph.owner[k]],
+            avals[i].shape,
+            f"parameter {k} ({avals[i].str_short()}) on stage {graph.owner[k]}",
         )
         for k, i in enumerate(graph.params)
     ]
@@ -108,14 +111,20 @@ def layout_pipeline(
                 specs.append(
                     param_specs[ref.index]
                     if graph.owner[ref.index] == s
-                    else transplant_spec(param_specs[ref.index], shapes[s], aval.shape)
+                    else transplant_spec(
+                        param_specs[ref.index],
+                        shapes[s],
+                        aval.shape,
+                        f"parameter {ref.index} ({aval.str_short()}), shared with stage {s}",
+                    )
                 )
             elif ref.kind == BATCH:
                 specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis))
             elif ref.kind == CONST:
                 specs.append(P())
             else:
-                specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape))
+                where = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
+                specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, where))
         input_specs.append(specs)
         outs, res = compilers[s].compile_forward(specs)
         out_specs.append(outs)

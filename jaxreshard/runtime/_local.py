@@ -31,6 +31,7 @@ from jaxreshard.runtime._executor import (
     StageProgram,
     check_source,
     transfer_key,
+    wait_for_stages,
 )
 from jaxreshard.runtime._layout import PipelineLayout, Transfer, layout_pipeline
 from jaxreshard.runtime._specs import spec_of, transplant_spec
@@ -221,8 +222,8 @@ class LocalExecutor:
         if p == 1:
             worker(0)  # nothing to overlap with: no thread
         else:
-            for future in [self._stages.submit(worker, s) for s in range(p)]:
-                future.result()
+            futures = [self._stages.submit(worker, s) for s in range(p)]
+            wait_for_stages(futures, self._channels, self.c.config.timeout_s, "local runtime")
         for channels in self._channels:
             channels.end()
         grads = [accumulators[owner[k]].get(k) for k in range(len(params))]

@@ -35,7 +35,13 @@ from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.runtime._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._executor import APPLY_EVENT, Event, PipelineError, StageProgram
+from jaxreshard.runtime._executor import (
+    APPLY_EVENT,
+    Event,
+    PipelineError,
+    StageProgram,
+    wait_for_stages,
+)
 from jaxreshard.runtime._host_channels import (
     HostChannels,
     check_channel_order,
@@ -254,7 +260,7 @@ class HostPipeline:
         ]
         for t in threads:
             t.start()
-        _join(threads, channels, self.config.timeout_s)
+        wait_for_stages(threads, [channels], self.config.timeout_s, f"host {self.actor.host}")
         channels.end()  # a step ends when its sends have: their errors and events belong to it
         grads = {
             k: self._describe(f"{step_id}:grad{k}", value)[0]
@@ -294,22 +300,6 @@ class HostPipeline:
         values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
         outs = segment_function(seg.jaxpr, tuple(donate))(*values)
         return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
-
-
-def _join(threads: Sequence[threading.Thread], channels: HostChannels, timeout_s: float) -> None:
-    """Wait for the stage threads. Each of their waits has a deadline, so they end; once one has
-    failed, the others get `timeout_s` to notice before the step gives up on them."""
-    deadline: float | None = None
-    for t in threads:
-        while t.is_alive():
-            t.join(0.5)
-            if channels.stopped and deadline is None:
-                deadline = time.monotonic() + timeout_s
-            if deadline is not None and time.monotonic() > deadline:
-                raise PipelineError(
-                    f"stage thread {t.name} did not stop within {timeout_s:g} s after the step "
-                    "failed; the host actor should be restarted (jaxreshard.shutdown(); init())"
-                )
 
 
 # -- in the driver ---------------------------------------------------------------------------------

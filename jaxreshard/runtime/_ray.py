@@ -17,6 +17,7 @@ import math
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,11 +151,24 @@ class RayRuntime:
             counts = [devices_per_host or 1] * num_hosts  # type: ignore[operator]
             gpus = [counts[0] if use_gpu else 0] * num_hosts  # type: ignore[operator]
         else:
+            with_gpus = [n for n, g in zip(nodes, gpus_per_node) if g > 0]
+            if with_gpus and len(with_gpus) < len(nodes):
+                # A head node without GPUs must not turn the cluster into CPU devices.
+                skipped = [n["NodeManagerAddress"] for n, g in zip(nodes, gpus_per_node) if not g]
+                warnings.warn(
+                    f"the Ray cluster has {len(with_gpus)} nodes with GPUs and nodes without "
+                    f"({skipped}, e.g. a head node for the driver): host actors start on the GPU "
+                    "nodes only, so the stages run on GPUs",
+                    stacklevel=3,
+                )
+                nodes = with_gpus
+                gpus_per_node = [g for g in gpus_per_node if g > 0]
             if num_hosts is not None and num_hosts > len(nodes):
                 raise ValueError(
                     f"init(num_hosts={num_hosts}): the cluster has only {len(nodes)} live nodes"
                 )
             nodes = nodes[: num_hosts or len(nodes)]
+            gpus_per_node = gpus_per_node[: len(nodes)]
             placements = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
             use_gpu = all(g > 0 for g in gpus_per_node[: len(nodes)])
             counts = [
@@ -371,7 +385,9 @@ class RayRuntime:
             receivers.setdefault(self.cluster.host_of(device), {})[device] = index
         self._wait(
             {
-                h: self.actors[h].pull_whole.remote(dst_id, array.dtype.name, refs, regions)
+                h: self.actors[h].pull_whole.remote(
+                    dst_id, array.dtype.name, refs, regions, self.timeout_s
+                )
                 for h, regions in receivers.items()
             },
             what,
@@ -452,7 +468,7 @@ class RayRuntime:
             for ref in ready:
                 h = pending.pop(ref)
                 try:
-                    results[h] = ray.get(ref)
+                    results[h] = ray.get(ref, timeout=max(1.0, left))  # ready: at once
                 except ray.exceptions.RayActorError as e:
                     self._broken = f"host actor {h} died during {what}"
                     self._abort(work_id, self._broken)

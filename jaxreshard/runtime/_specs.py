@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,17 +15,40 @@ from jaxreshard.comm._layout import spec_axes
 from jaxreshard.runtime._config import PipelineConfig
 
 
-def transplant_spec(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> P:
-    """`spec` when it fits a mesh of `mesh_shape` and an array of `shape`, else replicated."""
-    if spec is None or len(spec) > len(shape):
-        return P()
+def transplant_spec(
+    spec: Any, mesh_shape: dict[str, int], shape: Sequence[int], what: str | None = None
+) -> P:
+    """`spec` when it fits a mesh of `mesh_shape` and an array of `shape`, else replicated.
+
+    With `what` (the tensor, for the message), replicating a sharded spec is a warning: the
+    tensor then takes the whole mesh's memory and bandwidth where the user asked for a shard.
+    """
+    reason = _misfit(spec, mesh_shape, shape)
+    if reason is None:
+        return P(*spec) if spec is not None else P()
+    if what is not None and any(entry is not None for entry in spec):
+        warnings.warn(
+            f"{what}: {P(*spec)} does not fit mesh {mesh_shape} ({reason}); it is replicated "
+            "on that mesh instead. Give the stages mesh shapes that fit, or another spec.",
+            stacklevel=2,
+        )
+    return P()
+
+
+def _misfit(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> str | None:
+    if spec is None:
+        return "no spec"
+    if len(spec) > len(shape):
+        return f"it names {len(spec)} dims of a rank-{len(shape)} array"
     for dim, entry in enumerate(spec):
         axes = spec_axes(entry)
-        if any(a not in mesh_shape for a in axes):
-            return P()
-        if shape[dim] % int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)):
-            return P()
-    return P(*spec)
+        missing = [a for a in axes if a not in mesh_shape]
+        if missing:
+            return f"the mesh has no axis {missing[0]!r}"
+        size = int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64))
+        if shape[dim] % size:
+            return f"dim {dim} (size {shape[dim]}) is not a multiple of {size}"
+    return None
 
 
 def batch_spec(mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None) -> P:

@@ -65,6 +65,7 @@ def _ray_session():
 def ray_runtime(_ray_session):
     """The shared local Ray runtime (4 host actors x 2 fake CPU devices, one Ray node each),
     started on first use; a test that kills it starts a new one with `RAY_CONFIG`."""
+    pytest.importorskip("ray", reason="Ray is not installed here (the GPU image has none)")
     import jaxreshard
     from jaxreshard.runtime import _api
 

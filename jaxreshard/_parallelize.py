@@ -108,12 +108,21 @@ class Parallelized:
     # Compilation ---------------------------------------------------------------------------------
 
     def _entry(self, args: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
+        """The compiled step for these arguments. A call with a signature seen before costs a
+        flatten and a cache lookup (the checks ran when the signature was new)."""
+        leaves, in_tree = jax.tree.flatten(args)
+        try:
+            key = (in_tree, *map(_leaf_key, leaves))
+            entry = self._cache.get(key)
+        except AttributeError:  # not an array: the checks below say which
+            key, entry = None, None
+        if entry is not None:
+            return entry, leaves
         for i in self.batch_argnums:
             if not -len(args) <= i < len(args):
                 raise ValueError(
                     f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
                 )
-        leaves, in_tree = jax.tree.flatten(args)
         batch_leaves = _batch_leaf_indices(args, self.batch_argnums)
         for i, leaf in enumerate(leaves):
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -123,28 +132,21 @@ class Parallelized:
                     "or jax) so the step can be traced and the batch split"
                 )
         self._check_batch(leaves, batch_leaves, args)
-        key = (
-            in_tree,
-            tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves),
-            tuple(_sharding_key(x) for x in leaves),
-        )
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._compile(args, leaves, in_tree, batch_leaves)
-            self._cache[key] = entry
+        entry = self._cache[key] = self._compile(args, leaves, in_tree, batch_leaves)
         return entry, leaves
 
     def _check_batch(self, leaves: list[Any], batch_leaves: list[int], args: tuple[Any, ...]):
         m = self.config.num_micro_batches
-        paths = _leaf_paths(args)
         for i in batch_leaves:
             shape = leaves[i].shape
             if not shape:
+                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
                     "to split into micro-batches"
                 )
             if shape[0] % m:
+                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
                     f"num_micro_batches={m} does not divide; use a batch size that is a "
@@ -294,10 +296,18 @@ def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
     return [f"args{jax.tree_util.keystr(path)}" for path, _ in paths]
 
 
-def _sharding_key(x: Any) -> Any:
-    """What of a leaf's placement the compiled step depends on: its PartitionSpec (an unsharded
-    leaf counts as replicated, so host arrays and the step's own outputs share one compile)."""
-    return tuple(spec_of(getattr(x, "sharding", None)))
+_SPECS: dict[Any, tuple[Any, ...]] = {}
+
+
+def _leaf_key(x: Any) -> tuple[Any, ...]:
+    """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
+    unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
+    compile). Shardings are few and hashable: their specs are looked up, not rebuilt."""
+    sharding = getattr(x, "sharding", None)
+    spec = _SPECS.get(sharding)
+    if spec is None:
+        spec = _SPECS[sharding] = tuple(spec_of(sharding))
+    return (x.shape, x.dtype, spec)
 
 
 @dataclasses.dataclass

@@ -334,7 +334,7 @@ def test_bad_input_is_explained():
             config=config(stage_mesh_shape=(8,), mesh_axis_names=("data",)),
             batch_argnums=(1,),
         )(make_params(4), batch),
-        r"4 stages on meshes .*32 devices, but this runtime has 24",
+        r"4 stages on meshes .*32 devices, but this process has 24 cpu device",
     )
     bad_batch = {"x": batch["x"], "y": batch["y"], "n": "ten"}
     error(

@@ -255,6 +255,12 @@ class LocalPipeline:
         self.last_events: list[Event] = []
         g = compiled.graph
         self._donate = {j: donated(g, j) for j in range(len(g.segments))}
+        self._devices = [frozenset(mesh.devices.flat) for mesh in compiled.meshes]
+        grad_vars = set(g.grad_outputs[1:])
+        self._apply_vars = {  # a fused segment's inputs other than the gradients
+            s: [v for v in g.segments[j].inputs if v not in grad_vars]
+            for s, j in compiled.fused.items()
+        }
 
     @property
     def layout(self) -> PipelineLayout:
@@ -300,10 +306,9 @@ class LocalPipeline:
         for k, i in enumerate(g.params):
             values[g.outer.jaxpr.invars[i]] = params[k]
         values.update(pre)
-        grad_vars = set(g.grad_outputs[1:])
         apply_inputs = {
-            s: [on_mesh(values[v], c.meshes[s]) for v in g.segments[j].inputs if v not in grad_vars]
-            for s, j in c.fused.items()
+            s: [on_mesh(values[v], c.meshes[s], self._devices[s]) for v in inputs]
+            for s, inputs in self._apply_vars.items()
         }
         losses, grads, applied = executor.run(
             params,
@@ -325,7 +330,8 @@ class LocalPipeline:
         for index, segment in enumerate(g.segments):
             if index in fused:
                 continue
-            inputs = [on_mesh(values[v], c.meshes[segment.stage]) for v in segment.inputs]
+            s = segment.stage
+            inputs = [on_mesh(values[v], c.meshes[s], self._devices[s]) for v in segment.inputs]
             start = time.perf_counter()
             outs = segment_function(segment.jaxpr, self._donate[index])(*inputs)
             if record:
@@ -346,11 +352,12 @@ def _place(x: Any, sharding: Any) -> Any:
     return jax.device_put(x, sharding)
 
 
-def on_mesh(x: Any, mesh: Mesh) -> Any:
-    """`x` on `mesh`'s devices: as it is if it is there already, else moved (same spec if it
-    fits, else replicated)."""
-    devices = set(mesh.devices.flat)
-    if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+def on_mesh(x: Any, mesh: Mesh, devices: frozenset[Any] | None = None) -> Any:
+    """`x` on `mesh`'s devices (`devices`, when the caller has them): as it is if it is there
+    already, else moved (same spec if it fits, else replicated)."""
+    if devices is None:
+        devices = frozenset(mesh.devices.flat)
+    if isinstance(x, jax.Array) and x.sharding.device_set == devices:
         return x
     if not hasattr(x, "shape"):
         return x

@@ -67,10 +67,18 @@ def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]
     shapes = config.mesh_shapes(num_stages)
     need = sum(int(np.prod(s)) for s in shapes)
     if need > len(devices):
+        platform = devices[0].platform if len(devices) else "no"
+        hint = (
+            "; or try the pipeline on fake CPU devices: JAX_PLATFORMS=cpu with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N (jaxreshard profile sets the "
+            "count itself)"
+            if platform != "cpu"
+            else " (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
         raise ValueError(
             f"the step has {num_stages} stages on meshes {list(shapes)}: {need} devices, but "
-            f"this runtime has {len(devices)}; use fewer stages or a smaller stage_mesh_shape, "
-            "or more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            f"this process has {len(devices)} {platform} device(s); use fewer stages or a "
+            f"smaller stage_mesh_shape, or more devices{hint}"
         )
     meshes, at = [], 0
     for shape in shapes:

@@ -202,11 +202,11 @@ class Parallelized:
             )
             return _Entry(graph, pipeline, in_tree, out_tree)
         if self.meshes is not None:
-            check_meshes(self.meshes, graph.num_stages)
+            check_meshes(self.meshes, self.config.num_meshes(graph.num_stages))
             meshes = self.meshes
         else:
-            self.config.mesh_shapes(graph.num_stages)  # checks the per-stage list's length
-            meshes = stage_meshes(self.config, graph.num_stages, jax.devices())
+            num_meshes = self.config.num_meshes(graph.num_stages)
+            meshes = stage_meshes(self.config, num_meshes, jax.devices())
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
@@ -341,7 +341,7 @@ class PipelinePlan:
                     "dtype": str(np.dtype(t.dtype)),
                     "src_sharding": describe_sharding(self.pipeline.sharding(src, t.src_spec)),
                     "dst_sharding": describe_sharding(self.pipeline.sharding(dst, t.dst_spec)),
-                    "strategy": t.plan.chosen,
+                    "strategy": t.plan.chosen if t.plan else "local",
                     "bytes": t.nbytes,
                     "per": "step" if kind in ("param", "param_grad") else "micro-batch",
                 }

@@ -482,3 +482,54 @@ def test_a_spec_that_does_not_fit_the_next_stage_warns_and_replicates():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     with jax.set_mesh(mesh):
         assert_same(*got, *run_steps(jax.jit(step), make_params(1), make_batch()))
+
+
+VIRTUAL = [
+    ("interleaved_1f1b", 2, False, 4),
+    ("interleaved_1f1b", 2, True, 4),
+    ("eager_interleaved_1f1b", 2, True, 4),
+    ("zbv", 2, False, 4),
+    ("dualpipev", 2, False, 4),
+    ("interleaved_1f1b", 3, False, 2),
+]
+
+
+@pytest.mark.parametrize("schedule, v, weight_delay, m", VIRTUAL)
+def test_virtual_stages_match_jax_jit(schedule, v, weight_delay, m):
+    """A model cut into 2v stages on 2 meshes (chunk c on the mesh its schedule places it on):
+    tied first/last layer (the same mesh in a V), a skip across chunks."""
+    cfg = config(
+        num_micro_batches=m, schedule=schedule, virtual_stages=v, weight_delay=weight_delay
+    )
+    num_stages = 2 * v
+    step = jr.parallelize(
+        make_step(num_stages, skip=True, shared=True), config=cfg, batch_argnums=(1,)
+    )
+    params, losses = run_steps(step, make_params(num_stages), make_batch())
+    assert_same(params, losses, *reference(num_stages, True, True))
+    plan = step.plan(params, make_batch())
+    assert len({id(mesh) for mesh in plan.meshes}) == 2  # 2v stages on two meshes
+
+
+def test_virtual_stages_need_a_multiple_of_their_count():
+    cfg = config(schedule="interleaved_1f1b", virtual_stages=2)
+    step = jr.parallelize(make_step(3), config=cfg, batch_argnums=(1,))
+    with pytest.raises(ValueError, match=r"puts 2 on each mesh .* multiple of 2"):
+        step(make_params(3), make_batch())
+    with pytest.raises(ValueError, match=r"zbv places exactly two chunks per rank"):
+        config(schedule="zbv", virtual_stages=3)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("schedule, weight_delay", [("zbv", False), ("interleaved_1f1b", True)])
+def test_virtual_stages_on_the_ray_runtime(ray_runtime, schedule, weight_delay):
+    cfg = config(
+        num_micro_batches=4,
+        schedule=schedule,
+        virtual_stages=2,
+        weight_delay=weight_delay,
+        backend="ray",
+    )
+    step = jr.parallelize(make_step(4, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(4), make_batch())
+    assert_same(params, losses, *reference(4, True, True))

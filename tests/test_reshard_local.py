@@ -142,6 +142,10 @@ def test_adopted_shards_never_write_through_to_the_source(cpu_devices):
 def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
     import gc
 
+    from jaxreshard.comm._local import POOL
+
+    with POOL._lock:  # free buffers of earlier tests would be as good a choice as ours
+        POOL._entries.clear()
     src = named(cpu_devices, (2,), P(None, "a"))
     dst = named(cpu_devices[2:], (2,), P("a"))
     reference = values((512, 512), jnp.float32)  # 512 KiB shards: pooled

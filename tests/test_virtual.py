@@ -282,12 +282,34 @@ def test_pictures_show_chunks(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_emitter_refuses_chunks_until_the_runtime_maps_them():
-    from jaxreshard.pipeline._emit import emit
+@pytest.mark.parametrize(
+    "name, p, v", [("zbv", 2, 2), ("interleaved_1f1b", 2, 3), ("dualpipev", 3, 2)]
+)
+def test_the_emitter_gives_each_rank_its_chunks(name, p, v):
+    """One program per rank; boundaries between chunks of one rank are a SEND and a RECV in
+    the same program; fused runs receive first and send last; the programs cannot hang."""
+    from jaxreshard.pipeline._emit import RECV_OP, RUN, SEND_OP, Edge, emit
 
-    with pytest.raises(ValueError, match="emit: zbv, 2 ranks x 2 virtual stages"):
-        emit(build_schedule("zbv", 2, 4), [])
-    assert emit(build_schedule("1f1b", 2, 2), [])  # one chunk per rank: as before
+    schedule = build_schedule(name, p, 4, virtual_stages=v)
+    n = schedule.num_chunks
+    edges = [Edge(c, c, c + 1, True) for c in range(n - 1)]
+    programs = emit(schedule, edges)  # checked for hangs inside
+    assert len(programs) == p
+    for r, program in enumerate(programs):
+        runs = [ins.action for ins in program if ins.op == RUN]
+        assert runs == [a for a in schedule.actions[r] if a.kind != "A"]
+        for ins in program:
+            if ins.op == SEND_OP:
+                assert schedule.rank_of(ins.src) == r
+            if ins.op == RECV_OP:
+                assert schedule.rank_of(ins.dst) == r
+    local = [
+        ins
+        for program in programs
+        for ins in program
+        if ins.op == SEND_OP and schedule.rank_of(ins.src) == schedule.rank_of(ins.dst)
+    ]
+    assert bool(local) == (name != "interleaved_1f1b")  # the V keeps its turn on one rank
 
 
 def test_hand_written_lists_infer_the_placement():

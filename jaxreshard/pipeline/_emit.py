@@ -1,23 +1,25 @@
-"""The emitter: a schedule plus the boundary tensors become one instruction list per stage.
+"""The emitter: a schedule plus the boundary tensors become one instruction list per rank.
 
 [Note: instructions]
-A stage's worker runs its list in order and knows nothing of schedules:
-- `RUN 2F0` / `RUN 2B0` / `RUN 2W0`: compute an action;
-- `SEND act3 mb0 s2->s3`: start moving a boundary tensor to another stage (asynchronous: issued
-  as soon as the producing action finishes, so the transfer overlaps what follows);
+A rank's worker runs its list in order and knows nothing of schedules. Stage numbers `sN` are
+chunks (model-order stages; one per rank unless the schedule has virtual stages):
+- `RUN 2F0` / `RUN 2B0` / `RUN 2W0`: compute an action of chunk 2;
+- `SEND act3 mb0 s2->s3`: start moving a boundary tensor to another chunk (asynchronous:
+  issued as soon as the producing action finishes, so the transfer overlaps what follows);
 - `RECV act3 mb0 s2->s3`: wait until it has arrived (the only blocking instruction);
-- `FREE fwd mb0` / `FREE res mb0`: drop a micro-batch's forward values / residuals.
+- `FREE fwd mb0 s2` / `FREE res mb0 s2`: drop a micro-batch's forward values / residuals of
+  chunk 2.
 Activations go forward after `F`; their gradients come back after `B` of the consumer. A
-parameter used by several stages is sent by its owner to the others at the start of the step
+parameter used by several chunks is sent by its owner to the others at the start of the step
 (`param`), and their gradient contributions come back at the end (`param_grad`). The lists are
-checked before anything runs: every send has its receive and no stage can wait forever
-(`comm._order.check_programs`, treating each stage as a host).
+checked before anything runs: every send has its receive and no rank can wait forever
+(`comm._order.check_programs`, treating each rank as a host).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxreshard.comm._order import RECV, SEND, OrderError, Step, check_programs
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT, Action
@@ -64,7 +66,7 @@ class Instruction:
         if self.op == RUN:
             return f"RUN {self.action}"
         if self.op == FREE:
-            return f"FREE {self.kind} mb{self.mb}"
+            return f"FREE {self.kind} mb{self.mb} s{self.src}"
         what = f"{self.kind}{self.tensor}" + (f" mb{self.mb}" if self.mb >= 0 else "")
         return f"{self.op} {what} s{self.src}->s{self.dst}"
 
@@ -77,72 +79,94 @@ class Instruction:
 def emit(
     schedule: Schedule, edges: Sequence[Edge], shared: Sequence[SharedParam] = ()
 ) -> tuple[tuple[Instruction, ...], ...]:
-    """Turn `schedule` into per-stage instruction lists (see [Note: instructions])."""
-    if schedule.virtual_stages > 1 or schedule.fused:
-        raise ValueError(
-            f"emit: {schedule.describe()} runs several chunks per rank or fuses actions; the "
-            "emitter maps one chunk to one stage worker so far: use a schedule with one chunk "
-            "per rank (gpipe, 1f1b, eager_1f1b, zb_h1)"
-        )
+    """Turn `schedule` into per-rank instruction lists (see [Note: instructions]).
+
+    Edges, shared parameters and instructions name chunks (model-order stages); the program of
+    rank r runs the actions of its chunks (`schedule.chunks_of(r)`), so a boundary between two
+    chunks of one rank is a SEND and a RECV in the same program. A fused run of actions
+    (`schedule.groups`) receives everything it needs first and sends after its last action.
+    """
     p = schedule.num_stages
+    rank = schedule.rank_of
     programs: list[list[Instruction]] = [[] for _ in range(p)]
-    for sp in shared:
+    for sp in shared:  # sends first: a user chunk may sit on its owner's rank
         for user in sp.users:
-            programs[sp.owner].append(
+            programs[rank(sp.owner)].append(
                 Instruction(SEND_OP, kind=PARAM, tensor=sp.index, src=sp.owner, dst=user)
             )
-            programs[user].append(
-                Instruction(RECV_OP, kind=PARAM, tensor=sp.index, src=sp.owner, dst=user)
-            )
-    into = {s: [e for e in edges if e.dst == s] for s in range(p)}
-    out_of = {s: [e for e in edges if e.src == s] for s in range(p)}
-    for s in range(p):
-        program = programs[s]
-        for action in schedule.actions[s]:
-            mb = action.microbatch_index
-            if action.kind == FORWARD:
-                program += [
-                    Instruction(RECV_OP, kind=ACTIVATION, tensor=e.tensor, mb=mb, src=e.src, dst=s)
-                    for e in into[s]
-                ]
-                program.append(Instruction(RUN, action))
-                program += [
-                    Instruction(SEND_OP, kind=ACTIVATION, tensor=e.tensor, mb=mb, src=s, dst=e.dst)
-                    for e in out_of[s]
-                ]
-                program.append(Instruction(FREE, kind="fwd", mb=mb))
-            elif action.kind == BACKWARD:
-                program += [
-                    Instruction(RECV_OP, kind=GRADIENT, tensor=e.tensor, mb=mb, src=e.dst, dst=s)
-                    for e in out_of[s]
-                    if e.grad
-                ]
-                program.append(Instruction(RUN, action))
-                program += [
-                    Instruction(SEND_OP, kind=GRADIENT, tensor=e.tensor, mb=mb, src=s, dst=e.src)
-                    for e in into[s]
-                    if e.grad
-                ]
-                if not schedule.split_backward:
-                    program.append(Instruction(FREE, kind="res", mb=mb))
-            elif action.kind == WEIGHT:
-                program.append(Instruction(RUN, action))
-                program.append(Instruction(FREE, kind="res", mb=mb))
     for sp in shared:
         for user in sp.users:
-            programs[user].append(
+            programs[rank(user)].append(
+                Instruction(RECV_OP, kind=PARAM, tensor=sp.index, src=sp.owner, dst=user)
+            )
+    chunks = range(schedule.num_chunks)
+    into = {c: [e for e in edges if e.dst == c] for c in chunks}
+    out_of = {c: [e for e in edges if e.src == c] for c in chunks}
+    for r in range(p):
+        for group in schedule.groups(r):
+            recvs: list[Instruction] = []
+            runs: list[Instruction] = []
+            sends: list[Instruction] = []
+            frees: list[Instruction] = []
+            for action in group:
+                c, mb = action.stage_index, action.microbatch_index
+                if action.kind == FORWARD:
+                    recvs += [
+                        Instruction(
+                            RECV_OP, kind=ACTIVATION, tensor=e.tensor, mb=mb, src=e.src, dst=c
+                        )
+                        for e in into[c]
+                    ]
+                    sends += [
+                        Instruction(
+                            SEND_OP, kind=ACTIVATION, tensor=e.tensor, mb=mb, src=c, dst=e.dst
+                        )
+                        for e in out_of[c]
+                    ]
+                    frees.append(Instruction(FREE, kind="fwd", mb=mb, src=c))
+                elif action.kind == BACKWARD:
+                    recvs += [
+                        Instruction(
+                            RECV_OP, kind=GRADIENT, tensor=e.tensor, mb=mb, src=e.dst, dst=c
+                        )
+                        for e in out_of[c]
+                        if e.grad
+                    ]
+                    sends += [
+                        Instruction(
+                            SEND_OP, kind=GRADIENT, tensor=e.tensor, mb=mb, src=c, dst=e.src
+                        )
+                        for e in into[c]
+                        if e.grad
+                    ]
+                    if not schedule.split_backward:
+                        frees.append(Instruction(FREE, kind="res", mb=mb, src=c))
+                elif action.kind == WEIGHT:
+                    frees.append(Instruction(FREE, kind="res", mb=mb, src=c))
+                else:
+                    continue  # A: the optimizer runs after the pipeline
+                runs.append(Instruction(RUN, action))
+            programs[r] += [*recvs, *runs, *sends, *frees]
+    for sp in shared:
+        for user in sp.users:
+            programs[rank(user)].append(
                 Instruction(SEND_OP, kind=PARAM_GRAD, tensor=sp.index, src=user, dst=sp.owner)
             )
-            programs[sp.owner].append(
+    for sp in shared:
+        for user in sp.users:
+            programs[rank(sp.owner)].append(
                 Instruction(RECV_OP, kind=PARAM_GRAD, tensor=sp.index, src=user, dst=sp.owner)
             )
     result = tuple(tuple(program) for program in programs)
-    check_instructions(result)
+    check_instructions(result, rank)
     return result
 
 
-def check_instructions(programs: Sequence[Sequence[Instruction]]) -> None:
-    """Raise `OrderError` if a receive has no send, or the workers could wait forever."""
+def check_instructions(
+    programs: Sequence[Sequence[Instruction]], rank_of: Callable[[int], int] = lambda c: c
+) -> None:
+    """Raise `OrderError` if a receive has no send, or the workers (one per rank, running the
+    chunks `rank_of` maps to it) could wait forever."""
     ids: dict[tuple[str, int, int, int, int], int] = {}
     steps: dict[int, list[Step]] = {}
     for s, program in enumerate(programs):
@@ -151,9 +175,9 @@ def check_instructions(programs: Sequence[Sequence[Instruction]]) -> None:
             if ins.op in (SEND_OP, RECV_OP):
                 op = ids.setdefault(ins.key, len(ids))
                 out.append(
-                    Step(op, SEND, peers=(ins.dst,))
+                    Step(op, SEND, peers=(rank_of(ins.dst),))
                     if ins.op == SEND_OP
-                    else Step(op, RECV, peers=(ins.src,))
+                    else Step(op, RECV, peers=(rank_of(ins.src),))
                 )
     try:
         check_programs(steps)

@@ -63,7 +63,7 @@ def runtime_for(pc: ProfileConfig) -> Iterator[Any]:
     if running.backend == "ray":
         yield running
         return
-    per_stage = max(pc.pipeline.devices_per_stage(pc.num_stages))
+    per_stage = max(pc.pipeline.devices_per_mesh(pc.num_stages))
     options: dict[str, Any] = {"timeout_s": pc.pipeline.timeout_s}
     if pc.pipeline.emulate_network_gbps is not None:
         options["emulate_network_gbps"] = pc.pipeline.emulate_network_gbps
@@ -87,7 +87,7 @@ def _emulating(pc: ProfileConfig) -> ProfileConfig:
     """With network emulation, every stage is its own host unless devices_per_host says so."""
     p = pc.pipeline
     if p.emulate_network_gbps is not None and p.devices_per_host is None:
-        return pc.replace_pipeline(devices_per_host=max(p.devices_per_stage(pc.num_stages)))
+        return pc.replace_pipeline(devices_per_host=max(p.devices_per_mesh(pc.num_stages)))
     return pc
 
 

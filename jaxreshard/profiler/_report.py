@@ -37,15 +37,16 @@ def _transfer_kind(name: str) -> str:
 
 def measured_timeline(session: Session, steps: Sequence[StepRecord]) -> Timeline:
     """The steps' events laid end to end as a timeline in milliseconds."""
-    p = session.layout.num_stages
-    stages: list[list[TimedAction]] = [[] for _ in range(p)]
+    schedule = session.layout.schedule
+    stages: list[list[TimedAction]] = [[] for _ in range(schedule.num_stages)]  # per rank
     transfers: list[TimedTransfer] = []
     offset = 0.0
     for st in steps:
         for e in st.events:
             start, end = (offset + e.start) * MS, (offset + e.end) * MS
             if e.kind in COMPUTE_KINDS:
-                stages[e.stage].append(TimedAction(Action(e.stage, e.kind, e.mb), start, end))
+                action = Action(e.stage, e.kind, e.mb)
+                stages[schedule.rank_of(e.stage)].append(TimedAction(action, start, end))
             elif e.kind == SEND:
                 tr = Transfer(_transfer_kind(e.name), e.mb, e.stage, e.dst)
                 transfers.append(TimedTransfer(tr, start, end))
@@ -93,7 +94,7 @@ def chrome_trace(session: Session, steps: Sequence[StepRecord]) -> dict[str, Any
                         "name": f"wait {e.name}" + (f" mb{e.mb}" if e.mb >= 0 else ""),
                         "cat": "wait",
                         "ph": "X",
-                        "pid": e.stage,
+                        "pid": timeline.schedule.rank_of(e.stage),
                         "tid": 2,
                         "ts": (offset + e.start) * 1e6,
                         "dur": (e.end - e.start) * 1e6,
@@ -113,7 +114,7 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
     step_s = median([s.seconds for s in steps])
     per_sample = pc.spec.units_per_sample(pc.model_config)
     samples_per_s = pc.run.batch_size / step_s if step_s > 0 else None
-    stats = stage_stats(steps, layout.num_stages)
+    stats = stage_stats(steps, layout.schedule)
     memory = session.memory()
     shapes = layout.mesh_shapes
     for row, mem in zip(stats, memory):
@@ -198,7 +199,8 @@ def header_lines(pc: Any) -> list[str]:
         f"{pc.model} {pc.preset}: {pc.model_config.num_params / 1e6:.2f} M parameters; "
         f"batch {pc.run.batch_size} = {p.num_micro_batches} micro-batches x "
         f"{pc.run.batch_size // p.num_micro_batches}",
-        f"pipeline: {pc.num_stages} stages on meshes {list(p.mesh_shapes(pc.num_stages))} "
+        f"pipeline: {pc.num_stages} stages on meshes "
+        f"{list(p.mesh_shapes(p.num_meshes(pc.num_stages)))} "
         f"{tuple(p.mesh_axis_names)}, schedule {p.schedule}"
         f"{' + weight delay' if p.weight_delay else ''}, resharding {p.resharding}, "
         f"backend {p.backend}; devices: {describe_devices()}",
@@ -340,7 +342,7 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 "compile_seconds": session.compile_seconds,
                 "blocked_seconds": [
                     r["blocked_seconds"]
-                    for r in stage_stats(session.steps, session.layout.num_stages)
+                    for r in stage_stats(session.steps, session.layout.schedule)
                 ],
             }
         )

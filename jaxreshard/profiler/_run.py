@@ -30,6 +30,7 @@ from jaxreshard.runtime._executor import APPLY_EVENT, SEND, WAIT, Event
 from jaxreshard.runtime._specs import transplant_spec
 
 COMPUTE_KINDS = ("F", "B", "W", APPLY_EVENT)
+LOCAL_STRATEGY = "local"  # between two stages of one mesh (virtual stages): nothing moves
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class StepRecord:
 
 
 def devices_needed(pc: ProfileConfig) -> int:
-    return sum(pc.pipeline.devices_per_stage(pc.num_stages))
+    return sum(pc.pipeline.devices_per_mesh(pc.num_stages))
 
 
 class Session:
@@ -137,13 +138,15 @@ class Session:
         return float(flops) if flops and flops > 0 else None
 
     def memory(self) -> list[dict[str, Any]]:
-        """Per stage: micro-batches whose activations are held at the peak (the schedule's),
-        XLA's size of one micro-batch's forward outputs per device (local runtime), and the
-        backend's peak bytes in use on the stage's devices (where it reports them)."""
+        """Per stage: micro-batches whose activations its mesh holds at the peak (the
+        schedule's, per rank: with virtual stages, counted over the rank's chunks), XLA's size
+        of one micro-batch's forward outputs per device (local runtime), and the backend's peak
+        bytes in use on the stage's devices (where it reports them)."""
         layout, pipeline = self.layout, self.pipeline
         from jaxreshard.pipeline._simulate import peak_activations
 
         peaks = peak_activations(layout.schedule)
+        rank_of = layout.schedule.rank_of
         compilers = getattr(getattr(pipeline, "compiled", None), "compilers", None)
         out = []
         for s in range(layout.num_stages):
@@ -160,7 +163,7 @@ class Session:
                     peak_bytes = max(int(st["peak_bytes_in_use"]) for st in stats)
             out.append(
                 {
-                    "peak_activations": int(peaks[s]),
+                    "peak_activations": peaks[rank_of(s)],
                     "activation_bytes_per_microbatch": per_mb,
                     "peak_memory_bytes": peak_bytes,
                 }
@@ -172,7 +175,7 @@ def _place_params(pc: ProfileConfig, params: Any) -> Any:
     """Give the parameters the model's tensor-parallel PartitionSpecs (on the first stage's
     mesh shape, over this process's first devices); the pipeline moves them to their stages.
     Without enough devices here (a Ray driver), they stay on the host, replicated."""
-    shape = pc.pipeline.mesh_shapes(pc.num_stages)[0]
+    shape = pc.pipeline.mesh_shapes(pc.pipeline.num_meshes(pc.num_stages))[0]
     n = math.prod(shape)
     if len(jax.devices()) < n:
         return params
@@ -196,20 +199,27 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def stage_stats(steps: Sequence[StepRecord], num_stages: int) -> list[dict[str, float]]:
-    """Per stage, medians over steps: compute seconds, seconds blocked in RECVs, bubble."""
+def stage_stats(steps: Sequence[StepRecord], schedule: Any) -> list[dict[str, float]]:
+    """Per stage, medians over steps: compute seconds, seconds blocked in RECVs, and the bubble
+    of its mesh (1 - the compute of all the rank's stages / step time)."""
     out = []
-    for s in range(num_stages):
+    rank_of = schedule.rank_of
+    for s in range(schedule.num_chunks):
+        mates = set(schedule.chunks_of(rank_of(s)))
         compute, blocked, bubble = [], [], []
         for st in steps:
             c = sum(e.end - e.start for e in st.events if e.stage == s and e.kind in COMPUTE_KINDS)
             w = sum(e.end - e.start for e in st.events if e.stage == s and e.kind == WAIT)
+            busy = sum(
+                e.end - e.start for e in st.events if e.stage in mates and e.kind in COMPUTE_KINDS
+            )
             compute.append(c)
             blocked.append(w)
-            bubble.append(max(0.0, 1.0 - c / st.seconds) if st.seconds > 0 else 0.0)
+            bubble.append(max(0.0, 1.0 - busy / st.seconds) if st.seconds > 0 else 0.0)
         out.append(
             {
                 "stage": s,
+                "rank": rank_of(s),
                 "compute_seconds": median(compute),
                 "blocked_seconds": median(blocked),
                 "bubble_fraction": median(bubble),
@@ -242,10 +252,10 @@ def transfer_stats(steps: Sequence[StepRecord], layout: Any) -> list[dict[str, A
                 "dst_spec": _spec_text(t.dst_spec),
                 "src_mesh": dict(layout.mesh_shapes[t.src_stage]),
                 "dst_mesh": dict(layout.mesh_shapes[t.dst_stage]),
-                "strategy": t.plan.strategy,
-                "chosen": t.plan.chosen,
+                "strategy": t.plan.strategy if t.plan else LOCAL_STRATEGY,
+                "chosen": t.plan.chosen if t.plan else LOCAL_STRATEGY,
                 "bytes": t.nbytes,
-                "planned_seconds": t.plan.seconds,
+                "planned_seconds": t.plan.seconds if t.plan else 0.0,
                 "measured_seconds": median(measured) if measured else None,
                 "per_step": len(measured) / max(1, len(steps)),
             }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxreshard.pipeline import SCHEDULE_NAMES as SCHEDULES
+from jaxreshard.pipeline._schedules import FIXED_SPLIT, check_virtual_stages
 
 RESHARDING = (
     "send_recv",
@@ -33,10 +34,16 @@ class PipelineConfig:
     Attributes:
         num_micro_batches: micro-batches per step; must divide the batch (dim 0 of every leaf of
             the `batch_argnums` arguments).
-        schedule: `gpipe`, `1f1b`, `eager_1f1b` or `zb_h1`.
+        schedule: `gpipe`, `1f1b`, `eager_1f1b`, `zb_h1`, or a virtual-stage schedule
+            (`interleaved_1f1b`, `eager_interleaved_1f1b`, `zbv`, `dualpipev`).
         weight_delay: split each backward into input-gradient and weight-gradient parts and
             delay the latter to hide the gradient transfers (backward weight delaying).
-        stage_mesh_shape: the device mesh of every stage, e.g. `(1, 2)`; or one shape per stage.
+        virtual_stages: model stages (chunks) per mesh, for the virtual-stage schedules: the
+            step has meshes x virtual_stages stages, and chunk c runs on the mesh the schedule
+            places it on (interleaved: c mod meshes; zbv/dualpipev: a V). None: the
+            schedule's default (1; 2 for the virtual-stage schedules).
+        stage_mesh_shape: the device mesh of every stage, e.g. `(1, 2)`; or one shape per stage
+            (per mesh, with virtual stages).
         mesh_axis_names: names of the mesh axes (for `PartitionSpec`s inside the step).
         mesh_axis_types: `auto` (the compiler propagates shardings; `with_sharding_constraint`
             steers it) or `explicit` (shardings are part of array types, JAX's "sharding in
@@ -64,6 +71,7 @@ class PipelineConfig:
     num_micro_batches: int = 1
     schedule: str = "1f1b"
     weight_delay: bool = False
+    virtual_stages: int | None = None
     stage_mesh_shape: tuple[Any, ...] = (1,)
     mesh_axis_names: tuple[str, ...] = ("data",)
     mesh_axis_types: str | tuple[str, ...] = "auto"
@@ -84,6 +92,11 @@ class PipelineConfig:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
         object.__setattr__(self, "mesh_axis_names", tuple(self.mesh_axis_names))
         _choice("schedule", self.schedule, SCHEDULES)
+        check_virtual_stages(
+            self.schedule,
+            self.virtual_stages,
+            f"PipelineConfig(schedule={self.schedule!r}, virtual_stages",
+        )
         _choice("resharding", self.resharding, RESHARDING)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _choice("backend", self.backend, BACKENDS)
@@ -145,21 +158,46 @@ class PipelineConfig:
         types = self.mesh_axis_types
         return (types,) * len(self.mesh_axis_names) if isinstance(types, str) else tuple(types)
 
-    def mesh_shapes(self, num_stages: int | None) -> tuple[tuple[int, ...], ...]:
-        """The mesh shape of every stage (one shape repeated, or the per-stage list)."""
+    @property
+    def split_backward(self) -> bool:
+        """Whether each backward is split into input-gradient (B) and weight-gradient (W)."""
+        return self.weight_delay or self.schedule in FIXED_SPLIT
+
+    @property
+    def chunks_per_mesh(self) -> int:
+        """v: model stages per mesh (`virtual_stages`, or the schedule's default)."""
+        return check_virtual_stages(self.schedule, self.virtual_stages)
+
+    def num_meshes(self, num_stages: int) -> int:
+        """How many meshes a step of `num_stages` model stages runs on."""
+        v = self.chunks_per_mesh
+        if num_stages % v:
+            raise ValueError(
+                f"the step has {num_stages} stages ({num_stages - 1} jr.stage_boundary markers) "
+                f"but schedule {self.schedule!r} puts {v} on each mesh "
+                f"(virtual_stages={v}); cut the model into a multiple of {v} stages"
+            )
+        return num_stages // v
+
+    def mesh_shapes(self, num_meshes: int | None) -> tuple[tuple[int, ...], ...]:
+        """The shape of every mesh (one shape repeated, or the per-mesh list)."""
         shapes = self.stage_mesh_shape
+        v = self.chunks_per_mesh
         if shapes and isinstance(shapes[0], tuple):
-            if num_stages is not None and len(shapes) != num_stages:
+            if num_meshes is not None and len(shapes) != num_meshes:
+                chunks = "" if v == 1 else f", {v} model stages each"
                 raise ValueError(
                     f"PipelineConfig(stage_mesh_shape=...) gives {len(shapes)} stage meshes but "
-                    f"the step has {num_stages} stages ({num_stages - 1} jr.stage_boundary "
-                    "markers); give one shape per stage, or one shape for all"
+                    f"the step runs on {num_meshes} meshes ({num_meshes * v} stages, "
+                    f"{num_meshes * v - 1} jr.stage_boundary markers{chunks}); give one shape "
+                    "per mesh, or one shape for all"
                 )
             return shapes  # type: ignore[return-value]
-        return (shapes,) * (num_stages or 1)  # type: ignore[return-value]
+        return (shapes,) * (num_meshes or 1)  # type: ignore[return-value]
 
-    def devices_per_stage(self, num_stages: int) -> list[int]:
-        return [math.prod(shape) for shape in self.mesh_shapes(num_stages)]
+    def devices_per_mesh(self, num_stages: int) -> list[int]:
+        """The device count of every mesh of a step of `num_stages` model stages."""
+        return [math.prod(shape) for shape in self.mesh_shapes(self.num_meshes(num_stages))]
 
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with some fields changed (validated); unknown field names are an error."""

@@ -348,228 +348,278 @@ def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
 # -- the interpreter -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """What a rank's program keeps of one of its chunks during a step."""
+
+    c: StageCompiler
+    last: bool  # the model's last stage (its backward starts from the loss)
+    params: dict[int, Any]  # the parameters it computes with: its own and copies received
+    acc: list[Any] | None = None  # gradient accumulators (the first backward starts them)
+    applied: list[Any] | None = None  # a fused optimizer's outputs
+    inbox: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    outbox: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    grads_in: dict[tuple[int, int, int], Any] = dataclasses.field(default_factory=dict)
+    grads_out: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    residuals: dict[int, Any] = dataclasses.field(default_factory=dict)
+    exports: dict[int, Any] = dataclasses.field(default_factory=dict)
+    early: dict[int, Any] = dataclasses.field(default_factory=dict)  # fused forward-backward
+
+
 class StageProgram:
-    """Steps through one stage's instructions (see [Note: instructions]).
+    """Steps through one rank's instructions (see [Note: instructions]) for the chunks (model
+    stages) it runs: one, or several with virtual stages.
 
     The last stage runs a forward and the backward right after it (nothing between them but
     FREEs) as one executable when its backward is not split: nothing crosses stages in between,
     and XLA then keeps the residuals in the program instead of writing them out (with one stage
-    and one micro-batch, the step is a single executable, as under `jax.jit`).
+    and one micro-batch, the step is a single executable, as under `jax.jit`). A recorded step
+    (a profile) runs them apart, so that each action has its own time.
 
     Args:
-        compiler: the stage's compiled executables.
+        compilers: the compiled executables of the rank's chunks, by chunk.
         graph, layout: the step.
         channels: moves boundary tensors (see [Note: boundary tensors]).
+        rank: which program of `layout.programs` this is.
         record: if given, called with an `Event` after each action (blocks on its results).
     """
 
     def __init__(
         self,
-        compiler: StageCompiler,
+        compilers: dict[int, StageCompiler],
         graph: StepGraph,
         layout: PipelineLayout,
         channels: Channels,
+        rank: int,
         record: Callable[[Event], None] | None = None,
     ):
-        self.c, self.graph, self.layout, self.channels = compiler, graph, layout, channels
-        self.record = record
-        program = layout.programs[compiler.s]
-        self.program = program
-        last = compiler.s == layout.num_stages - 1
+        self.compilers, self.graph, self.layout, self.channels = compilers, graph, layout, channels
+        self.rank, self.record = rank, record
+        program = self.program = layout.programs[rank]
+        last_chunk = layout.num_stages - 1
         runs = [i for i, ins in enumerate(program) if ins.op == RUN]
-        self.last_backward = max(i for i in runs if program[i].action.kind in (BACKWARD, WEIGHT))
+        # Per chunk, the position of its last backward (where a fused optimizer runs).
+        self.last_backward = {
+            c: max(
+                i
+                for i in runs
+                if program[i].action.stage_index == c
+                and program[i].action.kind in (BACKWARD, WEIGHT)
+            )
+            for c in compilers
+        }
         # Positions of forwards fused with the backward that follows them.
-        self.fused_fb: set[int] = set()
-        if last and compiler.bw.w is None:
+        self.fused_fb: dict[int, int] = {}  # forward position -> backward position
+        if last_chunk in compilers and compilers[last_chunk].bw.w is None:
             for i, j in itertools.pairwise(runs):
                 f, b = program[i].action, program[j].action
-                between = program[i + 1 : j]
                 if (
-                    f.kind == FORWARD
+                    f.stage_index == b.stage_index == last_chunk
+                    and f.kind == FORWARD
                     and b.kind == BACKWARD
                     and f.microbatch_index == b.microbatch_index
-                    and all(ins.op not in (RECV_OP, SEND_OP) for ins in between)
+                    and all(ins.op not in (RECV_OP, SEND_OP) for ins in program[i + 1 : j])
                 ):
-                    self.fused_fb.add(i)
+                    self.fused_fb[i] = j
 
     def run(
         self,
         params: dict[int, Any],
-        batches: list[list[Any]],
-        consts: list[Any],
+        batches: dict[int, list[list[Any]]],
+        consts: dict[int, list[Any]],
         losses: list[Any],
-        apply_inputs: Sequence[Any] | None = None,
-    ) -> tuple[dict[int, Any], list[Any] | None]:
-        """Run the stage's program.
+        apply_inputs: dict[int, Sequence[Any]] | None = None,
+    ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
+        """Run the rank's program.
 
         Args:
-            params: the parameters this stage keeps (owner), by index.
-            batches: per micro-batch, the stage's batch inputs in input order.
-            consts: the stage's per-step constants in input order.
-            losses: filled per micro-batch by the last stage.
-            apply_inputs: with a fused optimizer segment (`StageCompiler.set_apply`), its
-                inputs other than the gradients.
+            params: the parameters its chunks keep (owners), by index.
+            batches: per chunk, per micro-batch, the chunk's batch inputs in input order.
+            consts: per chunk, its per-step constants in input order.
+            losses: filled per micro-batch by the last chunk.
+            apply_inputs: per chunk with a fused optimizer segment (`StageCompiler.set_apply`),
+                that segment's inputs other than the gradients.
 
         Returns:
-            The gradient accumulators by parameter index (none when the optimizer was fused),
-            and the fused segment's outputs (or None).
+            Per chunk, its gradient accumulators by parameter index (none when its optimizer
+            was fused); and per chunk with a fused optimizer, that segment's outputs.
         """
-        c, bw, channels = self.c, self.c.bw, self.channels
-        fused = c.fused and apply_inputs is not None
-        applied: list[Any] | None = None
-        stage, s = bw.stage, c.s
-        last = s == self.layout.num_stages - 1
-        local_params = dict(params)
-        acc: list[Any] | None = None  # the first backward's gradients start the accumulators
-        acc_params = c.acc_params
-        inbox: dict[tuple[int, int], Any] = {}
-        outbox: dict[tuple[int, int], Any] = {}
-        grads_in: dict[tuple[int, int, int], Any] = {}
-        grads_out: dict[tuple[int, int], Any] = {}
-        residuals: dict[int, Any] = {}
-        exports: dict[int, Any] = {}
-        done_early: dict[int, Any] = {}  # mb -> activation gradients of a fused forward-backward
-        batch_pos = [i for i, r in enumerate(stage.inputs) if r.kind == BATCH]
-        const_pos = [i for i, r in enumerate(stage.inputs) if r.kind == CONST]
-        consumers = {a.id: a.consumers for a in self.graph.loss.activations}
+        graph, channels = self.graph, self.channels
+        apply_inputs = apply_inputs or {}
+        last_chunk = self.layout.num_stages - 1
+        chunks = {
+            c: _Chunk(
+                compiler,
+                c == last_chunk,
+                {k: v for k, v in params.items() if graph.owner[k] == c},
+            )
+            for c, compiler in self.compilers.items()
+        }
+        consumers = {a.id: a.consumers for a in graph.loss.activations}
 
-        def cotangents(mb: int) -> list[Any]:
-            if last:
+        def cotangents(ch: _Chunk, mb: int) -> list[Any]:
+            if ch.last:
                 return []
+            stage = ch.c.bw.stage
             return [
-                grads_in[(stage.outputs[i].index, consumer, mb)]
-                for i in bw.float_outputs
+                ch.grads_in[(stage.outputs[i].index, consumer, mb)]
+                for i in ch.c.bw.float_outputs
                 for consumer in consumers[stage.outputs[i].index]
             ]
 
-        def forward_inputs(mb: int) -> list[Any]:
-            args = []
-            for i, ref in enumerate(stage.inputs):
+        def forward_inputs(ch: _Chunk, mb: int) -> list[Any]:
+            stage, c = ch.c.bw.stage, ch.c.s
+            args, batch_at, const_at = [], 0, 0
+            for ref in stage.inputs:
                 if ref.kind == PARAM:
-                    args.append(local_params[ref.index])
+                    args.append(ch.params[ref.index])
                 elif ref.kind == BATCH:
-                    args.append(batches[mb][batch_pos.index(i)])
+                    args.append(batches[c][mb][batch_at])
+                    batch_at += 1
                 elif ref.kind == CONST:
-                    args.append(consts[const_pos.index(i)])
+                    args.append(consts[c][const_at])
+                    const_at += 1
                 else:
-                    args.append(inbox[(ref.index, mb)])
+                    args.append(ch.inbox[(ref.index, mb)])
             return args
 
-        def keep_act_grads(mb: int, act_grads: Sequence[Any]) -> None:
+        def keep_act_grads(ch: _Chunk, mb: int, act_grads: Sequence[Any]) -> None:
+            bw = ch.c.bw
             for k, g in zip(bw.act_grads, act_grads):
-                grads_out[(stage.inputs[bw.diff[k]].index, mb)] = g
+                ch.grads_out[(bw.stage.inputs[bw.diff[k]].index, mb)] = g
 
         for position, ins in enumerate(self.program):
             if channels.stopped:
                 raise PipelineError("stopped: another stage failed")
             if ins.op == RECV_OP:
+                ch = chunks[ins.dst]
                 start = time.perf_counter()
                 value = channels.recv(ins)
                 if self.record is not None:
-                    self.record(
-                        Event(s, WAIT, ins.mb, start, time.perf_counter(), transfer_name(ins))
-                    )
+                    end = time.perf_counter()
+                    self.record(Event(ins.dst, WAIT, ins.mb, start, end, transfer_name(ins)))
                 if ins.kind == ACTIVATION:
-                    inbox[(ins.tensor, ins.mb)] = value
+                    ch.inbox[(ins.tensor, ins.mb)] = value
                 elif ins.kind == GRADIENT:
-                    grads_in[(ins.tensor, ins.src, ins.mb)] = value
+                    ch.grads_in[(ins.tensor, ins.src, ins.mb)] = value
                 elif ins.kind == PARAM_COPY:
-                    local_params[ins.tensor] = value
-                else:  # a user's gradient contribution to a parameter this stage keeps
-                    k = acc_params.index(ins.tensor)
-                    acc[k] = acc[k] + value  # type: ignore[index]
+                    ch.params[ins.tensor] = value
+                else:  # a user's gradient contribution to a parameter this chunk keeps
+                    k = ch.c.acc_params.index(ins.tensor)
+                    ch.acc[k] = ch.acc[k] + value  # type: ignore[index]
             elif ins.op == SEND_OP:
+                ch = chunks[ins.src]
                 if ins.kind == ACTIVATION:
-                    channels.send(ins, outbox[(ins.tensor, ins.mb)])
+                    channels.send(ins, ch.outbox[(ins.tensor, ins.mb)])
                 elif ins.kind == GRADIENT:
-                    channels.send(ins, grads_out[(ins.tensor, ins.mb)])
+                    channels.send(ins, ch.grads_out[(ins.tensor, ins.mb)])
                 elif ins.kind == PARAM_COPY:
-                    channels.send(ins, local_params[ins.tensor])
+                    channels.send(ins, ch.params[ins.tensor])
                 else:
-                    channels.send(ins, acc[acc_params.index(ins.tensor)])  # type: ignore[index]
+                    channels.send(ins, ch.acc[ch.c.acc_params.index(ins.tensor)])  # type: ignore[index]
             elif ins.op == RUN:
-                action = ins.action
-                mb = action.microbatch_index
-                start = time.perf_counter()
-                kind = action.kind
-                if position in self.fused_fb:  # the forward and the backward after it, at once
-                    final = fused and self._fb_backward(position) == self.last_backward
-                    args = forward_inputs(mb)
-                    if final:
-                        loss, act_grads, applied = (
-                            c.fb_apply_first(args, apply_inputs)
-                            if acc is None
-                            else c.fb_apply_later(acc, args, apply_inputs)
-                        )
-                        acc = []
-                    elif acc is None:
-                        loss, act_grads, acc = c.fb_first(args)
-                    else:
-                        loss, act_grads, acc = c.fb_later(acc, args)
-                    losses[mb] = loss
-                    done_early[mb] = act_grads
-                    done: Any = act_grads
-                    kind = "FB"
-                elif kind == BACKWARD and mb in done_early:
-                    keep_act_grads(mb, done_early.pop(mb))
-                    continue
-                elif kind == FORWARD:
-                    outs, residuals[mb] = c.forward(*forward_inputs(mb))
-                    if last:
-                        losses[mb] = outs[0]
-                    else:
-                        for ref, value in zip(stage.outputs, outs):
-                            outbox[(ref.index, mb)] = value
-                    done = outs
-                elif kind == BACKWARD:
-                    final = fused and position == self.last_backward
-                    if final and acc is None:
-                        act_grads, applied = c.apply_first(
-                            residuals[mb], cotangents(mb), apply_inputs
-                        )
-                    elif final:
-                        act_grads, applied = c.apply_later(
-                            acc, residuals[mb], cotangents(mb), apply_inputs
-                        )
-                        acc = []
-                    elif bw.w is None and acc is None:
-                        act_grads, acc = c.backward_first(residuals[mb], cotangents(mb))
-                    elif bw.w is None:
-                        act_grads, acc = c.backward(acc, residuals[mb], cotangents(mb))
-                    else:
-                        act_grads, exports[mb] = c.b_part(residuals[mb], cotangents(mb))
-                    keep_act_grads(mb, act_grads)
-                    done = act_grads
-                elif fused and position == self.last_backward:  # WEIGHT, with the optimizer
-                    args2 = (residuals[mb], cotangents(mb), exports.pop(mb), apply_inputs)
-                    applied = c.apply_first(*args2) if acc is None else c.apply_later(acc, *args2)
-                    acc, done = [], applied
-                else:  # WEIGHT
-                    if acc is None:
-                        acc = c.w_first(residuals[mb], cotangents(mb), exports.pop(mb))
-                    else:
-                        acc = c.w_part(acc, residuals[mb], cotangents(mb), exports.pop(mb))
-                    done = acc
-                if self.record is not None:
-                    jax.block_until_ready(done)
-                    label = f"{s}FB{mb}" if kind == "FB" else str(action)
-                    self.record(Event(s, kind, mb, start, time.perf_counter(), label))
+                self._run(ins, position, chunks, forward_inputs, cotangents, keep_act_grads,
+                          losses, apply_inputs)  # fmt: skip
             else:  # FREE: drop what this micro-batch no longer needs
-                mb = ins.mb
+                ch, mb = chunks[ins.src], ins.mb
                 if ins.kind == "fwd":
-                    for store in (inbox, outbox):
+                    for store in (ch.inbox, ch.outbox):
                         for key in [k for k in store if k[1] == mb]:
                             del store[key]
                 else:
-                    residuals.pop(mb, None)
-                    for key in [k for k in grads_in if k[2] == mb]:
-                        del grads_in[key]
-                    for key in [k for k in grads_out if k[1] == mb]:
-                        del grads_out[key]
-        return (dict(zip(acc_params, acc)) if acc else {}), applied
+                    ch.residuals.pop(mb, None)
+                    for key in [k for k in ch.grads_in if k[2] == mb]:
+                        del ch.grads_in[key]
+                    for key in [k for k in ch.grads_out if k[1] == mb]:
+                        del ch.grads_out[key]
+        accumulators = {
+            c: dict(zip(ch.c.acc_params, ch.acc)) if ch.acc else {} for c, ch in chunks.items()
+        }
+        applied = {c: ch.applied for c, ch in chunks.items() if ch.applied is not None}
+        return accumulators, applied
 
-    def _fb_backward(self, forward_position: int) -> int:
-        """The position of the backward fused with the forward at `forward_position`."""
-        return next(
-            i for i in range(forward_position + 1, len(self.program)) if self.program[i].op == RUN
-        )
+    def _run(
+        self,
+        ins: Instruction,
+        position: int,
+        chunks: dict[int, _Chunk],
+        forward_inputs: Callable[[_Chunk, int], list[Any]],
+        cotangents: Callable[[_Chunk, int], list[Any]],
+        keep_act_grads: Callable[[_Chunk, int, Sequence[Any]], None],
+        losses: list[Any],
+        apply_inputs: dict[int, Sequence[Any]],
+    ) -> None:
+        action = ins.action
+        c, mb, kind = action.stage_index, action.microbatch_index, action.kind
+        ch = chunks[c]
+        comp, bw = ch.c, ch.c.bw
+        extra = apply_inputs.get(c)
+        fused = comp.fused and extra is not None
+        start = time.perf_counter()
+        if position in self.fused_fb and self.record is None:  # forward and backward at once
+            final = fused and self.fused_fb[position] == self.last_backward[c]
+            args = forward_inputs(ch, mb)
+            if final:
+                loss, act_grads, ch.applied = (
+                    comp.fb_apply_first(args, extra)
+                    if ch.acc is None
+                    else comp.fb_apply_later(ch.acc, args, extra)
+                )
+                ch.acc = []
+            elif ch.acc is None:
+                loss, act_grads, ch.acc = comp.fb_first(args)
+            else:
+                loss, act_grads, ch.acc = comp.fb_later(ch.acc, args)
+            losses[mb] = loss
+            ch.early[mb] = act_grads
+            done: Any = act_grads
+            kind = "FB"
+        elif kind == BACKWARD and mb in ch.early:
+            keep_act_grads(ch, mb, ch.early.pop(mb))
+            return
+        elif kind == FORWARD:
+            outs, ch.residuals[mb] = comp.forward(*forward_inputs(ch, mb))
+            if ch.last:
+                losses[mb] = outs[0]
+            else:
+                for ref, value in zip(bw.stage.outputs, outs):
+                    ch.outbox[(ref.index, mb)] = value
+            done = outs
+        elif kind == BACKWARD:
+            final = fused and position == self.last_backward[c]
+            res, cts = ch.residuals[mb], cotangents(ch, mb)
+            if final:
+                act_grads, ch.applied = (
+                    comp.apply_first(res, cts, extra)
+                    if ch.acc is None
+                    else comp.apply_later(ch.acc, res, cts, extra)
+                )
+                ch.acc = []
+            elif bw.w is None and ch.acc is None:
+                act_grads, ch.acc = comp.backward_first(res, cts)
+            elif bw.w is None:
+                act_grads, ch.acc = comp.backward(ch.acc, res, cts)
+            else:
+                act_grads, ch.exports[mb] = comp.b_part(res, cts)
+            keep_act_grads(ch, mb, act_grads)
+            done = act_grads
+        else:  # WEIGHT
+            res, cts, exports = ch.residuals[mb], cotangents(ch, mb), ch.exports.pop(mb)
+            if fused and position == self.last_backward[c]:  # with the optimizer
+                ch.applied = (
+                    comp.apply_first(res, cts, exports, extra)
+                    if ch.acc is None
+                    else comp.apply_later(ch.acc, res, cts, exports, extra)
+                )
+                ch.acc, done = [], ch.applied
+            else:
+                ch.acc = (
+                    comp.w_first(res, cts, exports)
+                    if ch.acc is None
+                    else comp.w_part(ch.acc, res, cts, exports)
+                )
+                done = ch.acc
+        if self.record is not None:
+            jax.block_until_ready(done)
+            label = f"{c}FB{mb}" if kind == "FB" else str(action)
+            self.record(Event(c, kind, mb, start, time.perf_counter(), label))

@@ -200,6 +200,10 @@ class HostChannels(Channels):
     def _move(self, ins: Instruction, transfer: Transfer, value: Any) -> None:
         source = NamedSharding(self.meshes[transfer.src_stage], transfer.src_spec)
         check_source(transfer, value, source)
+        if transfer.plan is None:  # between two chunks of one rank: it stays on the mesh
+            dst = NamedSharding(self.meshes[ins.dst], transfer.dst_spec)
+            self.deliver(ins.key, value if source == dst else jax.device_put(value, dst))
+            return
         if not self.nccl:  # NCCL's stream waits for the value; the object store reads it now
             jax.block_until_ready(value)
         start = time.perf_counter()
@@ -241,9 +245,15 @@ class HostChannels(Channels):
 
     def _post_receives(self, stages: Sequence[int]) -> None:
         jobs: dict[tuple[int, int], list[Instruction]] = {}
-        for s in stages:
-            for ins in self.layout.programs[s]:
-                if ins.op == RECV_OP and self.host_of_stage[ins.src] != self.host:
+        mine = set(stages)
+        schedule = self.layout.schedule
+        for r in sorted({schedule.rank_of(s) for s in mine}):
+            for ins in self.layout.programs[r]:
+                if (
+                    ins.op == RECV_OP
+                    and ins.dst in mine
+                    and self.host_of_stage[ins.src] != self.host
+                ):
                     jobs.setdefault((ins.src, ins.dst), []).append(ins)
         for items in jobs.values():
             self._receivers.submit(self._receive_in_order, items)

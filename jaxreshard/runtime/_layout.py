@@ -42,7 +42,7 @@ class Transfer:
     dtype: Any
     src_spec: P
     dst_spec: P
-    plan: Plan
+    plan: Plan | None  # None between two chunks of one rank (the value stays on its mesh)
 
     @property
     def nbytes(self) -> int:
@@ -68,9 +68,34 @@ class PipelineLayout:
     need: dict[tuple[Any, ...], float] = dataclasses.field(default_factory=dict)
 
 
+def schedule_costs(config: PipelineConfig, num_stages: int) -> Costs:
+    """The config's relative per-chunk costs (what places delayed weight gradients)."""
+    return Costs.make(
+        num_stages,
+        forward=config.cost_forward,
+        backward=config.cost_backward,
+        weight_grad=config.cost_weight_grad if config.split_backward else config.cost_backward / 2,
+        comm=config.cost_comm,
+    )
+
+
+def pipeline_schedule(config: PipelineConfig, num_stages: int) -> Schedule:
+    """The schedule of a step of `num_stages` model stages (chunks) on
+    `config.num_meshes(num_stages)` meshes, with the config's per-chunk cost model."""
+    return build_schedule(
+        config.schedule,
+        config.num_meshes(num_stages),
+        config.num_micro_batches,
+        virtual_stages=config.chunks_per_mesh,
+        weight_delay=config.weight_delay,
+        costs=schedule_costs(config, num_stages),
+    )
+
+
 def layout_pipeline(
     graph: StepGraph,
     config: PipelineConfig,
+    schedule: Schedule,
     meshes: Sequence[Any],
     leaves: Sequence[Any],
     cluster: Cluster,
@@ -78,6 +103,9 @@ def layout_pipeline(
 ) -> PipelineLayout:
     """Compile every stage through `compilers` (local `StageCompiler`s or remote proxies with the
     same two methods), chaining specs, then plan every transfer and emit the programs.
+
+    Stages are model stages (chunks): `meshes[s]` is the mesh chunk s runs on (the same mesh for
+    the chunks of one rank, with virtual stages), and `schedule` places them.
 
     `meshes` are the stage meshes as the planner should see them: `jax.sharding.Mesh`es locally,
     `VirtualMesh`es over the runtime's devices on Ray.
@@ -151,13 +179,19 @@ def layout_pipeline(
     transfers: dict[tuple[str, int, int, int], Transfer] = {}
 
     def add(kind: str, tensor: int, src: int, dst: int, aval: Any, src_spec: P, dst_spec: P):
-        plan = plan_reshard(
-            aval.shape,
-            aval.dtype,
-            sharding(src, src_spec),
-            sharding(dst, dst_spec),
-            cluster=cluster,
-            strategy=config.resharding,
+        # Between two chunks of one rank, a value stays on its mesh: no plan, at most a
+        # respecification on the same devices.
+        plan = (
+            None
+            if schedule.rank_of(src) == schedule.rank_of(dst)
+            else plan_reshard(
+                aval.shape,
+                aval.dtype,
+                sharding(src, src_spec),
+                sharding(dst, dst_spec),
+                cluster=cluster,
+                strategy=config.resharding,
+            )
         )
         transfers[(kind, tensor, src, dst)] = Transfer(
             f"{kind}{tensor} s{src}->s{dst}",
@@ -170,7 +204,6 @@ def layout_pipeline(
             plan,
         )
 
-    split = config.weight_delay or config.schedule == "zb_h1"
     for s, stage in enumerate(graph.loss.stages):
         diff = [
             i
@@ -203,14 +236,6 @@ def layout_pipeline(
             home_out = graph.loss.stages[home].outputs.index(ref)
             add(GRADIENT, ref.index, s, home, aval, sp, out_specs[home][home_out])
 
-    costs = Costs.make(
-        p,
-        forward=config.cost_forward,
-        backward=config.cost_backward,
-        weight_grad=config.cost_weight_grad if split else config.cost_backward / 2,
-        comm=config.cost_comm,
-    )
-    schedule = build_schedule(config.schedule, p, m, weight_delay=config.weight_delay, costs=costs)
     edges = [
         Edge(a.id, a.home, c, a.differentiable) for a in graph.loss.activations for c in a.consumers
     ]
@@ -232,7 +257,7 @@ def layout_pipeline(
         programs,
         scale,
         next(iter(rows)) if rows else 0,
-        need_times(schedule, costs, programs),
+        need_times(schedule, schedule_costs(config, p), programs),
     )
 
 

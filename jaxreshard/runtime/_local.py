@@ -33,7 +33,12 @@ from jaxreshard.runtime._executor import (
     transfer_key,
     wait_for_stages,
 )
-from jaxreshard.runtime._layout import PipelineLayout, Transfer, layout_pipeline
+from jaxreshard.runtime._layout import (
+    PipelineLayout,
+    Transfer,
+    layout_pipeline,
+    pipeline_schedule,
+)
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
     combine_losses,
@@ -86,12 +91,15 @@ def compile_local(
     leaves: Sequence[Any],
     cluster: Cluster,
 ) -> CompiledPipeline:
-    split = config.weight_delay or config.schedule == "zb_h1"
+    """Compile a cut step for this process's devices: `meshes` has one mesh per rank; every
+    stage (chunk) compiles on the mesh the schedule places it on."""
+    schedule = pipeline_schedule(config, graph.num_stages)
+    meshes = [meshes[schedule.rank_of(c)] for c in range(graph.num_stages)]
     compilers = [
-        StageCompiler(graph, derive_backward(stage, split=split), meshes[s], config)
+        StageCompiler(graph, derive_backward(stage, split=config.split_backward), meshes[s], config)
         for s, stage in enumerate(graph.loss.stages)
     ]
-    layout = layout_pipeline(graph, config, meshes, leaves, cluster, compilers)
+    layout = layout_pipeline(graph, config, schedule, meshes, leaves, cluster, compilers)
     fused = fusable_segments(graph, dict(enumerate(compilers)))
     grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
     for s, j in fused.items():
@@ -122,6 +130,9 @@ class LocalChannels(Channels):
     def _move(self, ins: Instruction, transfer: Transfer, value: Any) -> None:
         src, dst = self._shardings[transfer_key(ins)]
         check_source(transfer, value, src)
+        if transfer.plan is None:  # between two chunks of one rank: it stays on the mesh
+            self.deliver(ins.key, value if src == dst else jax.device_put(value, dst))
+            return
         jax.block_until_ready(value)
         start = time.perf_counter()
         ready = 0.0
@@ -155,13 +166,21 @@ class LocalExecutor:
             range(compiled.num_stages), LocalChannels(compiled)
         )
         self._channels = list({id(c): c for c in self.channels_of.values()}.values())
+        schedule = compiled.schedule
+        self.ranks = [schedule.chunks_of(r) for r in range(schedule.num_stages)]
         self.programs = [
-            StageProgram(compiler, compiled.graph, compiled.layout, self.channels_of[s])
-            for s, compiler in enumerate(compiled.compilers)
+            StageProgram(
+                {c: compiled.compilers[c] for c in chunks},
+                compiled.graph,
+                compiled.layout,
+                self.channels_of[chunks[0]],
+                r,
+            )
+            for r, chunks in enumerate(self.ranks)
         ]
         self._steps = itertools.count()
         self._stages = ThreadPoolExecutor(
-            max_workers=compiled.num_stages, thread_name_prefix="jaxreshard-stage"
+            max_workers=len(self.ranks), thread_name_prefix="jaxreshard-stage"
         )
 
     def close(self) -> None:
@@ -194,39 +213,44 @@ class LocalExecutor:
             stages = [s for s in range(p) if self.channels_of[s] is channels]
             channels.begin(stages, step_id=step_id, record=recorder, signal_only=signal_only)
         owner = self.c.graph.owner
-        accumulators: list[dict[int, Any]] = [{} for _ in range(p)]
+        accumulators: dict[int, dict[int, Any]] = {}
         applied: dict[int, list[Any]] = {}
         losses: list[Any] = [None] * self.c.config.num_micro_batches
 
-        def worker(s: int) -> None:
-            program = self.programs[s]
+        def worker(r: int) -> None:
+            program, chunks = self.programs[r], self.ranks[r]
             program.record = recorder
-            mine = {k: v for k, v in enumerate(params) if owner[k] == s}
+            mine = {k: v for k, v in enumerate(params) if owner[k] in chunks}
             try:
-                with jax.set_mesh(self.c.meshes[s]):
-                    accumulators[s], out = program.run(
-                        mine, batches[s], consts[s], losses, (apply_inputs or {}).get(s)
+                with jax.set_mesh(self.c.meshes[chunks[0]]):
+                    accs, out = program.run(
+                        mine,
+                        {c: batches[c] for c in chunks},
+                        {c: consts[c] for c in chunks},
+                        losses,
+                        {c: v for c, v in (apply_inputs or {}).items() if c in chunks},
                     )
-                if out is not None:
-                    applied[s] = out
+                accumulators.update(accs)
+                applied.update(out)
             except BaseException as e:
+                what = f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
                 error = (
                     e
                     if isinstance(e, PipelineError)
-                    else PipelineError(f"stage {s} failed: {type(e).__name__}: {e}")
+                    else PipelineError(f"{what} failed: {type(e).__name__}: {e}")
                 )
                 error.__cause__ = e
                 for channels in self._channels:
                     channels.fail(error)
 
-        if p == 1:
+        if len(self.ranks) == 1:
             worker(0)  # nothing to overlap with: no thread
         else:
-            futures = [self._stages.submit(worker, s) for s in range(p)]
+            futures = [self._stages.submit(worker, r) for r in range(len(self.ranks))]
             wait_for_stages(futures, self._channels, self.c.config.timeout_s, "local runtime")
         for channels in self._channels:
             channels.end()
-        grads = [accumulators[owner[k]].get(k) for k in range(len(params))]
+        grads = [accumulators.get(owner[k], {}).get(k) for k in range(len(params))]
         return losses, grads, applied
 
 

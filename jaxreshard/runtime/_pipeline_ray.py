@@ -47,7 +47,7 @@ from jaxreshard.runtime._host_channels import (
     check_channel_order,
     nccl_programs,
 )
-from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline
+from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline, pipeline_schedule
 from jaxreshard.runtime._remote import RemoteArray
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
@@ -99,7 +99,7 @@ class HostPipeline:
             config.num_stages,
             input_specs,
         )
-        split = config.weight_delay or config.schedule == "zb_h1"
+        split = config.split_backward
         self.compilers: dict[int, StageCompiler] = {}
         for s in stage_devices:
             self.compilers[s] = StageCompiler(
@@ -139,9 +139,17 @@ class HostPipeline:
         for s, j in fused.items():
             seg = self.graph.segments[j]
             self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
+        schedule = layout.schedule
+        self.ranks = {  # the ranks (programs) this host runs, and their chunks
+            r: schedule.chunks_of(r)
+            for r in range(schedule.num_stages)
+            if schedule.chunks_of(r)[0] in self.compilers
+        }
         self.programs = {
-            s: StageProgram(compiler, self.graph, layout, self.channels)
-            for s, compiler in self.compilers.items()
+            r: StageProgram(
+                {c: self.compilers[c] for c in chunks}, self.graph, layout, self.channels, r
+            )
+            for r, chunks in self.ranks.items()
         }
         return fused
 
@@ -205,58 +213,71 @@ class HostPipeline:
         channels.begin(list(self.compilers), step_id=step_id, record=recorder,
                        signal_only=signal_only)  # fmt: skip
 
-        def worker(s: int) -> None:
+        def inputs(s: int) -> tuple[dict[int, Any], list[list[Any]], list[Any], Any]:
+            """Stage (chunk) s's parameters, batch pieces, constants and fused optimizer
+            inputs, placed on its mesh."""
+            stage = graph.loss.stages[s]
+            specs = layout.input_specs[s]
+            batch_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == BATCH]
+            const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
+            mine = {
+                k: self._assemble(
+                    graph.outer.in_avals[graph.params[k]].shape,
+                    self.sharding(s, layout.param_specs[k]),
+                    self.actor._array(array_id),
+                )
+                for k, array_id in params.items()
+                if graph.owner[k] == s
+            }
+            per_mb = [
+                [jax.device_put(x, self.sharding(s, sp)) for x, sp in zip(xs, batch_specs)]
+                for xs in batches.get(s, [])
+            ]
+            stage_consts = [
+                jax.device_put(np.asarray(x), self.sharding(s, sp))
+                for x, sp in zip(consts.get(s, []), const_specs)
+            ]
+            extra = None
+            if apply_inputs and s in apply_inputs:
+                seg = graph.segments[self._fused[s]]
+                grads = set(graph.grad_outputs[1:])
+                avals = [v.aval for v in seg.inputs if v not in grads]
+                extra = [
+                    self._value(item, aval, self.meshes[s])
+                    for item, aval in zip(apply_inputs[s], avals)
+                ]
+            return mine, per_mb, stage_consts, extra
+
+        def worker(r: int) -> None:
+            chunks = self.ranks[r]
             try:
-                stage = graph.loss.stages[s]
-                specs = layout.input_specs[s]
-                batch_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == BATCH]
-                const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
-                mine = {
-                    k: self._assemble(
-                        graph.outer.in_avals[graph.params[k]].shape,
-                        self.sharding(s, layout.param_specs[k]),
-                        self.actor._array(array_id),
-                    )
-                    for k, array_id in params.items()
-                    if graph.owner[k] == s
-                }
-                per_mb = [
-                    [jax.device_put(x, self.sharding(s, sp)) for x, sp in zip(xs, batch_specs)]
-                    for xs in batches.get(s, [])
-                ]
-                stage_consts = [
-                    jax.device_put(np.asarray(x), self.sharding(s, sp))
-                    for x, sp in zip(consts.get(s, []), const_specs)
-                ]
-                extra = None
-                if apply_inputs and s in apply_inputs:
-                    seg = graph.segments[self._fused[s]]
-                    grads = set(graph.grad_outputs[1:])
-                    avals = [v.aval for v in seg.inputs if v not in grads]
-                    extra = [
-                        self._value(item, aval, self.meshes[s])
-                        for item, aval in zip(apply_inputs[s], avals)
-                    ]
-                program = self.programs[s]
+                mine, per_mb, stage_consts, extra = {}, {}, {}, {}
+                for c in chunks:
+                    params_c, per_mb[c], stage_consts[c], extra_c = inputs(c)
+                    mine.update(params_c)
+                    if extra_c is not None:
+                        extra[c] = extra_c
+                program = self.programs[r]
                 program.record = recorder
-                with jax.set_mesh(self.meshes[s]):
-                    results[s], out = program.run(mine, per_mb, stage_consts, losses, extra)
-                if out is not None:
-                    applied[s] = out
+                with jax.set_mesh(self.meshes[chunks[0]]):
+                    accs, out = program.run(mine, per_mb, stage_consts, losses, extra)
+                results.update(accs)
+                applied.update(out)
             except BaseException as e:
+                what = f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
                 error = (
                     e
                     if isinstance(e, PipelineError)
                     else PipelineError(
-                        f"host {self.actor.host}: stage {s} failed: {type(e).__name__}: {e}"
+                        f"host {self.actor.host}: {what} failed: {type(e).__name__}: {e}"
                     )
                 )
                 error.__cause__ = e
                 channels.fail(error)
 
         threads = [
-            threading.Thread(target=worker, args=(s,), name=f"jaxreshard-stage{s}", daemon=True)
-            for s in self.compilers
+            threading.Thread(target=worker, args=(r,), name=f"jaxreshard-rank{r}", daemon=True)
+            for r in self.ranks
         ]
         for t in threads:
             t.start()
@@ -358,7 +379,8 @@ class RayPipeline:
         self.runtime, self.config, self.graph = runtime, config, graph
         self.key = f"pipeline-{uuid.uuid4().hex[:8]}"
         p = graph.num_stages
-        shapes = config.mesh_shapes(p)
+        schedule = pipeline_schedule(config, p)
+        shapes = config.mesh_shapes(schedule.num_stages)
         need = sum(int(np.prod(s)) for s in shapes)
         devices = list(runtime.devices)
         if need > len(devices):
@@ -366,22 +388,25 @@ class RayPipeline:
                 f"the step has {p} stages on meshes {list(shapes)}: {need} devices, but the Ray "
                 f"runtime has {len(devices)} ({runtime.cluster.describe()})"
             )
-        self.meshes: list[VirtualMesh] = []
-        self.host_of_stage: dict[int, int] = {}
+        rank_meshes: list[VirtualMesh] = []
+        host_of_rank: list[int] = []
         at = 0
-        for s, shape in enumerate(shapes):
+        for r, shape in enumerate(shapes):
             n = int(np.prod(shape))
             chosen = devices[at : at + n]
             at += n
             hosts = {d.process_index for d in chosen}
             if len(hosts) != 1:
                 raise ValueError(
-                    f"stage {s}'s mesh {shape} would span hosts {sorted(hosts)} (devices "
-                    f"{[d.id for d in chosen]}); on the Ray runtime every stage must fit in one "
-                    "host: make stage_mesh_shape a divisor of devices_per_host"
+                    f"mesh {r} {shape} would span hosts {sorted(hosts)} (devices "
+                    f"{[d.id for d in chosen]}); on the Ray runtime every stage's mesh must fit in "
+                    "one host: make stage_mesh_shape a divisor of devices_per_host"
                 )
-            self.host_of_stage[s] = hosts.pop()
-            self.meshes.append(runtime.mesh(shape, config.mesh_axis_names, [d.id for d in chosen]))
+            host_of_rank.append(hosts.pop())
+            rank_meshes.append(runtime.mesh(shape, config.mesh_axis_names, [d.id for d in chosen]))
+        # Stages (chunks) run on the mesh the schedule places them on.
+        self.meshes = [rank_meshes[schedule.rank_of(c)] for c in range(p)]
+        self.host_of_stage = {c: host_of_rank[schedule.rank_of(c)] for c in range(p)}
         avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         stages_of: dict[int, dict[int, Any]] = {}
         for s, h in self.host_of_stage.items():
@@ -413,7 +438,7 @@ class RayPipeline:
                 )
         compilers = [_RemoteCompiler(runtime, self.host_of_stage[s], self.key, s) for s in range(p)]
         self.layout = layout_pipeline(
-            graph, config, self.meshes, leaves, runtime.cluster, compilers
+            graph, config, schedule, self.meshes, leaves, runtime.cluster, compilers
         )
         self.transport = runtime.transport
         if self.transport == "nccl":

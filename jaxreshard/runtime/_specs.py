@@ -62,9 +62,11 @@ def spec_of(sharding: Any) -> P:
     return P(*spec) if spec is not None else P()
 
 
-def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]) -> list[Mesh]:
-    """Consecutive groups of `devices`, one mesh per stage."""
-    shapes = config.mesh_shapes(num_stages)
+def stage_meshes(config: PipelineConfig, num_meshes: int, devices: Sequence[Any]) -> list[Mesh]:
+    """Consecutive groups of `devices`, one mesh per rank (per stage, without virtual
+    stages)."""
+    shapes = config.mesh_shapes(num_meshes)
+    num_stages = num_meshes * config.chunks_per_mesh
     need = sum(int(np.prod(s)) for s in shapes)
     if need > len(devices):
         platform = devices[0].platform if len(devices) else "no"
@@ -89,10 +91,11 @@ def stage_meshes(config: PipelineConfig, num_stages: int, devices: Sequence[Any]
     return meshes
 
 
-def check_meshes(meshes: Sequence[Any], num_stages: int) -> None:
-    if len(meshes) != num_stages:
+def check_meshes(meshes: Sequence[Any], num_meshes: int) -> None:
+    if len(meshes) != num_meshes:
         raise ValueError(
-            f"parallelize(meshes=...) gives {len(meshes)} meshes for a step of {num_stages} stages"
+            f"parallelize(meshes=...) gives {len(meshes)} meshes for a step that runs on "
+            f"{num_meshes} (one per stage, or per rank with virtual stages)"
         )
     seen: dict[Any, int] = {}
     for s, mesh in enumerate(meshes):

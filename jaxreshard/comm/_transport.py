@@ -1,9 +1,10 @@
 """One host's part of a resharding, and the transports that move its bytes between hosts.
 
 A host runs its `HostWork` (its steps of the plan, see `_order.host_programs`) in order:
-`local` steps copy between its own devices, `send`/`recv` steps go through the object-store
-transport, `collective` steps through NCCL. Every wait has a deadline that names what it waited
-for. This module imports neither Ray nor CuPy at import time.
+`local` steps copy between its own devices, `send`/`recv` steps go through a point-to-point
+transport (TCP streams, `_stream.py`, or Ray's object store), `collective` steps through NCCL.
+Every wait has a deadline that names what it waited for. This module imports neither Ray nor
+CuPy at import time.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class Transport:
 
     def flush(self, work: HostWork) -> None:
         """Deliver what `send` may have held back to batch."""
+
+    def complete(self, work: HostWork, deadline: float) -> None:
+        """End this host's part of `work`: deliver what is held back, and wait (until
+        `deadline`) for whatever the transport still has in flight for it."""
+        self.flush(work)
 
     def collective(self, work: HostWork, step: Step, data: HostData, deadline: float) -> None:
         raise NotImplementedError(f"{self.name} transport has no collectives")
@@ -199,7 +205,7 @@ def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[
         else:  # pragma: no cover
             raise AssertionError(step)
         position += 1
-    transport.flush(work)
+    transport.complete(work, deadline)
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -211,11 +217,13 @@ def expected_chunks(work: HostWork, op: Op) -> list[Index]:
 
 
 class ObjectStoreTransport(Transport):
-    """CPU transport over Ray's object store.
+    """CPU transport over Ray's object store (`transport="object_store"`; the default CPU
+    transport streams over TCP instead, see [Note: stream transport]).
 
     A slice is put into the object store once, and its reference travels to the next host of
     the op's chain, which fetches it (Ray moves it between nodes; processes of one node share it
-    in shared memory), writes it into its receivers and, for a broadcast, hands the reference on.
+    in shared memory), writes it into its receivers and, for a broadcast, puts it into its own
+    store and hands that reference on (so the next host pulls from it, not from the source).
     Slices larger than `chunk_bytes` go in chunks, so the chain pipelines; smaller ones to one
     peer share one object (and one message) until `batch_bytes`. Receivers on the sender's own
     host never touch the store: they copy from the source view.
@@ -228,7 +236,10 @@ class ObjectStoreTransport(Transport):
         self._host = host
         self._emulator = emulator  # a LinkEmulator actor, see [Note: network emulation]
         self._mailbox: dict[tuple[str, int], list[tuple[Index, Any, int | None, float]]] = {}
+        # Sends held back to batch, per (work, peer); the program threads of several works and
+        # `forget` (from the actor's call threads) touch it, hence the lock.
         self._pending: dict[tuple[str, int], list[tuple[int, Index, Any]]] = {}
+        self._pending_lock = threading.Lock()
         self._fetched: dict[Any, Any] = {}
         self._aborted: dict[str, str] = {}
         self._cond = threading.Condition()
@@ -249,19 +260,24 @@ class ObjectStoreTransport(Transport):
                     work.work_id, [(step.op, region, None)], [ref], ready
                 )
             return
-        batch = self._pending.setdefault((work.work_id, peer), [])
-        batch.append((step.op, op.index, np.ascontiguousarray(data)))
-        if sum(a.nbytes for _, _, a in batch) >= work.batch_bytes:
+        with self._pending_lock:
+            batch = self._pending.setdefault((work.work_id, peer), [])
+            batch.append((step.op, op.index, np.ascontiguousarray(data)))
+            full = sum(a.nbytes for _, _, a in batch) >= work.batch_bytes
+        if full:
             self._flush_peer(work.work_id, peer)
 
     def flush(self, work: HostWork) -> None:
-        for work_id, peer in [k for k in self._pending if k[0] == work.work_id]:
+        with self._pending_lock:
+            held = [k for k in self._pending if k[0] == work.work_id]
+        for work_id, peer in held:
             self._flush_peer(work_id, peer)
 
     def _flush_peer(self, work_id: str, peer: int) -> None:
         import ray
 
-        batch = self._pending.pop((work_id, peer), [])
+        with self._pending_lock:
+            batch = self._pending.pop((work_id, peer), [])
         if batch:
             ref = ray.put([array for _, _, array in batch])
             items = [(op, region, k) for k, (op, region, _) in enumerate(batch)]
@@ -269,13 +285,7 @@ class ObjectStoreTransport(Transport):
             self._peers(peer).deliver.remote(work_id, items, [ref], ready)
 
     def _book(self, peer: int, nbytes: int) -> float:
-        """When a transfer to `peer` may be used: at once, or when the emulated NICs are done."""
-        if self._emulator is None:
-            return 0.0
-        import ray
-
-        _, end = ray.get(self._emulator.reserve.remote(self._host, peer, nbytes))
-        return end
+        return book_link(self._emulator, self._host, peer, nbytes)
 
     def deliver(
         self,
@@ -311,15 +321,6 @@ class ObjectStoreTransport(Transport):
                 arrived = self._mailbox.pop(key)
             for region, ref, position, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
-                if forward_to:
-                    nbytes = index_size(region) * (op.nbytes // max(1, index_size(op.index)))
-                    for peer in forward_to:  # hand the chunk on before copying it here
-                        self._peers(peer).deliver.remote(
-                            work.work_id,
-                            [(step.op, region, position)],
-                            [ref],
-                            self._book(peer, nbytes),
-                        )
                 try:
                     value = self._fetched.get(ref)
                     if value is None:
@@ -331,7 +332,19 @@ class ObjectStoreTransport(Transport):
                         f"host {work.host}: {work.where(step.op)} could not fetch a slice from "
                         f"host {step.peers[0]} within {work.timeout_s:g} s"
                     ) from None
-                write(region, value if position is None else value[position])
+                piece = value if position is None else value[position]
+                if forward_to:
+                    # Hand on a copy in this host's store: the next host then pulls from here,
+                    # not from the source (whose NIC a chain exists to spare).
+                    mine = ray.put(piece)
+                    for peer in forward_to:
+                        self._peers(peer).deliver.remote(
+                            work.work_id,
+                            [(step.op, region, None)],
+                            [mine],
+                            self._book(peer, piece.nbytes),
+                        )
+                write(region, piece)
                 missing.discard(region)
 
     def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
@@ -356,9 +369,21 @@ class ObjectStoreTransport(Transport):
             self._aborted.pop(work_id, None)
             for key in [k for k in self._mailbox if k[0] == work_id]:
                 del self._mailbox[key]
+            self._fetched.clear()
+        with self._pending_lock:
             for key in [k for k in self._pending if k[0] == work_id]:
                 del self._pending[key]
-            self._fetched.clear()
+
+
+def book_link(emulator: Any, host: int, peer: int, nbytes: int) -> float:
+    """When a transfer of `nbytes` from `host` to `peer` may be used: at once (no emulator), or
+    when the emulated NICs are done with it (see [Note: network emulation])."""
+    if emulator is None:
+        return 0.0
+    import ray
+
+    _, end = ray.get(emulator.reserve.remote(host, peer, nbytes))
+    return end
 
 
 def _empty_on(xp: Any, device: Any, shape: list[int], dtype: Any) -> Any:

@@ -63,6 +63,10 @@ class RayRuntime:
         for name, value in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"init(backend='ray', {name}={value!r}): must be an int >= 1")
+        if transport not in ("auto", *TRANSPORTS):
+            raise ValueError(
+                f"init(transport={transport!r}): choose 'auto', {', '.join(map(repr, TRANSPORTS))}"
+            )
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already initialised in this process; jaxreshard.init(backend='ray') "
@@ -105,7 +109,7 @@ class RayRuntime:
             ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard")
         self.emulate_network_gbps = emulate_network_gbps
         try:
-            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s)
+            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s, transport)
         except BaseException:
             self._kill_all()
             ray.shutdown()
@@ -115,11 +119,7 @@ class RayRuntime:
             raise
         self.cluster = Cluster(self.hosts, **(cluster_links or {}))
         platform = self.infos[0]["platform"]
-        self.transport = (
-            transport if transport != "auto" else ("object_store" if platform == "cpu" else "nccl")
-        )
-        if self.transport not in ("object_store", "nccl"):
-            raise ValueError(f"transport={transport!r}: choose 'auto', 'object_store' or 'nccl'")
+        self.transport = transport if transport != "auto" else _auto_transport(platform)
         self._communicators: set[tuple[int, ...]] = set()
 
     def _start_actors(
@@ -128,6 +128,7 @@ class RayRuntime:
         num_hosts: int | None,
         devices_per_host: int | None,
         start_timeout_s: float,
+        transport: str = "auto",
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -202,8 +203,15 @@ class RayRuntime:
             self.emulator = (
                 ray.remote(LinkEmulator).options(num_cpus=0).remote(self.emulate_network_gbps)
             )
+        addresses = None
+        if (transport if transport != "auto" else _auto_transport(platform)) == "tcp":
+            addresses = self._wait(
+                {h: a.open_stream.remote() for h, a in handles.items()},
+                "opening the hosts' TCP listeners",
+                start_timeout_s,
+            )
         self._wait(
-            {h: a.set_peers.remote(handles, self.emulator) for h, a in handles.items()},
+            {h: a.set_peers.remote(handles, self.emulator, addresses) for h, a in handles.items()},
             "introducing the host actors",
             start_timeout_s,
         )
@@ -389,8 +397,15 @@ class RayRuntime:
                 dst_array=dst_id,
                 timeout_s=self.timeout_s,
                 describe=what,
+                **self._chunking(plan),
             )
         return works
+
+    def _chunking(self, plan: Plan) -> dict[str, int]:
+        """The TCP transport moves slices in the cluster model's chunks (cheap per message, and
+        what the simulator assumes); the object store keeps its larger default chunks, as every
+        chunk costs it an object and an actor call."""
+        return {"chunk_bytes": plan.cluster.chunk_bytes} if self.transport == "tcp" else {}
 
     def _ensure_communicators(self, programs: dict[int, list[Any]]) -> None:
         groups = sorted({s.group for steps in programs.values() for s in steps if s.group})
@@ -524,6 +539,12 @@ class RayRuntime:
 
 
 _HOST_RESOURCE = "jaxreshard_host_"
+TRANSPORTS = ("tcp", "object_store", "nccl")
+
+
+def _auto_transport(platform: str) -> str:
+    """CPU hosts stream slices over TCP (see [Note: stream transport]); GPUs use NCCL."""
+    return "tcp" if platform == "cpu" else "nccl"
 
 
 def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxreshard.cluster._describe import HOST_RESOURCE, driver_ip_for, links_of
 from jaxreshard.comm import Cluster, Layout, VirtualDevice, VirtualMesh, VirtualSharding
 from jaxreshard.comm import plan_reshard as _plan_reshard
 from jaxreshard.comm._order import check_programs, host_programs
@@ -106,7 +107,19 @@ class RayRuntime:
                     namespace="jaxreshard",
                 )
         else:
-            ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard")
+            # A driver joins an emulated cluster of this machine through its own node.
+            ip = driver_ip_for(address)
+            extra = {"_node_ip_address": ip} if ip else {}
+            ray.init(
+                address=address, logging_level=logging.WARNING, namespace="jaxreshard", **extra
+            )
+        # A cluster that describes itself (e.g. `jaxreshard cluster up`) gives the planner its
+        # NIC model and the devices per host; see [Note: cluster description].
+        self.description = None if local else _described_cluster()
+        if self.description is not None:
+            cluster_links = {**links_of(self.description), **(cluster_links or {})}
+            if devices_per_host is None:
+                devices_per_host = int(self.description.get("devices_per_host", 1))
         self.emulate_network_gbps = emulate_network_gbps
         try:
             self._start_actors(local, num_hosts, devices_per_host, start_timeout_s, transport)
@@ -135,9 +148,7 @@ class RayRuntime:
 
         from jaxreshard.runtime._host import HostActor
 
-        nodes = sorted(
-            (n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"]
-        )
+        nodes = _host_nodes([n for n in ray.nodes() if n["Alive"]])
         gpus_per_node = [int(n["Resources"].get("GPU", 0)) for n in nodes]
         if local:
             use_gpu = gpus_per_node and gpus_per_node[0] >= (devices_per_host or 1) * num_hosts
@@ -538,7 +549,7 @@ class RayRuntime:
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
 
 
-_HOST_RESOURCE = "jaxreshard_host_"
+_HOST_RESOURCE = HOST_RESOURCE
 TRANSPORTS = ("tcp", "object_store", "nccl")
 
 
@@ -580,6 +591,31 @@ def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
         nodes.shutdown()
         raise
     return nodes
+
+
+def _host_nodes(alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The nodes that take host actors, in host order: those that carry the resource
+    `jaxreshard_host_<i>` (an emulated cluster; its head carries none) by i, else all of them by
+    address."""
+    marked = {
+        int(key[len(_HOST_RESOURCE) :]): n
+        for n in alive
+        for key in n["Resources"]
+        if key.startswith(_HOST_RESOURCE) and key[len(_HOST_RESOURCE) :].isdigit()
+    }
+    if marked:
+        return [marked[i] for i in sorted(marked)]
+    return sorted(alive, key=lambda n: n["NodeManagerAddress"])
+
+
+def _described_cluster() -> dict[str, Any] | None:
+    from jaxreshard.cluster._describe import lookup
+
+    try:
+        return lookup()
+    except Exception as e:  # a malformed entry must not stop the runtime; say so
+        logging.getLogger(__name__).warning("ignoring the cluster description in Ray: %s", e)
+        return None
 
 
 def _first_line(e: BaseException) -> str:

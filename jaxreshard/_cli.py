@@ -23,6 +23,8 @@ def _bench_reshard(args: argparse.Namespace) -> int:
     from jaxreshard.comm import PlannerOptions
     from jaxreshard.comm._planner import check_strategy
 
+    if args.address is not None and args.execute != "ray":
+        raise ValueError(f"--address {args.address}: only with --execute ray (joins that cluster)")
     console = make_console()
     cluster, cases = load_cases(args.cases)
     if args.only:
@@ -75,15 +77,30 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
 
         num_hosts, per_host = ex.ray_shape(scaled)
         links = {k: v for k, v in cluster.items() if k != "devices_per_host"}
-        with console.status(f"starting Ray: {num_hosts} host actors x {per_host} devices"):
+        if args.emulate_network is not None:  # the model of the NICs the transfers wait for
+            links["inter_host_gbytes_per_s"] = args.emulate_network
+        if args.address is not None:
+            # The cluster's own NIC model (see [Note: cluster description]) wins over the case
+            # file's; only what it does not describe (links inside a host) comes from the file.
+            links = {k: v for k, v in links.items() if k == "intra_host_gbytes_per_s"}
+            where = f"joining Ray at {args.address}: {num_hosts} host actors x {per_host} devices"
+            options = dict(address=args.address)
+        else:
+            where = f"starting Ray: {num_hosts} host actors x {per_host} devices"
+            options = dict(object_store_memory=args.object_store_mib * 2**20)
+        with console.status(where):
             runtime = RayRuntime(
                 num_hosts=num_hosts,
                 devices_per_host=per_host,
                 cluster_links=links,
                 timeout_s=args.timeout,
                 emulate_network_gbps=args.emulate_network,
-                object_store_memory=args.object_store_mib * 2**20,
+                **options,
             )
+        results["cluster_model"] = runtime.cluster.link_summary()
+        results["address"] = args.address
+        if runtime.description is not None:
+            results["cluster_description"] = runtime.description
         run = lambda case: ex.run_ray(runtime, case, args.repeats)
     try:
         results["memcpy_gbytes_per_s"] = ex.memcpy_gbytes_per_s()
@@ -554,6 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GBPS",
         help="with --execute ray: give every host an emulated NIC of GBPS GB/s (transfers wait "
         "for it; no CPU burned)",
+    )
+    reshard.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="with --execute ray: join this Ray cluster (HOST:PORT, e.g. of `jaxreshard "
+        "cluster up`) instead of starting one; the planner uses the cluster's NIC model",
     )
     reshard.add_argument(
         "--object-store-mib",

@@ -173,6 +173,7 @@ def run_ray(runtime: Any, case: Case, repeats: int) -> dict[str, Any]:
     x.free()
     return {
         "runtime": "ray",
+        "transport": runtime.transport,
         "strategy": plan.chosen,
         "seconds": statistics.median(ours),
         "predicted_seconds": plan.seconds,
@@ -248,6 +249,9 @@ def executed_table(results: dict[str, Any]) -> Any:
         )
     if results.get("address"):
         network += f"; cluster {results['address']}"
+    transport = results["cases"][0]["executed"].get("transport") if results["cases"] else None
+    if transport:
+        network += f"; transport {transport}"
     table = Table(
         title=f"Executed resharding ({runtime} runtime, scale 1/{results['scale']} per "
         f"dim{network}); memcpy limit {limit:.2f} GB/s"

@@ -95,6 +95,7 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
                 cluster_links=links,
                 timeout_s=args.timeout,
                 emulate_network_gbps=args.emulate_network,
+                transport=args.transport,
                 **options,
             )
         results["cluster_model"] = runtime.cluster.link_summary()
@@ -578,6 +579,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="with --execute ray: join this Ray cluster (HOST:PORT, e.g. of `jaxreshard "
         "cluster up`) instead of starting one; the planner uses the cluster's NIC model",
+    )
+    reshard.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "object_store"),
+        default="auto",
+        help="with --execute ray: how slices travel between hosts (auto: tcp on CPU)",
     )
     reshard.add_argument(
         "--object-store-mib",

@@ -1,5 +1,6 @@
 """The TCP stream transport without Ray: hosts in threads of this process, over loopback."""
 
+import socket
 import threading
 import time
 
@@ -143,17 +144,16 @@ def test_abort_wakes_a_waiting_receive():
 
 def test_sending_to_a_host_that_does_not_listen_fails_with_its_address():
     sender = StreamTransport(0, "127.0.0.1")
-    gone = StreamTransport(1, "127.0.0.1")
-    address = gone.address
-    gone.close()
-    sender.connect({0: sender.address, 1: address}, None)
-    work = _pair_work("w", 0, SEND, 1, timeout_s=30)
-    try:
-        sender.send(work, work.steps[0], np.zeros(4, np.float32))
-        with pytest.raises(RuntimeError, match=r"host 0: .*cannot connect to host 1 at"):
-            sender.complete(work, time.monotonic() + 30)
-    finally:
-        sender.close()
+    with socket.socket() as bound:  # a port that is taken but where nobody listens
+        bound.bind(("127.0.0.1", 0))
+        sender.connect({0: sender.address, 1: bound.getsockname()}, None)
+        work = _pair_work("w", 0, SEND, 1, timeout_s=30)
+        try:
+            with pytest.raises(RuntimeError, match=r"host 0: .*cannot connect to host 1 at"):
+                sender.send(work, work.steps[0], np.zeros(4, np.float32))
+                sender.complete(work, time.monotonic() + 30)
+        finally:
+            sender.close()
 
 
 def test_late_messages_of_a_forgotten_work_are_dropped():

@@ -25,6 +25,7 @@ slice's bytes in C order, viewed as the work's dtype on arrival.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import socket
 import struct
@@ -97,9 +98,12 @@ class StreamTransport(Transport):
         header = json.dumps(
             {"work": work.work_id, "op": op, "region": region, "src": self._host, "ready": ready}
         ).encode()
-        self._sender(peer, work).put(
-            work.work_id, _PREFIX.pack(len(header), payload.nbytes) + header, payload
-        )
+        try:
+            self._sender(peer, work).put(
+                work.work_id, _PREFIX.pack(len(header), payload.nbytes) + header, payload
+            )
+        except ConnectionError as e:  # the connection to `peer` failed earlier
+            raise RuntimeError(f"host {self._host}: {work.describe or work.work_id}: {e}") from None
 
     def _sender(self, peer: int, work: HostWork) -> _Sender:
         with self._cond:
@@ -226,6 +230,8 @@ class StreamTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the accepting thread; then no one listens
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         with self._cond:
             senders = list(self._senders.values())
@@ -252,7 +258,7 @@ class _Sender:
     def put(self, work_id: str, head: bytes, payload: np.ndarray) -> None:
         with self._cond:
             if self._error is not None:
-                raise RuntimeError(self._error)
+                raise ConnectionError(self._error)
             self._queue.append((work_id, head, payload))
             self._pending[work_id] = self._pending.get(work_id, 0) + 1
             self._cond.notify_all()

@@ -38,7 +38,12 @@ NIC_GBPS = 0.1
 def cluster():
     jaxreshard.shutdown()  # a Ray runtime of earlier tests would hold this process's Ray
     with emulated(
-        hosts=2, nic_gbps=NIC_GBPS, devices_per_host=2, name=NAME, object_store_mib=256
+        hosts=2,
+        nic_gbps=NIC_GBPS,
+        cpus_per_host=1,
+        devices_per_host=2,
+        name=NAME,
+        object_store_mib=256,
     ) as c:
         yield c
     # (`down` ran on exit; the last test checks what it leaves.)
@@ -65,6 +70,9 @@ def test_the_cluster_is_up_with_shaped_nics_in_both_directions(cluster):
         receiving = _netns.run(["tc", "qdisc", "show", "dev", link])
         for text in (sending, receiving):
             assert "tbf" in text and "rate 800Mbit" in text, text
+        # Every process of the host (raylet, agents, workers) runs on the host's pinned CPUs.
+        pids = _netns.pids_in(netns)
+        assert pids and all(os.sched_getaffinity(p) == set(host.cpus) for p in pids), host
 
 
 def test_a_plain_tcp_transfer_runs_at_the_set_rate(cluster):

@@ -288,6 +288,10 @@ def _ray_start(cluster: EmulatedCluster, node: HostInfo, args: list[str]) -> tup
     # CPU is shared with the other emulated hosts and the driver, so its work runs at the
     # normal priority, as on a machine of its own.
     env["RAY_worker_niceness"] = "0"
+    # Ray turns token authentication on for a new head when ~/.ray/auth_token exists (another
+    # Ray user of this machine may have made one) but not for the nodes that join: say it once
+    # for every node. (The namespaces reach nothing but the bridge.)
+    env["RAY_AUTH_MODE"] = "disabled"
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, log, node.name
@@ -345,10 +349,22 @@ def _check_free(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _lock() -> Iterator[None]:
+def _lock(timeout_s: float = 120.0) -> Iterator[None]:
     """One `up` at a time on this machine picks a subnet and makes names."""
-    with open(state_dir() / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    path = state_dir() / ".lock"
+    with open(path, "w") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another `jaxreshard cluster up` held {path} for {timeout_s:g} s; "
+                        "wait for it to finish (or end it) and try again"
+                    ) from None
+                time.sleep(0.2)
         try:
             yield
         finally:

@@ -186,6 +186,9 @@ def _cluster(args: argparse.Namespace) -> int:
     except emu.ClusterUnavailable as e:
         print(f"jaxreshard cluster {args.action}: {e}", file=sys.stderr)
         return 3
+    except (RuntimeError, TimeoutError) as e:  # a step failed; `up` removed what it made
+        print(f"jaxreshard cluster {args.action}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

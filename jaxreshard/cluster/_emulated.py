@@ -261,7 +261,7 @@ def _start_ray(cluster: EmulatedCluster, timeout_s: float) -> None:
         "--num-cpus=0",
         *common,
     ]
-    starts = [_ray_start(cluster, driver, driver_args)]
+    nodes = [(driver, driver_args)]
     for i, host in enumerate(cluster.hosts):
         args = [
             f"--address={cluster.address}",
@@ -270,8 +270,12 @@ def _start_ray(cluster: EmulatedCluster, timeout_s: float) -> None:
             f"--resources={json.dumps({f'{HOST_RESOURCE}{i}': 1})}",
             *common,
         ]
-        starts.append(_ray_start(cluster, host, args))
-    _wait_all(starts, timeout_s)
+        nodes.append((host, args))
+    # A few at a time: each start runs several Python processes, and Ray gives a new raylet a
+    # fixed 30 s to register, which many starts at once on a loaded 2-core machine exceeded.
+    batch = max(1, len(os.sched_getaffinity(0)))
+    for first in range(0, len(nodes), batch):
+        _wait_all([_ray_start(cluster, *node) for node in nodes[first : first + batch]], timeout_s)
 
 
 def _ray_start(cluster: EmulatedCluster, node: HostInfo, args: list[str]) -> tuple[Any, Path, str]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
 from jaxreshard.comm._layout import Index, format_index, index_size
-from jaxreshard.comm._local import aligned_empty, contains, relative_slices, split_region
+from jaxreshard.comm._local import POOL, aligned_empty, contains, relative_slices, split_region
 from jaxreshard.comm._order import COLLECTIVE, LOCAL, RECV, SEND, Step
 from jaxreshard.comm._plan import Op
 
@@ -111,7 +111,7 @@ class HostData:
             shape = [b - a for a, b in region]
             self.buffers[d] = (
                 region,
-                aligned_empty(shape, dtype)
+                aligned_empty(shape, dtype, pool=POOL)
                 if xp is np
                 else _empty_on(xp, devices[d], shape, dtype),
             )

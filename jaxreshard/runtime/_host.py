@@ -186,10 +186,10 @@ class HostActor:
         import jax
         import ray
 
-        from jaxreshard.comm._local import aligned_empty, relative_slices
+        from jaxreshard.comm._local import POOL, aligned_empty, relative_slices
 
-        buffers = {
-            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype))
+        buffers = {  # from the same pool as the planned reshardings' (HostData), to be fair
+            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype), pool=POOL)
             for d, r in regions.items()
         }
         from jaxreshard.comm._emulate import sleep_until

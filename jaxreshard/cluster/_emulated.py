@@ -2,10 +2,13 @@
 
 Each emulated host is a network namespace with a shaped NIC (see [Note: emulated network]) and
 runs one Ray node (`ip netns exec <ns> ray start ...`); the head runs in a namespace of its own
-with no CPUs, so no host actor lands there. The description is written where a driver finds it
+with no CPUs, so no host actor lands there, and a CPU-less node at the root namespace's bridge
+address serves the drivers of this machine. The description is written where a driver finds it
 (see [Note: cluster description]). `down` stops every process in the cluster's namespaces (they
-are all ours: everything started in one stays in it) and removes the namespaces and links; it is
-idempotent and works after a crashed `up` or a killed driver, from the names alone.
+are all ours: everything started in one stays in it) and the root node's Ray processes (found
+by the node's temp dir in their command lines, and their children), then removes the namespaces
+and links; it is idempotent and works after a crashed `up` or a killed driver, from the names
+alone.
 """
 
 from __future__ import annotations
@@ -74,9 +77,9 @@ def up(
     _check_int("--hosts", hosts, 1, MAX_HOSTS)
     _check_int("--devices-per-host", devices_per_host, 1, 1024)
     _check_int("--object-store-mib", object_store_mib, 64, 1 << 20)
-    shaping = _netns.Shaping(nic_gbps, latency_ms)
     if nic_gbps is None:
         raise ValueError("--nic-gbps is required: the NIC rate per direction in GB/s, e.g. 0.1")
+    shaping = _netns.Shaping(nic_gbps, latency_ms)
     cpus = _cpu_sets(hosts, cpus_per_host)
     _netns.require()
     state_dir().mkdir(parents=True, exist_ok=True)
@@ -231,7 +234,8 @@ def status(name: str | None = None) -> list[dict[str, Any]]:
 
 
 def _start_ray(cluster: EmulatedCluster, timeout_s: float) -> None:
-    """`ray start` the head, then every host at once, each inside its namespace."""
+    """`ray start` the head, then the drivers' node and the hosts (each host inside its
+    namespace), a few at a time."""
     store = str(cluster.object_store_mib * 2**20)
     common = ["--num-gpus=0", f"--object-store-memory={store}", "--disable-usage-stats"]
     # Ray re-requests an object it has not received within `object_manager_pull_timeout_ms`

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from helpers import cluster_over, virtual
 from jax.sharding import PartitionSpec as P
+from test_host_work import run_plan_on_threads
 
 from jaxreshard.comm import plan_reshard
-from jaxreshard.comm._order import RECV, SEND, Step, check_programs, host_programs
+from jaxreshard.comm._order import RECV, SEND, Step
 from jaxreshard.comm._plan import Op
 from jaxreshard.comm._stream import StreamTransport
-from jaxreshard.comm._transport import HostData, HostWork, run_host_work
+from jaxreshard.comm._transport import HostWork
 
 
 def transports(num_hosts):
@@ -23,51 +24,6 @@ def transports(num_hosts):
     for t in ts.values():
         t.connect(addresses, None)
     return ts
-
-
-def work_for(plan, programs, h, chunk_bytes, work_id="w", timeout_s=20.0):
-    own = set(plan.cluster.hosts[h])
-    steps = tuple(programs.get(h, ()))
-    return HostWork(
-        work_id=work_id,
-        host=h,
-        shape=plan.shape,
-        dtype=plan.dtype,
-        steps=steps,
-        ops={s.op: plan.ops[s.op] for s in steps},
-        src_regions={d: i for d, i in zip(plan.src.devices, plan.src.indices) if d in own},
-        dst_regions={d: i for d, i in zip(plan.dst.devices, plan.dst.indices) if d in own},
-        src_array="a",
-        dst_array="b",
-        timeout_s=timeout_s,
-        chunk_bytes=chunk_bytes,
-    )
-
-
-def run_on_threads(plan, src_arrays, devices, chunk_bytes, ts):
-    programs = host_programs(plan)
-    check_programs(programs, plan.cluster)
-    results, errors = {}, []
-
-    def host(h):
-        work = work_for(plan, programs, h, chunk_bytes)
-        try:
-            data = HostData(work, src_arrays, devices)
-            run_host_work(work, data, ts[h])
-            results.update(data.finish())
-        except Exception as e:  # surfaced below
-            errors.append(e)
-        finally:
-            ts[h].forget(work.work_id)
-
-    threads = [threading.Thread(target=host, args=(h,)) for h in range(plan.cluster.num_hosts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("strategy", ["broadcast_greedy", "send_recv", "allgather"])
@@ -86,7 +42,7 @@ def test_stream_transport_delivers_every_shard(cpu_devices, strategy, chunk_byte
     }
     ts = transports(5)
     try:
-        results = run_on_threads(plan, src_arrays, devices, chunk_bytes, ts)
+        results = run_plan_on_threads(plan, src_arrays, devices, chunk_bytes, ts)
     finally:
         for t in ts.values():
             t.close()

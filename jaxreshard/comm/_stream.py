@@ -40,7 +40,7 @@ from jaxreshard.comm._emulate import sleep_until
 from jaxreshard.comm._layout import Index
 from jaxreshard.comm._local import BufferPool, relative_slices
 from jaxreshard.comm._order import Step
-from jaxreshard.comm._transport import HostWork, Transport, expected_chunks
+from jaxreshard.comm._transport import HostWork, Transport, expected_chunks, take_arrived
 
 _PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
 CONNECT_TIMEOUT_S = 30.0
@@ -141,13 +141,10 @@ class StreamTransport(Transport):
         op = work.ops[step.op]
         dtype = jax.numpy.dtype(work.dtype)
         missing = set(expected_chunks(work, op))
-        key = (work.work_id, step.op)
         while missing:
-            with self._cond:
-                while not self._mailbox.get(key):
-                    self._check_wait(work, step, deadline)
-                    self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
-                arrived = self._mailbox.pop(key)
+            arrived = take_arrived(
+                self._cond, self._mailbox, work, step, deadline, self._aborted, self._broken
+            )
             for region, raw, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
                 array = raw.view(dtype).reshape([b - a for a, b in region])
@@ -196,20 +193,6 @@ class StreamTransport(Transport):
                         (region, raw, header["ready"])
                     )
                     self._cond.notify_all()
-
-    def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"host {work.host}: {work.where(step.op)}: {self._broken}")
-        if work.work_id in self._aborted:
-            raise RuntimeError(
-                f"host {work.host}: {work.where(step.op)} aborted while waiting for host "
-                f"{step.peers[0]}: {self._aborted[work.work_id]}"
-            )
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"host {work.host}: {work.where(step.op)} waited {work.timeout_s:g} s for the "
-                f"slice from host {step.peers[0]}, which never sent it"
-            )
 
     # -- failures and cleanup --------------------------------------------------------------------
 

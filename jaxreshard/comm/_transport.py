@@ -312,13 +312,8 @@ class ObjectStoreTransport(Transport):
 
         op = work.ops[step.op]
         missing = set(expected_chunks(work, op))
-        key = (work.work_id, step.op)
         while missing:
-            with self._cond:
-                while not self._mailbox.get(key):
-                    self._check_wait(work, step, deadline)
-                    self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
-                arrived = self._mailbox.pop(key)
+            arrived = take_arrived(self._cond, self._mailbox, work, step, deadline, self._aborted)
             for region, ref, position, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
                 try:
@@ -347,18 +342,6 @@ class ObjectStoreTransport(Transport):
                 write(region, piece)
                 missing.discard(region)
 
-    def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
-        if work.work_id in self._aborted:
-            raise RuntimeError(
-                f"host {work.host}: {work.where(step.op)} aborted while waiting for host "
-                f"{step.peers[0]}: {self._aborted[work.work_id]}"
-            )
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"host {work.host}: {work.where(step.op)} waited {work.timeout_s:g} s for the "
-                f"slice from host {step.peers[0]}, which never sent it"
-            )
-
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
         with self._cond:
             self._aborted[work_id] = reason
@@ -373,6 +356,40 @@ class ObjectStoreTransport(Transport):
         with self._pending_lock:
             for key in [k for k in self._pending if k[0] == work_id]:
                 del self._pending[key]
+
+
+def take_arrived(
+    cond: threading.Condition,
+    mailbox: dict[tuple[str, int], list[Any]],
+    work: HostWork,
+    step: Step,
+    deadline: float,
+    aborted: Mapping[str, str],
+    broken: str | None = None,
+) -> list[Any]:
+    """Wait on `cond` until `mailbox` holds pieces of op `step.op` of `work`; take them.
+
+    Raises (naming the host, op, tensor and peer) if the work was aborted, the transport is
+    `broken`, or `deadline` passes first.
+    """
+    key = (work.work_id, step.op)
+    with cond:
+        while not mailbox.get(key):
+            where = f"host {work.host}: {work.where(step.op)}"
+            if broken is not None:
+                raise RuntimeError(f"{where}: {broken}")
+            if work.work_id in aborted:
+                raise RuntimeError(
+                    f"{where} aborted while waiting for host {step.peers[0]}: "
+                    f"{aborted[work.work_id]}"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{where} waited {work.timeout_s:g} s for the slice from host "
+                    f"{step.peers[0]}, which never sent it"
+                )
+            cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
+        return mailbox.pop(key)
 
 
 def book_link(emulator: Any, host: int, peer: int, nbytes: int) -> float:

@@ -33,8 +33,8 @@ SIZES = {  # name: (layers, hidden, batch)
     "large": (4, 2048, 512),
     "xl": (8, 4096, 4096),  # GPU-sized
 }
-GPT_SIZES = {  # name: the GPT of jaxreshard.models (Adam) at this config, batch 8
-    "gpt12": dict(vocab=51200, seq=1024, hidden=1024, layers=12, heads=16),
+GPT_SIZES = {  # name: (the GPT of jaxreshard.models (Adam) at this config, batch)
+    "gpt12": (dict(vocab=51200, seq=1024, hidden=1024, layers=12, heads=16), 4),
 }
 
 
@@ -81,8 +81,9 @@ def gpt_case(dims: dict, rows: int, dtype: str) -> tuple:
 
 def measure(name: str, steps: int, dtype: str) -> dict:
     if name in GPT_SIZES:
-        step, state0, batch, flops = gpt_case(GPT_SIZES[name], 8, dtype)
-        layers, hidden, rows = GPT_SIZES[name]["layers"], GPT_SIZES[name]["hidden"], 8
+        dims, rows = GPT_SIZES[name]
+        step, state0, batch, flops = gpt_case(dims, rows, dtype)
+        layers, hidden = dims["layers"], dims["hidden"]
     else:
         layers, hidden, rows = SIZES[name]
         step, state0, batch, flops = mlp_case(layers, hidden, rows, dtype)

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "parallelize": "jaxreshard._parallelize",
-    "PipelineConfig": "jaxreshard._config",
+    "PipelineConfig": "jaxreshard.runtime._config",
     "stage_boundary": "jaxreshard.frontend",
     "grad": "jaxreshard.frontend",
     "value_and_grad": "jaxreshard.frontend",

@@ -101,8 +101,8 @@ def run_local(case: Case, repeats: int) -> dict[str, Any]:
     import jax
     from jax.sharding import Mesh, NamedSharding
 
-    from jaxreshard._reshard import execute
     from jaxreshard.comm import plan_reshard
+    from jaxreshard.comm._local import execute_local
 
     devices = {d.id: d for d in jax.devices()}
 
@@ -118,14 +118,14 @@ def run_local(case: Case, repeats: int) -> dict[str, Any]:
     ours, theirs = [], []
     y = None
     for _ in range(repeats):  # alternate, so both see the same machine state
-        t, y = _timed(lambda: execute(plan, x, dst).block_until_ready(), 1)
+        t, y = _timed(lambda: execute_local(plan, x, dst).block_until_ready(), 1)
         ours += t
         del y
         t, z = _timed(lambda: jax.device_put(x, dst).block_until_ready(), 1)
         theirs += t
         del z
     stats: dict[str, int] = {}
-    y = execute(plan, x, dst, stats=stats)
+    y = execute_local(plan, x, dst, stats=stats)
     correct = y.sharding == dst and all(
         np.array_equal(np.asarray(s.data), data[s.index]) for s in y.addressable_shards
     )

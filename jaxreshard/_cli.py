@@ -1,4 +1,5 @@
-"""The `jaxreshard` command line: `bench reshard`, `schedule`, `profile`, `cluster`."""
+"""The `jaxreshard` command line: `bench reshard`, `schedule` (in `_schedule_cli.py`), `profile`,
+`cluster`."""
 
 from __future__ import annotations
 
@@ -268,73 +269,6 @@ def _add_cluster_parser(commands: argparse._SubParsersAction) -> None:
     cluster.set_defaults(run=_cluster)
 
 
-def _floats(text: str) -> float | list[float]:
-    """`1.5` or a per-stage / per-boundary list `1,1.2,0.9`."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number or a comma-separated list of numbers (e.g. 1.5 or 1,2,1)"
-        ) from None
-    return values[0] if len(values) == 1 else values
-
-
-def _schedule(args: argparse.Namespace) -> int:
-    from jaxreshard.pipeline import Costs, build_schedule, check_schedule, simulate
-    from jaxreshard.pipeline._compare import compare_json, compare_schedules, compare_table
-    from jaxreshard.pipeline._schedules import check_schedule_name
-    from jaxreshard.pipeline._visualize import format_timeline, plot_timeline, to_chrome_trace
-
-    console = make_console()
-    p, m = args.stages, args.micro_batches
-    costs = Costs.make(
-        p,
-        forward=args.forward,
-        backward=args.backward,
-        weight_grad=args.weight_grad,
-        comm=args.comm,
-        apply=args.apply,
-    )
-    if args.name == "compare":
-        rows = compare_schedules(p, m, costs)
-        title = (
-            f"Schedules, {p} stages x {m} micro-batches, costs {costs.to_json()} "
-            "(simulated; overlap on unless noted)"
-        )
-        console.print(compare_table(rows, title))
-        if args.json:
-            _write_json(args.json, compare_json(p, m, costs, rows))
-            console.print(f"wrote {args.json}")
-        return 0
-    check_schedule_name(args.name, "NAME")
-    overlap = not args.no_overlap
-    schedule = build_schedule(
-        args.name, p, m, weight_delay=args.weight_delay, costs=costs, overlap=overlap
-    )
-    if args.apply:
-        schedule = schedule.with_apply()
-    check_schedule(schedule)
-    timeline = simulate(schedule, costs, overlap=overlap)
-    console.print(schedule.describe(), highlight=False)
-    console.print(format_timeline(timeline), highlight=False, soft_wrap=True)
-    console.print(
-        f"makespan {timeline.makespan:.6g}, bubble fraction {timeline.bubble_fraction:.1%}, "
-        f"peak activations per stage {list(timeline.peak_activations)}, "
-        f"overlap {'on' if overlap else 'off'}",
-        highlight=False,
-    )
-    if args.json:
-        _write_json(args.json, timeline.to_json())
-        console.print(f"wrote {args.json}")
-    if args.trace:
-        _write_json(args.trace, to_chrome_trace(timeline))
-        console.print(f"wrote {args.trace} (open in https://ui.perfetto.dev; 1 unit = 1 ms)")
-    if args.plot:
-        plot_timeline(timeline, args.plot)
-        console.print(f"wrote {args.plot}")
-    return 0
-
-
 def _profile(args: argparse.Namespace) -> int:
     from jaxreshard import profiler
 
@@ -420,9 +354,9 @@ def _cpu_devices(n: int) -> None:
 def _add_profile_parser(commands: argparse._SubParsersAction) -> None:
     import dataclasses
 
-    from jaxreshard._config import PipelineConfig
     from jaxreshard.models import MODEL_NAMES, get_model
     from jaxreshard.profiler import RunConfig
+    from jaxreshard.runtime._config import PipelineConfig
 
     profile = commands.add_parser(
         "profile",
@@ -515,6 +449,7 @@ def _write_json(path: str, data: object) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxreshard._schedule_cli import add_schedule_parser
     from jaxreshard.comm._planner import STRATEGY_NAMES
 
     parser = argparse.ArgumentParser(
@@ -597,52 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reshard.set_defaults(run=_bench_reshard)
 
-    schedule = commands.add_parser(
-        "schedule",
-        help="build, check and simulate a pipeline schedule (or 'compare' them all)",
-        description="Build, check and simulate a pipeline schedule under a cost model. Costs "
-        "take one number, or one per stage (transfers: one per boundary) as a comma list.",
-    )
-    schedule.add_argument(
-        "name",
-        metavar="NAME",
-        help="gpipe, 1f1b, eager_1f1b, zb_h1, or 'compare' for the ablation table",
-    )
-    schedule.add_argument("--stages", type=int, required=True, help="number of stages p")
-    schedule.add_argument("--micro-batches", type=int, required=True, help="micro-batches m")
-    schedule.add_argument(
-        "--weight-delay",
-        action="store_true",
-        help="split each backward into B and W and delay the Ws",
-    )
-    schedule.add_argument("--forward", type=_floats, default=1.0, help="forward time (1)")
-    schedule.add_argument("--backward", type=_floats, default=2.0, help="whole backward time (2)")
-    schedule.add_argument(
-        "--weight-grad",
-        type=_floats,
-        default=None,
-        help="weight-gradient part of the backward (default: half)",
-    )
-    schedule.add_argument("--comm", type=_floats, default=0.0, help="transfer time (0)")
-    schedule.add_argument(
-        "--apply",
-        type=_floats,
-        default=0.0,
-        help="apply-gradient time; > 0 adds the optimizer step (A)",
-    )
-    schedule.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="transfers block their sending and receiving stages",
-    )
-    schedule.add_argument(
-        "--json", default=None, metavar="OUT", help="write jaxreshard-schedule/1 JSON"
-    )
-    schedule.add_argument("--plot", default=None, metavar="PNG", help="write the timeline PNG")
-    schedule.add_argument(
-        "--trace", default=None, metavar="TRACE", help="write a Chrome trace (Perfetto)"
-    )
-    schedule.set_defaults(run=_schedule)
+    add_schedule_parser(commands)
     _add_profile_parser(commands)
     _add_cluster_parser(commands)
     return parser

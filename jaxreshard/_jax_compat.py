@@ -91,3 +91,13 @@ def new_jaxpr(
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
     info = jc.DebugInfo("jaxreshard", name, tuple("" for _ in invars), tuple("" for _ in outvars))
     return jc.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, info)
+
+
+def source_location(eqn: Any) -> str:
+    """`file:line (function)` of the user code an equation came from, or `?`."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # older or newer JAX: the location is a nicety
+        return "?"

@@ -5,29 +5,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jc
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jaxreshard._config import PipelineConfig
 from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
 from jaxreshard.pipeline._emit import format_programs
-from jaxreshard.runtime._pipeline import (
-    APPLY_EVENT,
-    CompiledPipeline,
-    Event,
-    LocalExecutor,
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._executor import Event
+from jaxreshard.runtime._local import LocalPipeline, compile_local
+from jaxreshard.runtime._specs import (
     batch_spec,
     check_meshes,
-    compile_local,
     spec_of,
     stage_meshes,
     transplant_spec,
@@ -113,12 +108,21 @@ class Parallelized:
     # Compilation ---------------------------------------------------------------------------------
 
     def _entry(self, args: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
+        """The compiled step for these arguments. A call with a signature seen before costs a
+        flatten and a cache lookup (the checks ran when the signature was new)."""
+        leaves, in_tree = jax.tree.flatten(args)
+        try:
+            key = (in_tree, *map(_leaf_key, leaves))
+            entry = self._cache.get(key)
+        except AttributeError:  # not an array: the checks below say which
+            key, entry = None, None
+        if entry is not None:
+            return entry, leaves
         for i in self.batch_argnums:
             if not -len(args) <= i < len(args):
                 raise ValueError(
                     f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
                 )
-        leaves, in_tree = jax.tree.flatten(args)
         batch_leaves = _batch_leaf_indices(args, self.batch_argnums)
         for i, leaf in enumerate(leaves):
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -128,28 +132,21 @@ class Parallelized:
                     "or jax) so the step can be traced and the batch split"
                 )
         self._check_batch(leaves, batch_leaves, args)
-        key = (
-            in_tree,
-            tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves),
-            tuple(_sharding_key(x) for x in leaves),
-        )
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._compile(args, leaves, in_tree, batch_leaves)
-            self._cache[key] = entry
+        entry = self._cache[key] = self._compile(args, leaves, in_tree, batch_leaves)
         return entry, leaves
 
     def _check_batch(self, leaves: list[Any], batch_leaves: list[int], args: tuple[Any, ...]):
         m = self.config.num_micro_batches
-        paths = _leaf_paths(args)
         for i in batch_leaves:
             shape = leaves[i].shape
             if not shape:
+                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
                     "to split into micro-batches"
                 )
             if shape[0] % m:
+                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
                     f"num_micro_batches={m} does not divide; use a batch size that is a "
@@ -165,7 +162,7 @@ class Parallelized:
     def _compile(
         self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
     ) -> _Entry:
-        from jaxreshard.runtime._api import current_runtime
+        from jaxreshard.runtime import current_runtime
 
         runtime = current_runtime() if self.config.backend != "local" else None
         on_ray = runtime is not None and runtime.backend == "ray"
@@ -283,31 +280,6 @@ class Parallelized:
         return self._entry(args)[0].pipeline
 
 
-class LocalPipeline:
-    """A step compiled for this process's devices (the local runtime)."""
-
-    def __init__(self, compiled: CompiledPipeline):
-        self.compiled = compiled
-        self.executor = LocalExecutor(compiled)  # its threads live as long as the pipeline
-        self.last_events: list[Any] = []
-
-    @property
-    def layout(self) -> Any:
-        return self.compiled.layout
-
-    def sharding(self, s: int, spec: Any) -> Any:
-        return self.compiled.sharding(s, spec)
-
-    def run(
-        self, leaves: list[Any], *, record: bool = False, signal_only: bool = False
-    ) -> list[Any]:
-        outputs, _ = run_step(
-            self.compiled, leaves, record=record, signal_only=signal_only, executor=self.executor
-        )
-        self.last_events = self.executor.events
-        return outputs
-
-
 def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> list[int]:
     out, at = [], 0
     norm = {i % len(args) for i in batch_argnums} if args else set()
@@ -324,150 +296,18 @@ def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
     return [f"args{jax.tree_util.keystr(path)}" for path, _ in paths]
 
 
-def _sharding_key(x: Any) -> Any:
-    """What of a leaf's placement the compiled step depends on: its PartitionSpec (an unsharded
-    leaf counts as replicated, so host arrays and the step's own outputs share one compile)."""
-    return tuple(spec_of(getattr(x, "sharding", None)))
+_SPECS: dict[Any, tuple[Any, ...]] = {}
 
 
-def run_step(
-    c: CompiledPipeline,
-    leaves: list[Any],
-    *,
-    record: bool = False,
-    signal_only: bool = False,
-    executor: LocalExecutor | None = None,
-) -> tuple[list[Any], LocalExecutor]:
-    """Run one step of a compiled pipeline on the local runtime; return the flat outputs.
-
-    With `record`, the executor's `events` also get the post-gradient segments (kind `A`)."""
-    g, layout = c.graph, c.layout
-    m = c.config.num_micro_batches
-    # Parameters, where their owners keep them.
-    params = [
-        _place(leaves[i], c.sharding(g.owner[k], layout.param_specs[k]))
-        for k, i in enumerate(g.params)
-    ]
-    # Per-step constants: the pre part, computed once.
-    const_values = _consts(g, leaves)
-    batches: list[list[list[Any]]] = []
-    consts: list[list[Any]] = []
-    for s, stage in enumerate(g.loss.stages):
-        per_mb: list[list[Any]] = [[] for _ in range(m)]
-        stage_consts = []
-        for ref, spec in zip(stage.inputs, layout.input_specs[s]):
-            sharding = c.sharding(s, spec)
-            if ref.kind == BATCH:
-                for mb, piece in enumerate(_split_rows(leaves[ref.index], m)):
-                    per_mb[mb].append(jax.device_put(piece, sharding))
-            elif ref.kind == CONST:
-                stage_consts.append(_place(const_values[ref.index], sharding))
-        batches.append(per_mb)
-        consts.append(stage_consts)
-    executor = executor or LocalExecutor(c)
-    values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
-    for k, i in enumerate(g.params):
-        values[g.outer.jaxpr.invars[i]] = params[k]
-    for v, value in zip(g.pre_outputs, _pre_values(g, leaves)):
-        values[v] = value
-    grad_vars = set(g.grad_outputs[1:])
-    apply_inputs = {
-        s: [_on_mesh(values[v], c.meshes[s]) for v in g.segments[j].inputs if v not in grad_vars]
-        for s, j in c.fused.items()
-    }
-    losses, grads, applied = executor.run(
-        params, batches, consts, record=record, signal_only=signal_only, apply_inputs=apply_inputs
-    )
-    loss = _combine_losses(losses, c.config.loss_reduction)
-    values[g.grad_outputs[0]] = loss
-    fused = set(c.fused.values())
-    for k, v in enumerate(g.grad_outputs[1:]):
-        if grads[k] is not None:
-            values[v] = grads[k]
-        elif g.owner[k] not in c.fused:  # the loss does not use this parameter
-            values[v] = jax.numpy.zeros_like(params[k])
-    for s, j in c.fused.items():
-        values.update(zip(g.segments[j].outputs, applied[s]))
-    dead = _dead_gradients(g)
-    for index, segment in enumerate(g.segments):
-        if index in fused:
-            continue
-        mesh = c.meshes[segment.stage]
-        inputs = [_on_mesh(values[v], mesh) for v in segment.inputs]
-        donate = tuple(i for i, v in enumerate(segment.inputs) if dead.get(v) == index)
-        start = time.perf_counter()
-        outs = _segment_fn(segment.jaxpr, donate)(*inputs)
-        if record:
-            jax.block_until_ready(outs)
-            executor.events.append(
-                Event(segment.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply")
-            )
-        values.update(zip(segment.outputs, outs))
-    outputs = [values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars]
-    return outputs, executor
-
-
-def _combine_losses(losses: list[Any], reduction: str) -> Any:
-    total = losses[0]
-    for value in losses[1:]:
-        total = total + value
-    return total / len(losses) if reduction == "mean" else total
-
-
-@functools.lru_cache(maxsize=256)
-def _segment_fn(jaxpr: Any, donate: tuple[int, ...] = ()) -> Callable[..., Any]:
-    return jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=donate)
-
-
-def _dead_gradients(g: StepGraph) -> dict[Any, int]:
-    """Accumulated gradients that die in a post segment: gradient var -> that segment's index.
-
-    They are the pipeline's own buffers, so the optimizer may overwrite them (XLA writes the new
-    parameters there instead of into fresh memory)."""
-    last_use: dict[Any, int] = {}
-    for index, segment in enumerate(g.segments):
-        for v in segment.inputs:
-            last_use[v] = index
-    returned = {v for v in g.outer.jaxpr.outvars if not isinstance(v, jc.Literal)}
-    return {v: last_use[v] for v in g.grad_outputs[1:] if v in last_use and v not in returned}
-
-
-def _pre_values(g: StepGraph, leaves: list[Any]) -> list[Any]:
-    if g.pre is None:
-        return []
-    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    return list(_segment_fn(g.pre)(*(leaves[index[v]] for v in g.pre_inputs)))
-
-
-def _consts(g: StepGraph, leaves: list[Any]) -> list[Any]:
-    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    pre = dict(zip(g.pre_outputs, _pre_values(g, leaves))) if g.pre is not None else {}
-    return [leaves[index[v]] if v in index else pre[v] for v in g.consts]
-
-
-def _split_rows(x: Any, m: int) -> list[Any]:
-    if isinstance(x, jax.Array):
-        rows = x.shape[0] // m
-        return [x[j * rows : (j + 1) * rows] for j in range(m)]
-    return np.split(np.asarray(x), m, axis=0)
-
-
-def _place(x: Any, sharding: Any) -> Any:
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
-
-
-def _on_mesh(x: Any, mesh: Mesh) -> Any:
-    """`x` on `mesh`'s devices: as it is if it is there already, else moved (same spec if it
-    fits, else replicated)."""
-    devices = set(mesh.devices.flat)
-    if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
-        return x
-    if not hasattr(x, "shape"):
-        return x
-    spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
-    return jax.device_put(x, NamedSharding(mesh, spec))
+def _leaf_key(x: Any) -> tuple[Any, ...]:
+    """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
+    unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
+    compile). Shardings are few and hashable: their specs are looked up, not rebuilt."""
+    sharding = getattr(x, "sharding", None)
+    spec = _SPECS.get(sharding)
+    if spec is None:
+        spec = _SPECS[sharding] = tuple(spec_of(sharding))
+    return (x.shape, x.dtype, spec)
 
 
 @dataclasses.dataclass
@@ -483,8 +323,7 @@ class PipelinePlan:
 
     @property
     def meshes(self) -> list[Any]:
-        p = self.pipeline
-        return p.compiled.meshes if isinstance(p, LocalPipeline) else p.meshes
+        return self.pipeline.meshes
 
     def boundary_tensors(self) -> list[dict[str, Any]]:
         """One record per transfer kind and edge: what moves where, how, and how many bytes."""

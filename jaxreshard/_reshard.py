@@ -6,8 +6,8 @@ from typing import Any
 
 import jax
 
-from jaxreshard.comm import Cluster, Plan, plan_reshard
-from jaxreshard.comm._local import execute_cpu, execute_devices
+from jaxreshard.comm import Cluster, plan_reshard
+from jaxreshard.comm._local import execute_local
 from jaxreshard.comm._planner import check_strategy
 
 
@@ -83,29 +83,7 @@ def reshard(
     plan = plan_reshard(
         x.shape, x.dtype, x.sharding, dst_sharding, cluster=cluster, strategy=strategy
     )
-    return execute(plan, x, dst_sharding)
-
-
-def execute(
-    plan: Plan,
-    x: jax.Array,
-    dst_sharding: Any,
-    *,
-    path: str = "auto",
-    stats: dict[str, int] | None = None,
-) -> jax.Array:
-    """Run a local plan: the CPU fast path when every device is a CPU, else device copies.
-
-    `stats`, if given, receives the CPU path's `copied_bytes` and `adopted_bytes`.
-    """
-    if path == "auto":
-        devices = (*x.sharding.device_set, *dst_sharding.device_set)
-        path = "cpu" if all(d.platform == "cpu" for d in devices) else "devices"
-    if path == "cpu":
-        return execute_cpu(plan, x, dst_sharding, stats)
-    if path == "devices":
-        return execute_devices(plan, x, dst_sharding)
-    raise ValueError(f"path={path!r}: use 'auto', 'cpu' or 'devices'")
+    return execute_local(plan, x, dst_sharding)
 
 
 def _platform(sharding: jax.sharding.Sharding) -> str:

@@ -2,9 +2,26 @@
 
 import os
 import tempfile
+from importlib import metadata, util
+from pathlib import Path
 
 NUM_CPU_DEVICES = 24
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _cuda_available() -> bool:
+    """A CUDA GPU and a JAX CUDA plugin are here (without importing JAX)."""
+    if not Path("/dev/nvidiactl").exists():
+        return False
+    if any("cuda" in ep.name for ep in metadata.entry_points(group="jax_plugins")):
+        return True
+    spec = util.find_spec("jax_plugins")
+    locations = (spec.submodule_search_locations or []) if spec else []
+    return any("cuda" in p.name for loc in locations for p in Path(loc).iterdir())
+
+
+# CPU devices are the default backend of every test (the fake devices below); on a machine with
+# a GPU, the GPU tests (tests/test_gpu.py) find it as jax.devices("gpu").
+os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if _cuda_available() else "cpu")
 
 import jax  # noqa: E402
 
@@ -48,6 +65,7 @@ def _ray_session():
 def ray_runtime(_ray_session):
     """The shared local Ray runtime (4 host actors x 2 fake CPU devices, one Ray node each),
     started on first use; a test that kills it starts a new one with `RAY_CONFIG`."""
+    pytest.importorskip("ray", reason="Ray is not installed here (the GPU image has none)")
     import jaxreshard
     from jaxreshard.runtime import _api
 

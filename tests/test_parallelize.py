@@ -125,6 +125,19 @@ def test_matches_jax_jit(model, schedule, weight_delay, num_micro_batches):
     assert_same(params, losses, *reference(num_stages, skip, shared))
 
 
+@pytest.mark.parametrize("weight_delay", [False, True])
+@pytest.mark.parametrize(
+    "shapes", [[(1, 1), (1, 2), (2, 2)], [(2, 2), (1, 1), (1, 2)], [(1, 2), (2, 1), (1, 1)]]
+)
+def test_stages_of_different_sizes_match_jax_jit(shapes, weight_delay):
+    """Meshes of 1, 2 and 4 devices: a gradient leaves every backward variant (first, later,
+    fused with the optimizer) with the sharding its transfer was planned for."""
+    cfg = config(num_micro_batches=4, stage_mesh_shape=shapes, weight_delay=weight_delay)
+    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(3), make_batch())
+    assert_same(params, losses, *reference(3, True, True))
+
+
 @pytest.mark.parametrize(
     "schedule, weight_delay", [("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
 )
@@ -321,7 +334,7 @@ def test_bad_input_is_explained():
             config=config(stage_mesh_shape=(8,), mesh_axis_names=("data",)),
             batch_argnums=(1,),
         )(make_params(4), batch),
-        r"4 stages on meshes .*32 devices, but this runtime has 24",
+        r"4 stages on meshes .*32 devices, but this process has 24 cpu device",
     )
     bad_batch = {"x": batch["x"], "y": batch["y"], "n": "ten"}
     error(
@@ -442,3 +455,30 @@ def test_same_numbers_on_the_ray_runtime(ray_runtime, axis_types):
     params, losses = run_steps(step, make_params(3), make_batch())
     assert isinstance(params["w1"], jr.RemoteArray)
     assert_same(params, losses, *reference(3, True, True))
+
+
+def test_a_spec_that_does_not_fit_the_next_stage_warns_and_replicates():
+    from jax.sharding import PartitionSpec as P
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jax.lax.with_sharding_constraint(h, P(None, "model"))
+            h = jr.stage_boundary(h)
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+    cfg = config(num_micro_batches=2, stage_mesh_shape=[(1, 2), (1, 3)])
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(1,))
+    with pytest.warns(
+        UserWarning,
+        match=r"boundary tensor act0 \(float32\[4,8\]\) entering stage 1: P\(None, "
+        r"'model'\) does not fit mesh \{'data': 1, 'model': 3\} \(dim 1 \(size 8\) is not a "
+        r"multiple of 3\); it is replicated",
+    ):
+        got = run_steps(pstep, make_params(1), make_batch())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        assert_same(*got, *run_steps(jax.jit(step), make_params(1), make_batch()))

@@ -54,7 +54,7 @@ def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
     assert result["flops_per_step"] > 1e6
     assert len(result["stages"]) == 2
     for stage in result["stages"]:
-        assert 0 < stage["compute_seconds"] < result["step_seconds"] * 2
+        assert stage["compute_seconds"] > 0
         assert 0 <= stage["bubble_fraction"] < 1 and stage["blocked_seconds"] >= 0
     tensors = {t["name"]: t for t in result["boundary_tensors"]}
     act = [t for t in tensors.values() if t["kind"] == "act"]

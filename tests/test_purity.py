@@ -20,6 +20,7 @@ def test_top_level_import_is_light():
 
 def test_schedules_need_neither_jax_nor_ray():
     modules = _modules_after(
-        "import jaxreshard.pipeline as p; p.check_schedule(p.build_schedule('zb_h1', 4, 8))"
+        "import jaxreshard.pipeline as p; p.check_schedule(p.build_schedule('zb_h1', 4, 8)); "
+        "p.schedule_from_csv(p.schedule_to_csv(p.build_schedule('dualpipev', 4, 8)))"
     )
     assert not {"jax", "ray", "cupy", "matplotlib"} & modules

@@ -1,7 +1,5 @@
 """The Ray runtime: host actors, remote arrays, plans executed host to host."""
 
-import time
-
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -130,14 +128,13 @@ def test_a_receive_that_never_comes_times_out(ray_runtime):
         timeout_s=1.0,
         describe="f32[4]",
     )
-    start = time.monotonic()
+    # The host's own deadline (1 s) ends the wait, not the driver's (30 s): its message says so.
     with pytest.raises(
         TimeoutError,
         match=r"host 1: op 0 \(send \[0:4\]\) of f32\[4\] waited 1 s "
         r"for the slice from host 0, which never sent it",
     ):
         rt._wait({1: rt.actors[1].run.remote(work)}, "orphan receive", 30)
-    assert time.monotonic() - start < 10
     x.free()
 
 
@@ -152,10 +149,9 @@ def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
     value = np.arange(8, dtype=np.float32)
     x = rt.put(value, src)
     ray.kill(rt.actors[3], no_restart=True)
-    start = time.monotonic()
+    # A death, not a timeout: the driver noticed the actor was gone.
     with pytest.raises(RuntimeBroken, match=r"host actor 3 \(.*\) died during resharding"):
         jaxreshard.reshard(x, dst)
-    assert time.monotonic() - start < rt.timeout_s
     with pytest.raises(RuntimeBroken, match=r"call jaxreshard\.shutdown"):
         rt.put(value, src)
     jaxreshard.shutdown()

@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard
-from jaxreshard._reshard import execute
 from jaxreshard.comm import STRATEGY_NAMES, Cluster, VirtualMesh, VirtualSharding, plan_reshard
+from jaxreshard.comm._local import execute_local
 
 DTYPES = [
     jnp.bool_,
@@ -63,8 +63,8 @@ def test_reshard_is_exact_for_random_layouts(cpu_devices, data):
     # The general device-to-device path (the one GPUs take) gives the same.
     cluster = Cluster.from_devices(cpu_devices, devices_per_host=data.draw(st.sampled_from([1, 4])))
     plan = plan_reshard(shape, dtype, src, dst, cluster=cluster, strategy=strategy)
-    check(execute(plan, x, dst, path="devices"), reference, dst)
-    check(execute(plan, x, dst, path="cpu"), reference, dst)
+    check(execute_local(plan, x, dst, path="devices"), reference, dst)
+    check(execute_local(plan, x, dst, path="cpu"), reference, dst)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "int64", "uint64", "complex128"])

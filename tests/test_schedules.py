@@ -15,6 +15,7 @@ from jaxreshard.pipeline import (
     simulate,
 )
 from jaxreshard.pipeline._schedules import PEAK_BOUNDS
+from jaxreshard.pipeline._virtual import PLACEMENTS
 from jaxreshard.pipeline._visualize import format_timeline
 
 
@@ -29,9 +30,10 @@ def test_action_prints_and_parses():
 
 
 def test_checker_accepts_every_schedule_up_to_8_stages_and_32_micro_batches():
+    one_chunk = [name for name in SCHEDULE_NAMES if name not in PLACEMENTS]  # others: test_virtual
     for p in range(1, 9):
         for m in range(1, 33):
-            for name in SCHEDULE_NAMES:
+            for name in one_chunk:
                 for weight_delay in (False, True):
                     check_schedule(build_schedule(name, p, m, weight_delay=weight_delay))
 
@@ -182,7 +184,7 @@ def test_blocking_transfers_block_both_stages():
 def test_timeline_json_format():
     costs = Costs.make(2, forward=1, backward=2, weight_grad=1, comm=0.5)
     data = simulate(build_schedule("1f1b", 2, 3, weight_delay=True, costs=costs), costs).to_json()
-    assert data["format"] == "jaxreshard-schedule/1"
+    assert data["format"] == "jaxreshard-schedule/2"
     assert {
         "schedule",
         "weight_delay",
@@ -204,6 +206,10 @@ def test_timeline_json_format():
     assert kinds == ["activation"] * 3 + ["gradient"] * 3
     b_dur = [a["end"] - a["start"] for a in data["stages"][0] if a["kind"] == "B"]
     assert b_dur == [1.0, 1.0, 1.0]  # backward minus weight_grad
+    # /2 over /1: chunks (with one chunk per rank, a stage's chunk is its index).
+    assert data["virtual_stages"] == 1 and data["placement"] == [0, 1]
+    assert {a["chunk"] for a in data["stages"][1]} == {1}
+    assert all(t["src_chunk"] == t["src"] and t["dst_chunk"] == t["dst"] for t in data["transfers"])
 
 
 def broken(lists):

@@ -84,11 +84,12 @@ def test_a_missing_slice_times_out_naming_the_op_and_peer():
             t.close()
 
 
-def test_abort_wakes_a_waiting_receive():
+def test_abort_wakes_a_waiting_receive_of_the_work_or_of_one_under_it():
     ts = transports(2)
     try:
-        work = _pair_work("w", 1, RECV, 0, timeout_s=30)
-        threading.Timer(0.2, ts[1].abort, args=("w", "host 0 failed")).start()
+        # A pipeline step's transfers are works under the step's id: aborting the step aborts them.
+        work = _pair_work("step3:act0:mb1", 1, RECV, 0, timeout_s=30)
+        threading.Timer(0.2, ts[1].abort, args=("step3", "host 0 failed")).start()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="aborted while waiting for host 0: host 0 failed"):
             ts[1].recv(work, work.steps[0], time.monotonic() + 30, lambda r, a: None)
@@ -115,12 +116,18 @@ def test_sending_to_a_host_that_does_not_listen_fails_with_its_address():
 def test_late_messages_of_a_forgotten_work_are_dropped():
     ts = transports(2)
     try:
-        ts[1].forget("old")
-        work = _pair_work("old", 0, SEND, 1)
-        ts[0].send(work, work.steps[0], np.ones(4, np.float32))
-        ts[0].complete(work, time.monotonic() + 10)
-        time.sleep(0.2)
-        assert not ts[1]._mailbox
+        ts[1].forget("step2")  # the step is over: nothing of it (or under it) is kept
+        for work_id in ("step2", "step2:grad0:mb3"):
+            work = _pair_work(work_id, 0, SEND, 1)
+            ts[0].send(work, work.steps[0], np.ones(4, np.float32))
+            ts[0].complete(work, time.monotonic() + 10)
+        kept = _pair_work("step20:x", 0, SEND, 1)  # not under "step2"
+        ts[0].send(kept, kept.steps[0], np.ones(4, np.float32))
+        ts[0].complete(kept, time.monotonic() + 10)
+        deadline = time.monotonic() + 10
+        while not ts[1]._mailbox and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(ts[1]._mailbox) == [("step20:x", 0)]
     finally:
         for t in ts.values():
             t.close()

@@ -359,3 +359,25 @@ def _cover(region: Index, pieces: list[tuple[Index, jax.Array]]) -> list[tuple[I
         if not inside:
             out.append((index, array))
     return out
+
+
+def execute_local(
+    plan: Plan,
+    x: jax.Array,
+    dst_sharding: Any,
+    *,
+    path: str = "auto",
+    stats: dict[str, int] | None = None,
+) -> jax.Array:
+    """Run a local plan: the CPU fast path when every device is a CPU, else device copies.
+
+    `stats`, if given, receives the CPU path's `copied_bytes` and `adopted_bytes`.
+    """
+    if path == "auto":
+        devices = (*x.sharding.device_set, *dst_sharding.device_set)
+        path = "cpu" if all(d.platform == "cpu" for d in devices) else "devices"
+    if path == "cpu":
+        return execute_cpu(plan, x, dst_sharding, stats)
+    if path == "devices":
+        return execute_devices(plan, x, dst_sharding)
+    raise ValueError(f"path={path!r}: use 'auto', 'cpu' or 'devices'")

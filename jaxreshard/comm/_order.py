@@ -32,7 +32,8 @@ class Step:
         role: `send` (put the slice once, deliver it to `peers`), `recv` (wait for the slice
             from host `peers[0]`), `local` (copies between this host's devices), or
             `collective` (issue the op's collective on communicator `group`).
-        peers: hosts on the other end (send: receiving hosts; recv: the sending host).
+        peers: hosts on the other end (send: receiving hosts; recv: the sending host;
+            collective: the other hosts of the communicator).
         group: the communicator (global device ids) of a collective.
     """
 
@@ -68,8 +69,10 @@ def host_programs(plan: Plan, *, collectives: bool = False) -> dict[int, list[St
             continue
         if collectives:
             group = tuple(sorted(op.participants))
-            for h in sorted({src, *dst}):
-                programs[h].append(Step(i, COLLECTIVE, group=group))
+            members = sorted({src, *dst})
+            for h in members:
+                others = tuple(m for m in members if m != h)
+                programs[h].append(Step(i, COLLECTIVE, peers=others, group=group))
             continue
         # Receiving hosts in chain order (the order of dst_devices), the sender's own excluded.
         chain = list(dict.fromkeys(host(d) for d in op.dst_devices if host(d) != src))
@@ -134,7 +137,8 @@ def check_programs(programs: Mapping[int, Sequence[Step]], cluster: Cluster | No
                 if s.role == COLLECTIVE:
                     waiting = members[(s.group, s.op)]
                     ready = all(
-                        position[m] < len(programs[m]) and programs[m][position[m]] == s
+                        position[m] < len(programs[m])
+                        and _same_collective(programs[m][position[m]], s)
                         for m in waiting
                     )
                     if not ready:
@@ -150,6 +154,10 @@ def check_programs(programs: Mapping[int, Sequence[Step]], cluster: Cluster | No
     stuck = {h: steps[position[h]] for h, steps in programs.items() if position[h] < len(steps)}
     if stuck:
         raise OrderError(_describe_hang(programs, stuck))
+
+
+def _same_collective(a: Step, b: Step) -> bool:
+    return a.role == b.role == COLLECTIVE and a.op == b.op and a.group == b.group
 
 
 def _describe_hang(programs: Mapping[int, Sequence[Step]], stuck: Mapping[int, Step]) -> str:

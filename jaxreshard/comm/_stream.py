@@ -40,7 +40,13 @@ from jaxreshard.comm._emulate import sleep_until
 from jaxreshard.comm._layout import Index
 from jaxreshard.comm._local import BufferPool, relative_slices
 from jaxreshard.comm._order import Step
-from jaxreshard.comm._transport import HostWork, Transport, expected_chunks, take_arrived
+from jaxreshard.comm._transport import (
+    HostWork,
+    Transport,
+    aborted_reason,
+    expected_chunks,
+    take_arrived,
+)
 
 _PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
 CONNECT_TIMEOUT_S = 30.0
@@ -70,6 +76,7 @@ class StreamTransport(Transport):
         self._mailbox: dict[tuple[str, int], list[tuple[Index, np.ndarray, float]]] = {}
         self._aborted: dict[str, str] = {}
         self._forgotten: collections.deque[str] = collections.deque(maxlen=_FORGOTTEN)
+        self._forgotten_ids: set[str] = set()  # the same ids, for lookups
         self._spare = BufferPool(_SPARE_BYTES)
         self._cond = threading.Condition()
         self._closed = False
@@ -187,7 +194,7 @@ class StreamTransport(Transport):
                 header = json.loads(bytes(text))
                 region = tuple(tuple(r) for r in header["region"])
                 with self._cond:
-                    if header["work"] in self._forgotten:
+                    if self._is_forgotten(header["work"]):
                         continue
                     self._mailbox.setdefault((header["work"], header["op"]), []).append(
                         (region, raw, header["ready"])
@@ -197,19 +204,37 @@ class StreamTransport(Transport):
     # -- failures and cleanup --------------------------------------------------------------------
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
+        """Wake the waits of `work_id` and of every work under it (`work_id:...`: a pipeline
+        step's transfers) with an error; their queued sends are dropped."""
         with self._cond:
             self._aborted[work_id] = reason
             self._cond.notify_all()
             senders = list(self._senders.values())
         for sender in senders:
-            sender.drop(work_id)
+            sender.wake()
+
+    def aborted(self, work_id: str) -> str | None:
+        return aborted_reason(self._aborted, work_id)
 
     def forget(self, work_id: str) -> None:
+        """Drop what is left of `work_id` and of the works under it; their late messages too."""
+
+        def mine(w: str) -> bool:
+            return w == work_id or w.startswith(work_id + ":")
+
         with self._cond:
-            self._aborted.pop(work_id, None)
-            self._forgotten.append(work_id)
-            for key in [k for k in self._mailbox if k[0] == work_id]:
+            for key in [k for k in self._aborted if mine(k)]:
+                del self._aborted[key]
+            for key in [k for k in self._mailbox if mine(k[0])]:
                 del self._mailbox[key]
+            if len(self._forgotten) == self._forgotten.maxlen:
+                self._forgotten_ids.discard(self._forgotten[0])
+            self._forgotten.append(work_id)
+            self._forgotten_ids.add(work_id)
+
+    def _is_forgotten(self, work_id: str) -> bool:
+        parts = work_id.split(":")
+        return any(":".join(parts[:i]) in self._forgotten_ids for i in range(1, len(parts) + 1))
 
     def close(self) -> None:
         self._closed = True
@@ -230,7 +255,6 @@ class _Sender:
         self._owner, self.peer, self.address = owner, peer, address
         self._queue: collections.deque[tuple[str, bytes, np.ndarray] | None] = collections.deque()
         self._pending: dict[str, int] = {}  # work id -> messages not yet written
-        self._dropped: set[str] = set()
         self._error: str | None = None
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
@@ -251,7 +275,7 @@ class _Sender:
             while self._pending.get(work.work_id):
                 if self._error is not None:
                     raise RuntimeError(f"host {work.host}: {work.describe}: {self._error}")
-                if work.work_id in self._dropped:
+                if self._owner.aborted(work.work_id) is not None:
                     return  # aborted: the caller hears why from its own wait
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -261,10 +285,9 @@ class _Sender:
                     )
                 self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
 
-    def drop(self, work_id: str) -> None:
-        """Skip the queued messages of an aborted work."""
+    def wake(self) -> None:
+        """Let waits re-check (a work was aborted: its queued messages are skipped)."""
         with self._cond:
-            self._dropped.add(work_id)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -289,7 +312,7 @@ class _Sender:
                 if item is None:
                     return
                 work_id, head, payload = item
-                if work_id not in self._dropped:
+                if self._owner.aborted(work_id) is None:
                     try:
                         self._sock.sendall(head)
                         self._sock.sendall(memoryview(payload))

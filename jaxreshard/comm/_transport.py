@@ -79,7 +79,8 @@ class Transport:
         `deadline`) for whatever the transport still has in flight for it."""
         self.flush(work)
 
-    def collective(self, work: HostWork, step: Step, data: HostData, deadline: float) -> None:
+    def collective(self, work: HostWork, step: Step, data: Any, deadline: float) -> None:
+        """Issue op `step.op`'s collective; it may still be in flight when this returns."""
         raise NotImplementedError(f"{self.name} transport has no collectives")
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
@@ -90,31 +91,18 @@ class Transport:
 class HostData:
     """The source shards and destination buffers of one resharding on one host.
 
-    On CPU, sources are zero-copy numpy views and destinations 64-byte-aligned numpy buffers
-    that JAX adopts without a copy (see [Note: local execution]). `xp` is the array module
-    (numpy; CuPy for the NCCL transport).
+    Sources are zero-copy numpy views and destinations 64-byte-aligned numpy buffers that JAX
+    adopts without a copy (see [Note: local execution]). GPU data lives in `_nccl.DeviceData`.
     """
 
-    def __init__(
-        self,
-        work: HostWork,
-        src: Mapping[int, jax.Array],
-        devices: Mapping[int, Any],
-        xp: Any = np,
-        to_xp: Callable[[jax.Array], Any] = np.asarray,
-    ):
-        self.work, self.devices, self.xp = work, devices, xp
-        self.views = {d: (work.src_regions[d], to_xp(src[d])) for d in work.src_regions}
-        self.buffers: dict[int, tuple[Index, Any]] = {}
+    def __init__(self, work: HostWork, src: Mapping[int, jax.Array], devices: Mapping[int, Any]):
+        self.work, self.devices = work, devices
+        self.views = {d: (work.src_regions[d], np.asarray(src[d])) for d in work.src_regions}
         dtype = jax.numpy.dtype(work.dtype)
-        for d, region in work.dst_regions.items():
-            shape = [b - a for a, b in region]
-            self.buffers[d] = (
-                region,
-                aligned_empty(shape, dtype, pool=POOL)
-                if xp is np
-                else _empty_on(xp, devices[d], shape, dtype),
-            )
+        self.buffers: dict[int, tuple[Index, Any]] = {
+            d: (region, aligned_empty([b - a for a, b in region], dtype, pool=POOL))
+            for d, region in work.dst_regions.items()
+        }
 
     def read(self, device: int, index: Index) -> Any:
         """The slice `index` as `device` holds it now (its source shard, or delivered data)."""
@@ -132,10 +120,7 @@ class HostData:
                 f"{self.work.describe}: device {device} expects {target.dtype}{list(target.shape)} "
                 f"for {format_index(index)} but got {data.dtype}{list(data.shape)}"
             )
-        if self.xp is np:
-            np.copyto(target, data)
-        else:
-            target[...] = data
+        np.copyto(target, data)
 
     def local(self, op: Op) -> None:
         """Run an op whose devices are all on this host (copies)."""
@@ -152,23 +137,33 @@ class HostData:
 
     def finish(self) -> dict[int, jax.Array]:
         """The destination shards as JAX arrays on their devices (zero-copy on CPU)."""
-        out = {}
-        for d, (_, buffer) in self.buffers.items():
-            if self.xp is np:
-                out[d] = jax.device_put(buffer, self.devices[d], may_alias=True)
-            else:
-                out[d] = jax.dlpack.from_dlpack(buffer)
-        return out
+        return {
+            d: jax.device_put(buffer, self.devices[d], may_alias=True)
+            for d, (_, buffer) in self.buffers.items()
+        }
 
 
-def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[str, float]:
+def run_host_work(
+    work: HostWork,
+    data: Any,
+    transport: Transport,
+    *,
+    deadline: float | None = None,
+    complete: bool = True,
+) -> dict[str, float]:
     """Run a host's steps in order; return byte and time counters.
 
     A `recv` directly followed by a `send` of the same op is a relay: each chunk is written to
     this host's receivers and forwarded as soon as it arrives, so a broadcast chain pipelines.
     Before any wait, the host flushes the sends it has batched, so no peer waits on them.
+
+    Args:
+        deadline: when every wait gives up (monotonic clock; default: `work.timeout_s` from
+            now).
+        complete: end with `transport.complete`; without it, what a transport queued (NCCL's
+            broadcasts) may still be in flight, and the caller completes the work later.
     """
-    deadline = time.monotonic() + work.timeout_s
+    deadline = time.monotonic() + work.timeout_s if deadline is None else deadline
     stats = {"sent_bytes": 0.0, "received_bytes": 0.0, "seconds": 0.0}
     start = time.perf_counter()
     steps = work.steps
@@ -205,9 +200,24 @@ def run_host_work(work: HostWork, data: HostData, transport: Transport) -> dict[
         else:  # pragma: no cover
             raise AssertionError(step)
         position += 1
-    transport.complete(work, deadline)
+    if complete:
+        transport.complete(work, deadline)
+    else:
+        transport.flush(work)
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def aborted_reason(aborted: Mapping[str, str], work_id: str) -> str | None:
+    """Why `work_id` was aborted: it, or a work it belongs to (`step:...`), was; else None."""
+    if work_id in aborted:
+        return aborted[work_id]
+    parts = work_id.split(":")
+    for i in range(len(parts) - 1, 0, -1):
+        reason = aborted.get(":".join(parts[:i]))
+        if reason is not None:
+            return reason
+    return None
 
 
 def expected_chunks(work: HostWork, op: Op) -> list[Index]:
@@ -236,11 +246,8 @@ class ObjectStoreTransport(Transport):
         self._host = host
         self._emulator = emulator  # a LinkEmulator actor, see [Note: network emulation]
         self._mailbox: dict[tuple[str, int], list[tuple[Index, Any, int | None, float]]] = {}
-        # Sends held back to batch, per (work, peer); the program threads of several works and
-        # `forget` (from the actor's call threads) touch it, hence the lock.
         self._pending: dict[tuple[str, int], list[tuple[int, Index, Any]]] = {}
-        self._pending_lock = threading.Lock()
-        self._fetched: dict[Any, Any] = {}
+        self._fetched: dict[str, dict[Any, Any]] = {}  # work id -> fetched batch objects
         self._aborted: dict[str, str] = {}
         self._cond = threading.Condition()
 
@@ -260,23 +267,24 @@ class ObjectStoreTransport(Transport):
                     work.work_id, [(step.op, region, None)], [ref], ready
                 )
             return
-        with self._pending_lock:
+        piece = np.ascontiguousarray(data)
+        with self._cond:  # works of several threads (a pipeline's transfers) batch here
             batch = self._pending.setdefault((work.work_id, peer), [])
-            batch.append((step.op, op.index, np.ascontiguousarray(data)))
+            batch.append((step.op, op.index, piece))
             full = sum(a.nbytes for _, _, a in batch) >= work.batch_bytes
         if full:
             self._flush_peer(work.work_id, peer)
 
     def flush(self, work: HostWork) -> None:
-        with self._pending_lock:
-            held = [k for k in self._pending if k[0] == work.work_id]
-        for work_id, peer in held:
+        with self._cond:
+            keys = [k for k in self._pending if k[0] == work.work_id]
+        for work_id, peer in keys:
             self._flush_peer(work_id, peer)
 
     def _flush_peer(self, work_id: str, peer: int) -> None:
         import ray
 
-        with self._pending_lock:
+        with self._cond:
             batch = self._pending.pop((work_id, peer), [])
         if batch:
             ref = ray.put([array for _, _, array in batch])
@@ -316,12 +324,15 @@ class ObjectStoreTransport(Transport):
             arrived = take_arrived(self._cond, self._mailbox, work, step, deadline, self._aborted)
             for region, ref, position, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
+                fetched = self._fetched.setdefault(work.work_id, {})
                 try:
-                    value = self._fetched.get(ref)
+                    value = fetched.get(ref)
                     if value is None:
-                        value = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+                        # The slice was announced, so it exists: fetching it gets timeout_s.
+                        left = min(deadline - time.monotonic(), work.timeout_s)
+                        value = ray.get(ref, timeout=max(0.001, left))
                         if position is not None:
-                            self._fetched[ref] = value
+                            fetched[ref] = value
                 except ray.exceptions.GetTimeoutError:
                     raise TimeoutError(
                         f"host {work.host}: {work.where(step.op)} could not fetch a slice from "
@@ -343,19 +354,25 @@ class ObjectStoreTransport(Transport):
                 missing.discard(region)
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
+        """Wake the waits of `work_id` and of every work under it (`work_id:...`: a pipeline
+        step's transfers) with an error."""
         with self._cond:
             self._aborted[work_id] = reason
             self._cond.notify_all()
 
     def forget(self, work_id: str) -> None:
+        """Drop what is left of `work_id` and of the works under it."""
+
+        def mine(w: str) -> bool:
+            return w == work_id or w.startswith(work_id + ":")
+
         with self._cond:
-            self._aborted.pop(work_id, None)
-            for key in [k for k in self._mailbox if k[0] == work_id]:
-                del self._mailbox[key]
-            self._fetched.clear()
-        with self._pending_lock:
-            for key in [k for k in self._pending if k[0] == work_id]:
-                del self._pending[key]
+            for table in (self._aborted, self._fetched):
+                for key in [k for k in table if mine(k)]:
+                    del table[key]
+            for table in (self._mailbox, self._pending):
+                for key in [k for k in table if mine(k[0])]:
+                    del table[key]
 
 
 def take_arrived(
@@ -369,8 +386,8 @@ def take_arrived(
 ) -> list[Any]:
     """Wait on `cond` until `mailbox` holds pieces of op `step.op` of `work`; take them.
 
-    Raises (naming the host, op, tensor and peer) if the work was aborted, the transport is
-    `broken`, or `deadline` passes first.
+    Raises (naming the host, op, tensor and peer) if the work (or one it belongs to, see
+    `aborted_reason`) was aborted, the transport is `broken`, or `deadline` passes first.
     """
     key = (work.work_id, step.op)
     with cond:
@@ -378,10 +395,10 @@ def take_arrived(
             where = f"host {work.host}: {work.where(step.op)}"
             if broken is not None:
                 raise RuntimeError(f"{where}: {broken}")
-            if work.work_id in aborted:
+            reason = aborted_reason(aborted, work.work_id)
+            if reason is not None:
                 raise RuntimeError(
-                    f"{where} aborted while waiting for host {step.peers[0]}: "
-                    f"{aborted[work.work_id]}"
+                    f"{where} aborted while waiting for host {step.peers[0]}: {reason}"
                 )
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -399,10 +416,5 @@ def book_link(emulator: Any, host: int, peer: int, nbytes: int) -> float:
         return 0.0
     import ray
 
-    _, end = ray.get(emulator.reserve.remote(host, peer, nbytes))
+    _, end = ray.get(emulator.reserve.remote(host, peer, nbytes), timeout=60.0)
     return end
-
-
-def _empty_on(xp: Any, device: Any, shape: list[int], dtype: Any) -> Any:
-    with xp.cuda.Device(device.local_hardware_id if hasattr(device, "local_hardware_id") else 0):
-        return xp.empty(shape, dtype=dtype)

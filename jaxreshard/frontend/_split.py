@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.extend import core as jc
 
-from jaxreshard._jax_compat import new_jaxpr
+from jaxreshard._jax_compat import new_jaxpr, source_location
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -153,12 +153,7 @@ def _is_var(v: Any) -> bool:
 
 
 def _where(eqn: Any) -> str:
-    try:
-        from jax._src import source_info_util
-
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # older or newer JAX: the location is a nicety
-        return "?"
+    return source_location(eqn)
 
 
 def _contains_marker(jaxpr: Any) -> bool:

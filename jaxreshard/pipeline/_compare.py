@@ -1,13 +1,22 @@
-"""The paper's overlap ablation, in simulation: one table of schedules under the same costs."""
+"""The paper's overlap ablation, in simulation: one table of schedules under the same costs.
+
+The costs are those of the model cut into p stages. A virtual-stage row cuts every stage into v
+chunks of equal cost (a chunk's forward is the stage's / v, and so on) and charges `comm` for
+every chunk boundary between two ranks (the same activation crosses more boundaries), so all
+rows train the same model; its peak memory is reported in stage-micro-batches (chunk-micro-
+batches / v) next to the others'.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from jaxreshard.pipeline._costs import Costs
-from jaxreshard.pipeline._schedules import build_schedule
+from jaxreshard.pipeline._schedules import build_schedule, check_virtual_stages
 from jaxreshard.pipeline._simulate import simulate
+from jaxreshard.pipeline._virtual import PLACEMENTS
 
 COMPARE_FORMAT = "jaxreshard-schedule-compare/1"
 
@@ -21,6 +30,12 @@ ABLATION = (
     ("zb_h1", False, True),
     ("gpipe", False, True),
     ("gpipe", True, True),
+    ("interleaved_1f1b", False, True),
+    ("interleaved_1f1b", True, True),
+    ("eager_interleaved_1f1b", False, True),
+    ("eager_interleaved_1f1b", True, True),
+    ("zbv", False, True),
+    ("dualpipev", False, True),
 )
 
 
@@ -32,26 +47,61 @@ class Row:
     makespan: float
     bubble_fraction: float
     peak_activations: tuple[int, ...]
+    virtual_stages: int = 1
 
     @property
     def label(self) -> str:
         text = self.schedule + (" + weight delay" if self.weight_delay else "")
+        text += f" (v={self.virtual_stages})" if self.virtual_stages > 1 else ""
         return text + ("" if self.overlap else " (no overlap)")
 
+    @property
+    def peak_memory(self) -> tuple[float, ...]:
+        """Peak activations per rank in whole-stage micro-batches."""
+        return tuple(peak / self.virtual_stages for peak in self.peak_activations)
 
-def compare_schedules(num_stages: int, num_micro_batches: int, costs: Costs) -> list[Row]:
-    """Simulate every schedule of `ABLATION` under `costs`."""
+
+def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
+    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute / v; a chunk
+    boundary between neighbour ranks costs their boundary's `comm`, one between other ranks
+    (the interleaved ring's p - 1 -> 0) the largest `comm`."""
+    v = len(placement) // costs.num_stages
+    widest = max(costs.comm, default=0.0)
+
+    def comm(a: int, b: int) -> float:
+        if a == b:
+            return 0.0  # local: never charged
+        return costs.comm[min(a, b)] if abs(a - b) == 1 else widest
+
+    return Costs.make(
+        len(placement),
+        forward=[costs.forward[r] / v for r in placement],
+        backward=[costs.backward[r] / v for r in placement],
+        weight_grad=[costs.weight_grad[r] / v for r in placement],
+        comm=[comm(a, b) for a, b in itertools.pairwise(placement)],
+        apply=[costs.apply[r] / v for r in placement],
+    )
+
+
+def compare_schedules(
+    num_stages: int, num_micro_batches: int, costs: Costs, *, virtual_stages: int = 2
+) -> list[Row]:
+    """Simulate every schedule of `ABLATION` under `costs` (per stage; see the module note);
+    interleaved rows use `virtual_stages` chunks per rank, ZB-V and DualPipeV two."""
     rows = []
     for name, weight_delay, overlap in ABLATION:
+        v = virtual_stages if "interleaved" in name else check_virtual_stages(name, None)
+        own = chunk_costs(costs, PLACEMENTS[name](num_stages, v)) if name in PLACEMENTS else costs
         schedule = build_schedule(
             name,
             num_stages,
             num_micro_batches,
+            virtual_stages=v,
             weight_delay=weight_delay,
-            costs=costs,
+            costs=own,
             overlap=overlap,
         )
-        timeline = simulate(schedule, costs, overlap=overlap)
+        timeline = simulate(schedule, own, overlap=overlap)
         rows.append(
             Row(
                 name,
@@ -60,6 +110,7 @@ def compare_schedules(num_stages: int, num_micro_batches: int, costs: Costs) -> 
                 timeline.makespan,
                 timeline.bubble_fraction,
                 timeline.peak_activations,
+                v,
             )
         )
     return rows
@@ -83,6 +134,7 @@ def compare_json(
                 "schedule": r.schedule,
                 "weight_delay": r.weight_delay,
                 "overlap": r.overlap,
+                "virtual_stages": r.virtual_stages,
                 "makespan": r.makespan,
                 "speedup_vs_1f1b": ref.makespan / r.makespan if r.makespan else 1.0,
                 "makespan_reduction_vs_1f1b": 1 - r.makespan / ref.makespan
@@ -90,6 +142,7 @@ def compare_json(
                 else 0.0,
                 "bubble_fraction": r.bubble_fraction,
                 "peak_activations": list(r.peak_activations),
+                "peak_memory": list(r.peak_memory),
             }
             for r in rows
         ],
@@ -101,7 +154,8 @@ def compare_table(rows: list[Row], title: str = "") -> Any:
 
     ref = _reference(rows)
     table = Table(title=title)
-    for column in ("schedule", "makespan", "vs 1f1b", "lower by", "bubble", "peak act. per stage"):
+    columns = ("schedule", "makespan", "vs 1f1b", "lower by", "bubble", "peak act. per stage")
+    for column in columns:
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for r in rows:
         table.add_row(
@@ -110,6 +164,6 @@ def compare_table(rows: list[Row], title: str = "") -> Any:
             f"{ref.makespan / r.makespan:.2f}x" if r.makespan else "-",
             f"{1 - r.makespan / ref.makespan:+.1%}" if ref.makespan else "-",
             f"{r.bubble_fraction:.1%}",
-            " ".join(map(str, r.peak_activations)),
+            " ".join(f"{x:g}" for x in r.peak_memory),
         )
     return table

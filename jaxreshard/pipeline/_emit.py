@@ -78,6 +78,12 @@ def emit(
     schedule: Schedule, edges: Sequence[Edge], shared: Sequence[SharedParam] = ()
 ) -> tuple[tuple[Instruction, ...], ...]:
     """Turn `schedule` into per-stage instruction lists (see [Note: instructions])."""
+    if schedule.virtual_stages > 1 or schedule.fused:
+        raise ValueError(
+            f"emit: {schedule.describe()} runs several chunks per rank or fuses actions; the "
+            "emitter maps one chunk to one stage worker so far: use a schedule with one chunk "
+            "per rank (gpipe, 1f1b, eager_1f1b, zb_h1)"
+        )
     p = schedule.num_stages
     programs: list[list[Instruction]] = [[] for _ in range(p)]
     for sp in shared:

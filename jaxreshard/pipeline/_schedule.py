@@ -1,4 +1,4 @@
-"""A schedule: one ordered action list per stage, with its transfers derived, not written."""
+"""A schedule: one ordered action list per rank, with its transfers derived, not written."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ GRADIENT = "gradient"
 class Transfer:
     """A micro-batch's tensors crossing a stage boundary.
 
-    Activations go from `F` on stage s to `F` on s + 1; gradients from `B` on stage s to `B` on
-    s - 1.
+    Activations go from `F` on stage (chunk) s to `F` on s + 1; gradients from `B` on s to `B`
+    on s - 1. `src` and `dst` are chunks; `Schedule.rank_of` gives their ranks.
     """
 
     kind: str
@@ -34,7 +34,7 @@ class Transfer:
 
     @property
     def boundary(self) -> int:
-        """The boundary crossed: b between stages b and b + 1."""
+        """The boundary crossed: b between stages (chunks) b and b + 1."""
         return min(self.src, self.dst)
 
     def label(self) -> str:
@@ -69,15 +69,28 @@ def transfer_into(action: Action, num_stages: int) -> Transfer | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Schedule:
-    """Per-stage action lists of one training step.
+    """Per-rank action lists of one training step.
+
+    [Note: chunks and ranks]
+    The model is cut into `num_chunks` = p * v consecutive stages ("chunks", the model-order
+    stage index of an action: `Action.stage_index`), and chunk c runs on rank `placement[c]`;
+    a rank (one mesh) holds v chunks. With v = 1 (every schedule but the virtual-stage ones)
+    chunk c runs on rank c, and "stage" means either. A boundary tensor moves from chunk c to
+    c + 1 (and its gradient back); when both chunks sit on one rank, it does not leave the rank
+    and costs nothing. Action lists, peak memory and timelines are per rank; costs are per chunk.
 
     Attributes:
         name: the registry name it was built from (or anything, for hand-written schedules).
-        num_stages, num_micro_batches: p and m.
+        num_stages, num_micro_batches: p (ranks) and m.
         split_backward: each backward is split into `B` (input gradient) and `W` (weight
             gradient).
         weight_delay: `W`s were placed by the weight-delaying policy.
-        actions: one tuple of actions per stage, in execution order.
+        actions: one tuple of actions per rank, in execution order.
+        placement: the rank of each chunk; empty means chunk c on rank c (v = 1). Every rank
+            holds at least one chunk; the built schedules hold v each, an imported one may not.
+        fused: actions that run fused with the next action of their rank (see [Note: fused
+            actions] in `_simulate.py`): DualPipeV's forward/backward pairs, and an imported
+            whole backward (`B` then `W` of one micro-batch) in a split schedule.
     """
 
     name: str
@@ -86,6 +99,8 @@ class Schedule:
     split_backward: bool
     weight_delay: bool
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = ()
+    fused: frozenset[Action] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
@@ -94,6 +109,39 @@ class Schedule:
                 f"schedule {self.name!r}: num_stages={self.num_stages} and "
                 f"num_micro_batches={self.num_micro_batches} must be >= 1"
             )
+        placement = tuple(self.placement) or tuple(range(self.num_stages))
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "fused", frozenset(self.fused))
+        p = self.num_stages
+        if any(not 0 <= r < p for r in placement) or len(set(placement)) != p:
+            held = {rank: [c for c, r in enumerate(placement) if r == rank] for rank in range(p)}
+            raise ValueError(
+                f"schedule {self.name!r}: placement={list(placement)} must put each chunk on one "
+                f"of the {p} ranks and give every rank at least one chunk (rank -> chunks: "
+                f"{held}); e.g. chunk c on rank c % {p}"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        """p * v: the model-order stages (see [Note: chunks and ranks])."""
+        return len(self.placement)
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: chunks per rank (the most any rank holds, should a placement be uneven)."""
+        return max(self.placement.count(r) for r in range(self.num_stages))
+
+    def rank_of(self, chunk: int) -> int:
+        """The rank that runs `chunk`."""
+        return self.placement[chunk]
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """The chunks `rank` runs, in model order."""
+        return tuple(c for c, r in enumerate(self.placement) if r == rank)
+
+    def is_local(self, transfer: Transfer) -> bool:
+        """Whether `transfer` stays on one rank (it then costs nothing)."""
+        return self.placement[transfer.src] == self.placement[transfer.dst]
 
     @classmethod
     def from_lists(
@@ -103,51 +151,129 @@ class Schedule:
         num_micro_batches: int | None = None,
         name: str = "custom",
         weight_delay: bool = False,
+        placement: Sequence[int] | None = None,
+        fused: Iterable[Action | str] = (),
     ) -> Schedule:
-        """A schedule from per-stage lists of `Action`s or strings like `'0F1'`."""
+        """A schedule from per-rank lists of `Action`s or strings like `'0F1'`.
+
+        `placement` defaults to where the lists put each chunk; when a chunk appears on several
+        ranks and there are as many chunks as ranks, to chunk c on rank c (so the checker can
+        point at the misplaced actions).
+        """
         actions = tuple(
-            tuple(a if isinstance(a, Action) else Action.parse(a) for a in stage) for stage in lists
+            tuple(a if isinstance(a, Action) else Action.parse(a) for a in rank) for rank in lists
         )
-        flat = [a for stage in actions for a in stage]
+        flat = [a for rank in actions for a in rank]
         split = any(a.kind == "W" for a in flat)
         if num_micro_batches is None:
             num_micro_batches = 1 + max((a.microbatch_index for a in flat), default=0)
-        return cls(name, len(actions), num_micro_batches, split, weight_delay, actions)
+        if placement is None:
+            placement = infer_placement(actions)
+        return cls(
+            name,
+            len(actions),
+            num_micro_batches,
+            split,
+            weight_delay,
+            actions,
+            tuple(placement),
+            frozenset(a if isinstance(a, Action) else Action.parse(a) for a in fused),
+        )
 
     def transfers(self) -> tuple[Transfer, ...]:
-        """Every transfer, in the producing stage's order (stage by stage)."""
+        """Every transfer, local ones included, in the producing rank's order (rank by rank)."""
         out = []
-        for stage in self.actions:
-            for action in stage:
-                t = transfer_from(action, self.num_stages)
+        for rank in self.actions:
+            for action in rank:
+                t = transfer_from(action, self.num_chunks)
                 if t is not None:
                     out.append(t)
         return tuple(out)
 
+    def groups(self, rank: int) -> list[tuple[Action, ...]]:
+        """Rank `rank`'s actions as units that run as one: fused runs, and single actions."""
+        out: list[tuple[Action, ...]] = []
+        run: list[Action] = []
+        for action in self.actions[rank]:
+            run.append(action)
+            if action not in self.fused:
+                out.append(tuple(run))
+                run = []
+        if run:
+            out.append(tuple(run))
+        return out
+
     def with_apply(self) -> Schedule:
-        """The same schedule with each stage's apply-gradient step after its last B/W."""
-        if any(a.kind == APPLY for stage in self.actions for a in stage):
+        """The same schedule with each rank's apply-gradient step after its last B/W (one per
+        chunk, in model order)."""
+        if any(a.kind == APPLY for rank in self.actions for a in rank):
             return self
-        actions = tuple((*stage, Action(s, APPLY)) for s, stage in enumerate(self.actions))
+        actions = tuple(
+            (*rank, *(Action(c, APPLY) for c in self.chunks_of(r)))
+            for r, rank in enumerate(self.actions)
+        )
         return dataclasses.replace(self, actions=actions)
 
     def describe(self) -> str:
         extra = " + weight delay" if self.weight_delay else ""
-        p, m = self.num_stages, self.num_micro_batches
-        return f"{self.name}{extra}, {p} stages, {m} micro-batches"
+        p, m, v, n = self.num_stages, self.num_micro_batches, self.virtual_stages, self.num_chunks
+        if v == 1:
+            return f"{self.name}{extra}, {p} stages, {m} micro-batches"
+        if n == p * v:
+            return f"{self.name}{extra}, {p} ranks x {v} virtual stages, {m} micro-batches"
+        return f"{self.name}{extra}, {p} ranks, {n} chunks, {m} micro-batches"
 
     def grid(self, mark: dict[Action, str] | None = None) -> str:
         """The action lists as a text grid; `mark` flags actions with a reason."""
-        return format_grid(self.actions, mark)
+        label = "stage" if self.virtual_stages == 1 else "rank"
+        return format_grid(self.actions, mark, label=label, fused=self.fused)
 
     def __str__(self) -> str:
         return f"{self.describe()}\n{self.grid()}"
 
 
-def format_grid(actions: Sequence[Sequence[Action]], mark: dict[Action, str] | None = None) -> str:
-    """One row per stage, one column per position; marked actions print as `>2B3<`."""
+def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Chunk -> rank from where per-rank lists put the chunks (see `Schedule.from_lists`)."""
+    ranks: dict[int, list[int]] = {}
+    for r, rank in enumerate(actions):
+        for a in rank:
+            if r not in ranks.setdefault(a.stage_index, []):
+                ranks[a.stage_index].append(r)
+    num_chunks = 1 + max(ranks, default=len(actions) - 1)
+    if any(len(rs) > 1 for rs in ranks.values()) and num_chunks == len(actions):
+        return tuple(range(num_chunks))
+    for c in range(num_chunks):
+        if c not in ranks:
+            raise ValueError(
+                f"chunk {c} has no actions, but chunks up to {num_chunks - 1} do; every model "
+                "stage needs its F and B on one rank"
+            )
+        if len(ranks[c]) > 1:
+            shown = "; ".join(
+                f"rank {r}: " + " ".join(str(a) for a in actions[r] if a.stage_index == c)
+                for r in ranks[c]
+            )
+            raise ValueError(
+                f"chunk {c} appears on ranks {ranks[c]} ({shown}); a chunk (model stage) runs "
+                "on one rank: move its actions to one row"
+            )
+    return tuple(ranks[c][0] for c in range(num_chunks))
+
+
+def format_grid(
+    actions: Sequence[Sequence[Action]],
+    mark: dict[Action, str] | None = None,
+    *,
+    label: str = "stage",
+    fused: frozenset[Action] = frozenset(),
+) -> str:
+    """One row per rank, one column per position; marked actions print as `>2B3<`, an action
+    fused with the next one as `2F3+`."""
     mark = mark or {}
-    cells = [[f">{a}<" if a in mark else str(a) for a in stage] for stage in actions]
+    cells = [
+        [(f">{a}<" if a in mark else str(a)) + ("+" if a in fused else "") for a in stage]
+        for stage in actions
+    ]
     columns = max((len(row) for row in cells), default=0)
     widths = [
         max((len(row[c]) for row in cells if c < len(row)), default=0) for c in range(columns)
@@ -155,7 +281,7 @@ def format_grid(actions: Sequence[Sequence[Action]], mark: dict[Action, str] | N
     lines = []
     for s, row in enumerate(cells):
         text = " ".join(cell.rjust(widths[c]) for c, cell in enumerate(row))
-        line = f"stage {s} | {text}".rstrip()
+        line = f"{label} {s} | {text}".rstrip()
         reasons = [f"{a}: {mark[a]}" for a in actions[s] if a in mark]
         if reasons:
             line += "   <-- ERROR HERE: " + "; ".join(reasons)

@@ -1,4 +1,6 @@
-"""The schedules, by name: `gpipe`, `1f1b`, `eager_1f1b` (each with optional weight delay), `zb_h1`.
+"""The schedules, by name: `gpipe`, `1f1b`, `eager_1f1b` (each with optional weight delay), `zb_h1`,
+and the virtual-stage ones of `_virtual.py`: `interleaved_1f1b`, `eager_interleaved_1f1b` (each
+with optional weight delay), `zbv` and `dualpipev`.
 
 [Note: weight placement]
 With the backward split, `B` computes only the input gradient (sent to the previous stage at once)
@@ -16,6 +18,8 @@ memory cap allows; the rest run at the end of the step, before the apply-gradien
   peak memory, min(m, p) micro-batches (stage 0's), as every stage's memory cap: later stages
   defer their `W`s so that the gradients run down the pipeline at input-gradient speed, and the
   `W`s fill the cool-down bubbles. The peak over stages stays 1F1B's.
+With virtual stages, "stage" above means rank, and memory counts chunk-micro-batches;
+`zbv` and `dualpipev` place their `W`s themselves (fixed orders).
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT, Action
 from jaxreshard.pipeline._costs import Costs
 from jaxreshard.pipeline._schedule import Schedule, Transfer, transfer_from, transfer_into
 from jaxreshard.pipeline._simulate import ScheduleError, simulate
+from jaxreshard.pipeline._virtual import (
+    DEFAULT_VIRTUAL_STAGES,
+    PLACEMENTS,
+    VIRTUAL_ORDERS,
+    dualpipev_order,
+    interleaved_warmup,
+)
 
 Order = Callable[[int, int, int], list[Action]]
 
@@ -73,16 +84,24 @@ ORDERS: dict[str, Order] = {
     "1f1b": one_f_one_b_order,
     "eager_1f1b": eager_1f1b_order,
 }
-SCHEDULE_NAMES = (*ORDERS, "zb_h1")
+SCHEDULE_NAMES = (*ORDERS, "zb_h1", *VIRTUAL_ORDERS, "dualpipev")
+FIXED_SPLIT = ("zb_h1", "zbv", "dualpipev")
+"""Schedules that always split the backward and place their `W`s themselves."""
 
-PEAK_BOUNDS: dict[str, Callable[[int, int, int], int]] = {
-    "gpipe": lambda s, p, m: m,
-    "1f1b": lambda s, p, m: min(m, p - s),
-    "eager_1f1b": lambda s, p, m: min(m, 2 * (p - s)),
-    "zb_h1": lambda s, p, m: min(m, p),
+PEAK_BOUNDS: dict[str, Callable[..., int]] = {
+    "gpipe": lambda s, p, m, v=1: m,
+    "1f1b": lambda s, p, m, v=1: min(m, p - s),
+    "eager_1f1b": lambda s, p, m, v=1: min(m, 2 * (p - s)),
+    "zb_h1": lambda s, p, m, v=1: min(m, p),
+    "interleaved_1f1b": lambda s, p, m, v=2: min(m * v, interleaved_warmup(s, p, m, v, p) + 1),
+    "eager_interleaved_1f1b": lambda s, p, m, v=2: min(
+        m * v, interleaved_warmup(s, p, m, v, 2 * p) + 1
+    ),
+    "zbv": lambda s, p, m, v=2: min(2 * m, 2 * p),
 }
-"""Peak micro-batches alive on stage s (p stages, m micro-batches) without weight delay; weight
-delay adds at most max(1, ceil(C / F)) on top."""
+"""Peak micro-batches alive on stage (rank) s (p stages, m micro-batches, v chunks per rank:
+chunk-micro-batches) without weight delay; weight delay adds at most max(1, ceil(C / F)) on
+top. `zbv`'s holds for m >= 2p (checked up to p = 8)."""
 
 
 def check_schedule_name(name: str, what: str = "schedule") -> str:
@@ -93,26 +112,53 @@ def check_schedule_name(name: str, what: str = "schedule") -> str:
     return name
 
 
+def check_virtual_stages(
+    name: str, virtual_stages: int | None, what: str = "virtual_stages"
+) -> int:
+    """The number of chunks per rank for `name`: its default when None, else checked."""
+    default = DEFAULT_VIRTUAL_STAGES.get(name, 1)
+    v = default if virtual_stages is None else virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what}={v!r} must be an int >= 1")
+    if name not in PLACEMENTS and v != 1:
+        raise ValueError(
+            f"{what}={v}: {name} runs one stage per rank; use 1, or interleaved_1f1b, "
+            "eager_interleaved_1f1b, zbv or dualpipev for several chunks per rank"
+        )
+    if name in ("zbv", "dualpipev") and v != 2:
+        raise ValueError(
+            f"{what}={v}: {name} places exactly two chunks per rank (a V); use 2, or "
+            "interleaved_1f1b for other counts"
+        )
+    return v
+
+
 def build_schedule(
     name: str,
     num_stages: int,
     num_micro_batches: int,
     *,
+    virtual_stages: int | None = None,
     weight_delay: bool = False,
     costs: Costs | None = None,
     overlap: bool = True,
 ) -> Schedule:
-    """Build the schedule `name` for p stages and m micro-batches.
+    """Build the schedule `name` for p ranks (stages), m micro-batches and v chunks per rank.
 
     Args:
         name: one of `SCHEDULE_NAMES`.
-        num_stages: p >= 1.
+        num_stages: p >= 1, the ranks (meshes).
         num_micro_batches: m >= 1 (m < p is fine).
+        virtual_stages: v, chunks (model stages) per rank; default 1, and 2 for the
+            virtual-stage schedules (`zbv` and `dualpipev` take only 2). The model has p * v
+            chunks; see [Note: chunks and ranks].
         weight_delay: split each backward into B and W and delay the Ws (see
-            [Note: weight placement]); `zb_h1` always splits.
-        costs: the cost model that places the Ws (default: forward 1, backward 2, weight_grad 1,
-            transfers 1, per stage and boundary). Ignored when nothing is split.
-        overlap: whether transfers overlap compute (picks the best W delay for that mode).
+            [Note: weight placement]); `zb_h1`, `zbv` and `dualpipev` always split.
+        costs: the cost model that places the Ws, per chunk (default: forward 1, backward 2,
+            weight_grad 1, transfers 1, per chunk and boundary). Ignored when nothing is
+            placed.
+        overlap: whether transfers overlap compute (picks the best W delay for that mode;
+            virtual-stage schedules need asynchronous transfers and always pick for overlap).
 
     Returns:
         A `Schedule` (without the apply-gradient step; see `Schedule.with_apply`).
@@ -121,34 +167,57 @@ def build_schedule(
     for arg, value in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg}={value!r} must be an int >= 1")
+    v = check_virtual_stages(name, virtual_stages)
     p, m = num_stages, num_micro_batches
-    base_order = ORDERS["1f1b" if name == "zb_h1" else name]
-    base = [base_order(s, p, m) for s in range(p)]
+    placement = PLACEMENTS[name](p, v) if name in PLACEMENTS else tuple(range(p))
+    if name == "dualpipev":
+        orders = [dualpipev_order(r, p, m) for r in range(p)]
+        fused = frozenset(a for _, f in orders for a in f)
+        actions = [order for order, _ in orders]
+        return Schedule(name, p, m, True, weight_delay, actions, placement, fused)
+    if name == "zbv":
+        actions = [VIRTUAL_ORDERS[name](r, p, m, v) for r in range(p)]
+        return Schedule(name, p, m, True, weight_delay, actions, placement)
+    if name in VIRTUAL_ORDERS:
+        base = [VIRTUAL_ORDERS[name](r, p, m, v) for r in range(p)]
+    else:
+        base = [ORDERS["1f1b" if name == "zb_h1" else name](s, p, m) for s in range(p)]
     if name != "zb_h1" and not weight_delay:
-        return Schedule(name, p, m, False, False, base)
+        return Schedule(name, p, m, False, False, base, placement)
+    n = p * v
     if costs is None:
-        costs = Costs.make(p, forward=1.0, backward=2.0, weight_grad=1.0, comm=1.0)
-    elif costs.num_stages != p:
-        raise ValueError(f"costs are for {costs.num_stages} stages, the schedule has {p}")
+        costs = Costs.make(n, forward=1.0, backward=2.0, weight_grad=1.0, comm=1.0)
+    elif costs.num_stages != n:
+        what = "stages" if v == 1 else f"chunks ({p} ranks x {v} virtual stages)"
+        raise ValueError(
+            f"costs are for {costs.num_stages} stages, the schedule has {n} {what}; give one "
+            "cost per chunk"
+        )
     if name == "zb_h1":
         caps = [PEAK_BOUNDS["zb_h1"](s, p, m) for s in range(p)]
         actions = place_weights(base, costs, max_pending=[m] * p, memory_cap=caps)
         return Schedule(name, p, m, True, weight_delay, actions)
 
-    # Weight delay: a W may stay pending while its stage holds at most k micro-batches more than
+    # Weight delay: a W may stay pending while its rank holds at most k micro-batches more than
     # the schedule's documented bound; take the smallest k in 0..max(1, ceil(C / F)) with the
     # best simulated makespan.
-    bounds = [PEAK_BOUNDS[name](s, p, m) for s in range(p)]
-    limit = max(_delay_limit(costs, s) for s in range(p))
+    overlap = overlap or v > 1
+    bounds = [PEAK_BOUNDS[name](r, p, m, v) for r in range(p)]
+    limits = [
+        max(_delay_limit(costs, c, placement) for c in range(n) if placement[c] == r)
+        for r in range(p)
+    ]
     # The first candidate runs each W right after its B: it only sends gradients earlier than
     # the unsplit schedule, so it is never slower, and neither is the pick.
-    candidates = [place_weights(base, costs, max_pending=[0] * p)]
-    for k in range(limit + 1):
-        caps = [bound + min(k, _delay_limit(costs, s)) for s, bound in enumerate(bounds)]
-        candidates.append(place_weights(base, costs, max_pending=[m] * p, memory_cap=caps))
+    candidates = [place_weights(base, costs, max_pending=[0] * p, placement=placement)]
+    for k in range(max(limits) + 1):
+        caps = [bound + min(k, limits[r]) for r, bound in enumerate(bounds)]
+        candidates.append(
+            place_weights(base, costs, max_pending=[m] * p, memory_cap=caps, placement=placement)
+        )
     best: tuple[float, Schedule] | None = None
     for actions in candidates:
-        schedule = Schedule(name, p, m, True, True, actions)
+        schedule = Schedule(name, p, m, True, True, actions, placement)
         makespan = simulate(schedule, costs, overlap=overlap).makespan
         if best is None or makespan < best[0] - 1e-9 * max(1.0, makespan):
             best = (makespan, schedule)
@@ -156,12 +225,14 @@ def build_schedule(
     return best[1]
 
 
-def _delay_limit(costs: Costs, stage: int) -> int:
-    """max(1, ceil(C / F)): the micro-batches of forward work that cover stage's gradient send."""
-    comm = costs.comm[stage - 1] if stage > 0 else 0.0
-    if costs.forward[stage] <= 0:
+def _delay_limit(costs: Costs, chunk: int, placement: Sequence[int]) -> int:
+    """max(1, ceil(C / F)): the micro-batches of forward work that cover chunk's gradient send
+    (none when the previous chunk is on the same rank)."""
+    remote = chunk > 0 and placement[chunk - 1] != placement[chunk]
+    comm = costs.comm[chunk - 1] if remote else 0.0
+    if costs.forward[chunk] <= 0:
         return 1
-    return max(1, math.ceil(comm / costs.forward[stage]))
+    return max(1, math.ceil(comm / costs.forward[chunk]))
 
 
 def place_weights(
@@ -170,10 +241,14 @@ def place_weights(
     *,
     max_pending: Sequence[int],
     memory_cap: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> list[list[Action]]:
-    """Insert a `W` after each `B` of the unsplit orders `base`, by [Note: weight placement]."""
+    """Insert a `W` after each `B` of the unsplit per-rank orders `base`, by [Note: weight
+    placement]; `placement` gives each chunk's rank (default: chunk c on rank c)."""
     p = len(base)
-    queues = [deque(stage) for stage in base]
+    place = tuple(placement) if placement is not None else tuple(range(p))
+    n = len(place)
+    queues = [deque(rank) for rank in base]
     pending: list[deque[Action]] = [deque() for _ in range(p)]
     out: list[list[Action]] = [[] for _ in range(p)]
     free, live = [0.0] * p, [0] * p
@@ -182,72 +257,76 @@ def place_weights(
     finished = [False] * p
     eps = 1e-12
 
-    def duration(s: int, kind: str) -> float:
-        return costs.duration(s, kind, split=True)
+    def duration(action: Action) -> float:
+        return costs.duration(action.stage_index, action.kind, split=True)
 
     def earliest_arrival(needed: Transfer) -> float:
-        """A lower bound on when `needed` arrives, from its producer's stage as it is now."""
-        ps = needed.src
+        """A lower bound on when `needed` arrives, from its producer's rank as it is now."""
+        q = place[needed.src]
         ahead = 0.0
-        for action in queues[ps]:
-            ahead += duration(ps, action.kind)
+        for action in queues[q]:
+            ahead += duration(action)
             if action == needed.producer:
                 break
-        return free[ps] + ahead + costs.comm[needed.boundary]
+        comm = 0.0 if q == place[needed.dst] else costs.comm[needed.boundary]
+        return free[q] + ahead + comm
 
-    def run(s: int, action: Action, start: float) -> None:
-        end = start + duration(s, action.kind)
-        out[s].append(action)
-        free[s] = end
+    def run(r: int, action: Action, start: float) -> None:
+        end = start + duration(action)
+        out[r].append(action)
+        free[r] = end
         if action.kind == FORWARD:
-            live[s] += 1
+            live[r] += 1
         elif action.kind == WEIGHT:
-            live[s] -= 1
+            live[r] -= 1
         elif action.kind == BACKWARD:
-            pending[s].append(Action(s, WEIGHT, action.microbatch_index))
-        sent = transfer_from(action, p)
+            pending[r].append(Action(action.stage_index, WEIGHT, action.microbatch_index))
+        sent = transfer_from(action, n)
         if sent is not None:
+            if place[sent.src] == place[sent.dst]:
+                arrival[sent] = end
+                return
             link = (sent.src, sent.dst)
             t0 = max(end, link_free.get(link, 0.0))
             link_free[link] = arrival[sent] = t0 + costs.comm[sent.boundary]
 
-    def step(s: int) -> bool:
-        """Decide stage s's next action at its free time; False when it must wait."""
-        t = free[s]
-        if not queues[s]:
-            if pending[s]:
-                run(s, pending[s].popleft(), t)
+    def step(r: int) -> bool:
+        """Decide rank r's next action at its free time; False when it must wait."""
+        t = free[r]
+        if not queues[r]:
+            if pending[r]:
+                run(r, pending[r].popleft(), t)
             else:
-                finished[s] = True
+                finished[r] = True
             return True
-        action = queues[s][0]
-        must_weigh = len(pending[s]) > max_pending[s] or (
-            memory_cap is not None and action.kind == FORWARD and live[s] + 1 > memory_cap[s]
+        action = queues[r][0]
+        must_weigh = len(pending[r]) > max_pending[r] or (
+            memory_cap is not None and action.kind == FORWARD and live[r] + 1 > memory_cap[r]
         )
-        if must_weigh and pending[s]:
-            run(s, pending[s].popleft(), t)
+        if must_weigh and pending[r]:
+            run(r, pending[r].popleft(), t)
             return True
-        needed = transfer_into(action, p)
+        needed = transfer_into(action, n)
         ready = arrival.get(needed) if needed is not None else t
         if ready is not None and ready <= t + eps:
-            run(s, queues[s].popleft(), t)
+            run(r, queues[r].popleft(), t)
             return True
-        if pending[s]:
+        if pending[r]:
             bound = ready if ready is not None else earliest_arrival(needed)  # type: ignore[arg-type]
-            if t + duration(s, WEIGHT) <= bound + eps:
-                run(s, pending[s].popleft(), t)
+            if t + duration(pending[r][0]) <= bound + eps:
+                run(r, pending[r].popleft(), t)
                 return True
         if ready is not None:
-            run(s, queues[s].popleft(), ready)
+            run(r, queues[r].popleft(), ready)
             return True
         return False
 
     while not all(finished):
-        for s in sorted((s for s in range(p) if not finished[s]), key=lambda s: (free[s], s)):
-            if step(s):
+        for r in sorted((r for r in range(p) if not finished[r]), key=lambda r: (free[r], r)):
+            if step(r):
                 break
         else:
-            stuck = {queues[s][0]: "waits forever" for s in range(p) if queues[s]}
+            stuck = {queues[r][0]: "waits forever" for r in range(p) if queues[r]}
             raise ScheduleError("base order cannot finish:\n" + _grid(base, stuck))
     return out
 

@@ -10,6 +10,17 @@ calls, the sends of that action and the receive the next F/B needs (as Megatron-
 sender and its receiver have posted it, and a stage leaves its batch only when every transfer in
 it is done, so both ends are blocked for its duration. A set of stages that all wait in batches
 whose peers never post is a deadlock.
+With virtual stages (see [Note: chunks and ranks] in `_schedule.py`) "stage" above means rank,
+a link serves one chunk boundary and direction, and a transfer between two chunks of one rank is
+local: it arrives when its producer ends, takes no time, and is in no batch.
+
+[Note: fused actions]
+A fused run of actions (`Schedule.fused`: DualPipeV's forward/backward pair, or an imported
+whole backward written as `B` then `W`) runs as one unit: it starts when its rank is free and
+every input its actions take from outside the run has arrived, runs its actions back to back,
+and sends what they produce when the run ends (as torch's `OVERLAP_F_B` does). Without overlap,
+its batch before holds the receives of all its actions. Fusing only ever adds waits in this
+cost model (nothing overlaps inside the unit); it records what a runtime may overlap.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT, Action
 from jaxreshard.pipeline._costs import Costs
 from jaxreshard.pipeline._schedule import Schedule, Transfer, transfer_from, transfer_into
 
-SCHEDULE_FORMAT = "jaxreshard-schedule/1"
+SCHEDULE_FORMAT = "jaxreshard-schedule/2"
 
 
 class ScheduleError(ValueError):
@@ -75,14 +86,24 @@ class Timeline:
         return peak_activations(self.schedule)
 
     def to_json(self) -> dict[str, Any]:
-        """The `jaxreshard-schedule/1` JSON object (see DESIGN.md, "Formats")."""
+        """The `jaxreshard-schedule/2` JSON object (see DESIGN.md, "Formats", and the README).
+
+        /2 is /1 plus `virtual_stages`, `placement` (the rank of each chunk),
+        `split_backward`, `chunk` and `fused` on every action, and `src_chunk`/`dst_chunk` and
+        `local` (both chunks on one rank: it takes no time) on every transfer; `stages`,
+        `peak_activations` and a transfer's `src`/`dst` stay indexed by rank.
+        """
+        sched = self.schedule
         origin = min((t.start for stage in self.stages for t in stage), default=0.0)
         return {
             "format": SCHEDULE_FORMAT,
-            "schedule": self.schedule.name,
-            "weight_delay": self.schedule.weight_delay,
-            "num_stages": self.schedule.num_stages,
-            "num_micro_batches": self.schedule.num_micro_batches,
+            "schedule": sched.name,
+            "weight_delay": sched.weight_delay,
+            "num_stages": sched.num_stages,
+            "virtual_stages": sched.virtual_stages,
+            "placement": list(sched.placement),
+            "num_micro_batches": sched.num_micro_batches,
+            "split_backward": sched.split_backward,
             "costs": self.costs.to_json() if self.costs else None,
             "overlap": self.overlap,
             "makespan": self.makespan,
@@ -93,8 +114,10 @@ class Timeline:
                     {
                         "kind": t.action.kind,
                         "mb": None if t.action.kind == APPLY else t.action.microbatch_index,
+                        "chunk": t.action.stage_index,
                         "start": t.start - origin,
                         "end": t.end - origin,
+                        "fused": t.action in sched.fused,
                     }
                     for t in stage
                 ]
@@ -104,8 +127,11 @@ class Timeline:
                 {
                     "kind": t.transfer.kind,
                     "mb": t.transfer.mb,
-                    "src": t.transfer.src,
-                    "dst": t.transfer.dst,
+                    "src": _rank(sched, t.transfer.src),
+                    "dst": _rank(sched, t.transfer.dst),
+                    "src_chunk": t.transfer.src,
+                    "dst_chunk": t.transfer.dst,
+                    "local": _rank(sched, t.transfer.src) == _rank(sched, t.transfer.dst),
                     "start": t.start - origin,
                     "end": t.end - origin,
                 }
@@ -114,8 +140,14 @@ class Timeline:
         }
 
 
+def _rank(schedule: Schedule, chunk: int) -> int:
+    # Measured timelines may carry transfers to stages outside the placement (never today).
+    return schedule.rank_of(chunk) if 0 <= chunk < schedule.num_chunks else chunk
+
+
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batches alive at once: from F until the last backward part."""
+    """Per rank, the most chunk-micro-batches alive at once: from a chunk's F of a micro-batch
+    until its last backward part (with v = 1: micro-batches per stage)."""
     last = WEIGHT if schedule.split_backward else BACKWARD
     peaks = []
     for stage in schedule.actions:
@@ -131,23 +163,63 @@ def peak_activations(schedule: Schedule) -> tuple[int, ...]:
 
 
 def simulate(schedule: Schedule, costs: Costs, *, overlap: bool = True) -> Timeline:
-    """Run `schedule` on the cost model; see [Note: transfer semantics].
+    """Run `schedule` on the cost model; see [Note: transfer semantics] and [Note: fused
+    actions].
+
+    Args:
+        schedule: the per-rank action lists.
+        costs: per chunk (model stage): `costs.num_stages` must be `schedule.num_chunks`.
+        overlap: transfers overlap compute (else they block both ranks).
 
     Raises:
         ScheduleError: the schedule cannot finish (a dependency cycle, or a deadlock of blocking
             transfers), with the grid and the stuck actions marked.
     """
-    if costs.num_stages != schedule.num_stages:
+    if costs.num_stages != schedule.num_chunks:
+        what = "stages" if schedule.virtual_stages == 1 else "chunks (model stages, p * v)"
         raise ValueError(
-            f"costs are for {costs.num_stages} stages but the schedule has {schedule.num_stages}"
+            f"costs are for {costs.num_stages} stages but the schedule has "
+            f"{schedule.num_chunks} {what}; give one cost per chunk"
         )
     engine = _simulate_overlapped if overlap else _simulate_blocking
     stages, transfers = engine(schedule, costs)
     return Timeline(schedule, costs, overlap, stages, transfers)
 
 
+def _external_inputs(unit: tuple[Action, ...], num_chunks: int) -> list[Transfer]:
+    """What a unit's actions receive from outside the unit."""
+    if len(unit) == 1:
+        needed = transfer_into(unit[0], num_chunks)
+        return [] if needed is None else [needed]
+    inside = {transfer_from(a, num_chunks) for a in unit}
+    needed = [transfer_into(a, num_chunks) for a in unit]
+    return [t for t in needed if t is not None and t not in inside]
+
+
+def _outputs(unit: tuple[Action, ...], num_chunks: int) -> list[Transfer]:
+    return [t for a in unit if (t := transfer_from(a, num_chunks)) is not None]
+
+
+def _units(schedule: Schedule, rank: int) -> list[tuple[tuple[Action, ...], list, list]]:
+    """Rank's units with what each receives from outside it and what it sends."""
+    n = schedule.num_chunks
+    return [(u, _external_inputs(u, n), _outputs(u, n)) for u in schedule.groups(rank)]
+
+
+def _run_unit(
+    unit: tuple[Action, ...], start: float, costs: Costs, split: bool
+) -> list[TimedAction]:
+    timed = []
+    for action in unit:
+        end = start + costs.duration(action.stage_index, action.kind, split)
+        timed.append(TimedAction(action, start, end))
+        start = end
+    return timed
+
+
 def _simulate_overlapped(schedule: Schedule, costs: Costs):
-    p, split = schedule.num_stages, schedule.split_backward
+    p, split, num_chunks = schedule.num_stages, schedule.split_backward, schedule.num_chunks
+    units = [_units(schedule, r) for r in range(p)]
     arrival: dict[Transfer, float] = {}
     link_free: dict[tuple[int, int], float] = {}
     timed: list[list[TimedAction]] = [[] for _ in range(p)]
@@ -156,67 +228,121 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            stage = schedule.actions[s]
-            while position[s] < len(stage):
-                action = stage[position[s]]
-                needed = transfer_into(action, p)
-                if needed is not None and needed not in arrival:
+        for r in range(p):
+            while position[r] < len(units[r]):
+                unit, needed, sends = units[r][position[r]]
+                if any(t not in arrival for t in needed):
                     break
-                start = max(free[s], arrival[needed]) if needed is not None else free[s]
-                end = start + costs.duration(s, action.kind, split)
-                timed[s].append(TimedAction(action, start, end))
-                free[s] = end
-                position[s] += 1
+                ran = _run_unit(unit, max([free[r], *(arrival[t] for t in needed)]), costs, split)
+                timed[r] += ran
+                end = free[r] = ran[-1].end
+                position[r] += 1
                 progress = True
-                sent = transfer_from(action, p)
-                if sent is not None:
+                for sent in sends:
+                    if schedule.is_local(sent):
+                        arrival[sent] = end
+                        transfers.append(TimedTransfer(sent, end, end))
+                        continue
                     link = (sent.src, sent.dst)
                     t0 = max(end, link_free.get(link, 0.0))
                     t1 = t0 + costs.comm[sent.boundary]
                     link_free[link] = t1
                     arrival[sent] = t1
                     transfers.append(TimedTransfer(sent, t0, t1))
-    stuck = {}
-    for s in range(p):
-        if position[s] < len(schedule.actions[s]):
-            action = schedule.actions[s][position[s]]
-            needed = transfer_into(action, p)
-            stuck[action] = f"waits for {needed.label() if needed else '?'}"
-    if stuck:
+    heads = {r: units[r][position[r]][0] for r in range(p) if position[r] < len(units[r])}
+    if heads:
+        waits = {
+            r: next(t for t in _external_inputs(unit, num_chunks) if t not in arrival)
+            for r, unit in heads.items()
+        }
         raise ScheduleError(
-            f"{schedule.describe()} cannot finish: its stages wait on each other in a cycle.\n"
-            + schedule.grid(stuck)
+            f"{schedule.describe()} cannot finish: its ranks wait on each other in a cycle.\n"
+            + _explain_wait(schedule, heads, waits)
         )
     return tuple(tuple(t) for t in timed), tuple(transfers)
 
 
-def _program(schedule: Schedule, s: int) -> list[Any]:
-    """Stage s as actions with communication batches between them; a batch is [(transfer, role)].
-
-    A batch holds the sends of one F/B and the receive of the next F/B, and sits right after the
-    earlier one: `W` and `A` do not communicate, so they never split a batch (they run after
-    it), and a split schedule has exactly the batches of the unsplit one.
-    """
-    p = schedule.num_stages
-    items: list[Any] = []
-    previous: Action | None = None  # the last F/B
-    insert_at = 0
-    for action in schedule.actions[s]:
-        if action.kind in (FORWARD, BACKWARD):
-            batch = []
-            if previous is not None and (sent := transfer_from(previous, p)) is not None:
-                batch.append((sent, "send"))
-            if (needed := transfer_into(action, p)) is not None:
-                batch.append((needed, "recv"))
-            items.insert(insert_at, batch)
-            items.append(action)
-            insert_at = len(items)
-            previous = action
+def _explain_wait(
+    schedule: Schedule, heads: dict[int, tuple[Action, ...]], waits: dict[int, Transfer]
+) -> str:
+    """Name the stuck actions and what each waits for, the cycle first, then the marked grid."""
+    word = "stage" if schedule.virtual_stages == 1 else "rank"
+    lines, marks = [], {}
+    for r, unit in heads.items():
+        needed = waits[r]
+        producer = needed.producer
+        q = schedule.rank_of(producer.stage_index)
+        if q in heads:
+            behind = "" if producer in heads[q] else f", queued behind {heads[q][0]}"
+            where = f"{producer} on {word} {q}{behind}"
+        elif any(producer in rank for rank in schedule.actions):
+            where = f"{producer} on {word} {q}, which never runs"
         else:
-            items.append(action)
-    last = [(t, "send")] if previous is not None and (t := transfer_from(previous, p)) else []
-    items.insert(insert_at, last)
+            where = f"{producer}, which no {word} runs"
+        marks[unit[0]] = f"waits for {needed.label()}"
+        lines.append(f"  {unit[0]} ({word} {r}) waits for {where}")
+    cycle = _cycle(schedule, heads, waits)
+    head = f"  cycle: {' -> '.join(cycle)}\n" if cycle else ""
+    return head + "\n".join(lines) + "\n" + schedule.grid(marks)
+
+
+def _cycle(
+    schedule: Schedule, heads: dict[int, tuple[Action, ...]], waits: dict[int, Transfer]
+) -> list[str]:
+    """The stuck actions that wait on each other in a ring: `1B0 (needs 2B0) -> 2F1 (needs
+    1F1) -> 1B0`."""
+    r = next(iter(heads))
+    seen: list[int] = []
+    while r in heads and r not in seen:
+        seen.append(r)
+        r = schedule.rank_of(waits[r].producer.stage_index)
+    if r not in seen:
+        return []
+    ring = seen[seen.index(r) :]
+    return [f"{heads[q][0]} (needs {waits[q].producer})" for q in ring] + [str(heads[r][0])]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Run:
+    """A unit in a blocking program, with the transfers it takes and gives within its rank."""
+
+    actions: tuple[Action, ...]
+    local_in: tuple[Transfer, ...]
+    local_out: tuple[Transfer, ...]
+
+
+def _program(schedule: Schedule, r: int) -> list[Any]:
+    """Rank r as `_Run`s with communication batches between them; a batch is
+    [(transfer, role)].
+
+    A batch holds the sends of one unit with F/B and the receives of the next, and sits right
+    after the earlier one: `W` and `A` do not communicate, so they never split a batch (they run
+    after it), and a split schedule has exactly the batches of the unsplit one. Local transfers
+    are in no batch.
+    """
+    items: list[Any] = []
+    previous: list[Transfer] | None = None  # what the last unit with an F/B sends
+    insert_at = 0
+
+    def remote(transfers: list[Transfer], role: str) -> list[tuple[Transfer, str]]:
+        return [(t, role) for t in transfers if not schedule.is_local(t)]
+
+    for unit, needs, sends in _units(schedule, r):
+        run = _Run(
+            unit,
+            tuple(t for t in needs if schedule.is_local(t)),
+            tuple(t for t in sends if schedule.is_local(t)),
+        )
+        if any(a.kind in (FORWARD, BACKWARD) for a in unit):
+            batch = remote(previous, "send") if previous is not None else []
+            batch += remote(needs, "recv")
+            items.insert(insert_at, batch)
+            items.append(run)
+            insert_at = len(items)
+            previous = sends
+        else:
+            items.append(run)
+    items.insert(insert_at, remote(previous, "send") if previous else [])
     return items
 
 
@@ -224,14 +350,14 @@ _PEER = {"send": "recv", "recv": "send"}
 
 
 def _next_action(program: list[Any], position: int) -> Action:
-    """The action a stage blocked at `position` is about to run (else the one it just ran)."""
-    following = [item for item in program[position:] if isinstance(item, Action)]
-    return following[0] if following else program[position - 1]
+    """The action a rank blocked at `position` is about to run (else the one it just ran)."""
+    following = [item for item in program[position:] if isinstance(item, _Run)]
+    return following[0].actions[0] if following else program[position - 1].actions[-1]
 
 
 def _simulate_blocking(schedule: Schedule, costs: Costs):
     p, split = schedule.num_stages, schedule.split_backward
-    programs = [_program(schedule, s) for s in range(p)]
+    programs = [_program(schedule, r) for r in range(p)]
     posted: dict[tuple[Transfer, str], float] = {}
     done: dict[Transfer, TimedTransfer] = {}
     timed: list[list[TimedAction]] = [[] for _ in range(p)]
@@ -239,45 +365,69 @@ def _simulate_blocking(schedule: Schedule, costs: Costs):
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            program = programs[s]
-            while position[s] < len(program):
-                item = program[position[s]]
-                if isinstance(item, Action):
-                    end = now[s] + costs.duration(s, item.kind, split)
-                    timed[s].append(TimedAction(item, now[s], end))
-                    now[s] = end
-                    position[s] += 1
+        for r in range(p):
+            program = programs[r]
+            while position[r] < len(program):
+                item = program[position[r]]
+                if isinstance(item, _Run):
+                    if any(t not in done for t in item.local_in):
+                        break  # its producer comes later on this rank: never
+                    ran = _run_unit(item.actions, now[r], costs, split)
+                    timed[r] += ran
+                    now[r] = ran[-1].end
+                    for t in item.local_out:
+                        done[t] = TimedTransfer(t, now[r], now[r])
+                    position[r] += 1
                     progress = True
                     continue
                 for key in item:
-                    posted.setdefault(key, now[s])
+                    posted.setdefault(key, now[r])
                 if not all((t, _PEER[role]) in posted for t, role in item):
                     break
-                end = now[s]
+                end = now[r]
                 for t, _ in item:
                     if t not in done:
                         start = max(posted[(t, "send")], posted[(t, "recv")])
                         done[t] = TimedTransfer(t, start, start + costs.comm[t.boundary])
                     end = max(end, done[t].end)
-                now[s] = end
-                position[s] += 1
+                now[r] = end
+                position[r] += 1
                 progress = True
     stuck = {}
-    for s in range(p):
-        if position[s] < len(programs[s]):
-            waiting = [t for t, role in programs[s][position[s]] if (t, _PEER[role]) not in posted]
-            stuck[_next_action(programs[s], position[s])] = "blocked on " + ", ".join(
-                f"{t.label()} (s{t.dst if t.src == s else t.src} has not posted it)"
-                for t in waiting
+    word = "stage" if schedule.virtual_stages == 1 else "rank"
+    for r in range(p):
+        if position[r] >= len(programs[r]):
+            continue
+        item = programs[r][position[r]]
+        if isinstance(item, _Run):
+            waiting = [t for t in item.local_in if t not in done]
+            stuck[item.actions[0]] = "waits for " + ", ".join(
+                f"{t.producer} (later on this {word})" for t in waiting
             )
+            continue
+        waiting = [t for t, role in item if (t, _PEER[role]) not in posted]
+        stuck[_next_action(programs[r], position[r])] = "blocked on " + ", ".join(
+            f"{t.label()} ({word} {_peer_rank(schedule, t, r)} has not posted it)" for t in waiting
+        )
     if stuck:
         raise ScheduleError(
-            f"{schedule.describe()} deadlocks with blocking transfers: every stage below waits "
-            "for a peer that waits too.\n" + schedule.grid(stuck)
+            f"{schedule.describe()} deadlocks with blocking transfers: every {word} below waits "
+            "for a peer that waits too.\n"
+            + schedule.grid(stuck)
+            + (
+                "\n(virtual-stage schedules are made for asynchronous transfers: simulate them "
+                "with overlap)"
+                if schedule.virtual_stages > 1 or schedule.fused
+                else ""
+            )
         )
     order = sorted(done.values(), key=lambda t: (t.start, t.transfer.src, t.transfer.mb))
     return tuple(tuple(t) for t in timed), tuple(order)
+
+
+def _peer_rank(schedule: Schedule, transfer: Transfer, rank: int) -> int:
+    src, dst = schedule.rank_of(transfer.src), schedule.rank_of(transfer.dst)
+    return dst if src == rank else src
 
 
 def ideal_makespan(num_stages: int, num_micro_batches: int, costs: Costs) -> float:

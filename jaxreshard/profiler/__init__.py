@@ -57,7 +57,7 @@ def runtime_for(pc: ProfileConfig) -> Iterator[Any]:
         yield None
         return
     import jaxreshard
-    from jaxreshard.runtime._api import current_runtime
+    from jaxreshard.runtime import current_runtime
 
     running = current_runtime()
     if running.backend == "ray":

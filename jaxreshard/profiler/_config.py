@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxreshard._config import PipelineConfig, read_toml
 from jaxreshard.models import ModelSpec, get_model
+from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
 

@@ -23,7 +23,7 @@ from jaxreshard.profiler._run import (
     stage_stats,
     transfer_stats,
 )
-from jaxreshard.runtime._pipeline import SEND, WAIT
+from jaxreshard.runtime._executor import SEND, WAIT
 
 PROFILE_FORMAT = "jaxreshard-profile/1"
 COMPARE_FORMAT = "jaxreshard-profile-compare/1"
@@ -159,11 +159,12 @@ def describe_devices() -> str:
     """The devices the stages run on: this process's, or the running Ray runtime's hosts'."""
     import jax
 
-    from jaxreshard.runtime._api import _current
+    from jaxreshard.runtime import running_runtime
 
-    if getattr(_current, "backend", None) == "ray" and _current.is_alive:
-        hosts = _current.hosts
-        platform = _current.devices[0].platform if _current.devices else "?"
+    runtime = running_runtime()
+    if getattr(runtime, "backend", None) == "ray":
+        hosts = runtime.hosts
+        platform = runtime.devices[0].platform if runtime.devices else "?"
         return f"{len(hosts)} Ray hosts x {max(map(len, hosts))} {platform}"
     devices = jax.devices()
     kind = devices[0].device_kind if devices else "?"

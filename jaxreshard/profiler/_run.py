@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 import jaxreshard as jr
 from jaxreshard._jax_compat import make_mesh
 from jaxreshard.profiler._config import ProfileConfig
-from jaxreshard.runtime._pipeline import APPLY_EVENT, SEND, WAIT, Event, transplant_spec
+from jaxreshard.runtime._executor import APPLY_EVENT, SEND, WAIT, Event
+from jaxreshard.runtime._specs import transplant_spec
 
 COMPUTE_KINDS = ("F", "B", "W", APPLY_EVENT)
 

@@ -50,7 +50,9 @@ def init(
         devices_per_host: Ray only: devices each host actor owns.
         **options: Ray only: `timeout_s` (every wait; default 120), `transport` (`auto`,
             `object_store` or `nccl`), `object_store_memory`, `cluster_links` (bandwidths for
-            the planner's cost model, as in `Cluster`).
+            the planner's cost model, as in `Cluster`), `gpu_memory_fraction` (of each GPU that
+            XLA may take in a host actor, default 0.6; the rest is for CuPy's receive buffers
+            and NCCL).
 
     Raises:
         RuntimeError: a runtime started by `init` is already running (call
@@ -92,6 +94,12 @@ def shutdown() -> None:
     if _current is not None:
         runtime, _current = _current, None
         runtime.shutdown()
+
+
+def running_runtime() -> Any:
+    """The runtime `init` (or a call needing one) started, if it is still running; else None.
+    Unlike `current_runtime`, this never starts one."""
+    return _current if _current is not None and _current.is_alive else None
 
 
 def current_runtime() -> Any:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+_RPC_TIMEOUT_S = 60.0  # a small call to a live actor (the link emulator's bookkeeping)
+
 
 class HostActor:
     """Ray actor body (wrapped with `ray.remote` by the driver; threaded, so deliveries from
@@ -138,11 +140,14 @@ class HostActor:
         self._objects.deliver(work_id, items, boxed, ready)
 
     def abort(self, work_id: str, reason: str) -> None:
+        """Stop `work_id` (a resharding, or a pipeline step) here: a peer failed."""
         self._objects.abort(work_id, reason)
         if self._stream is not None:
             self._stream.abort(work_id, reason)
         if self._nccl is not None:
             self._nccl.abort(work_id, reason)
+        for pipeline in self.__dict__.get("_pipelines", {}).values():
+            pipeline.abort(work_id, reason)
 
     def run(self, work: Any, transport: str = "object_store") -> dict[str, float]:
         """Run this host's part of a resharding; keep the result as `work.dst_array`."""
@@ -151,10 +156,9 @@ class HostActor:
         src = self._array(work.src_array) if work.src_regions else {}
         try:
             if transport == "nccl":
-                from jaxreshard.comm._nccl import cupy_modules, cupy_view
+                from jaxreshard.comm._nccl import DeviceData
 
-                cupy, _ = cupy_modules()
-                data = HostData(work, src, self.devices, xp=cupy, to_xp=cupy_view)
+                data: Any = DeviceData(work, src, self.devices, self._nccl_transport())
                 stats = run_host_work(work, data, self._nccl)
             else:
                 data = HostData(work, src, self.devices)
@@ -162,6 +166,8 @@ class HostActor:
             result = data.finish()
         finally:
             self._transport.forget(work.work_id)
+            if self._nccl is not None:
+                self._nccl.forget(work.work_id)
         with self._lock:
             self.arrays.setdefault(work.dst_array, {}).update(result)
         return stats
@@ -181,6 +187,7 @@ class HostActor:
         dtype: str,
         refs: list[tuple[Any, list[Any]]],
         regions: Mapping[int, Any],
+        timeout_s: float = 120.0,
     ) -> None:
         """Fetch every source region (the whole tensor) and keep this host's regions of it."""
         import jax
@@ -197,9 +204,10 @@ class HostActor:
         for src_index, (ref,), src_host in refs:
             if self._emulator is not None and src_host != self.host:
                 nbytes = math.prod(b - a for a, b in src_index) * jax.numpy.dtype(dtype).itemsize
-                _, end = ray.get(self._emulator.reserve.remote(src_host, self.host, nbytes))
+                reserved = self._emulator.reserve.remote(src_host, self.host, nbytes)
+                _, end = ray.get(reserved, timeout=_RPC_TIMEOUT_S)
                 sleep_until(end)
-            data = ray.get(ref)
+            data = ray.get(ref, timeout=timeout_s)
             for d, region in regions.items():
                 part = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(src_index, region))
                 if all(b > a for a, b in part):
@@ -213,17 +221,19 @@ class HostActor:
 
     # -- NCCL ----------------------------------------------------------------------------------
 
-    def nccl_unique_id(self) -> Any:
-        from jaxreshard.comm._nccl import NcclTransport
-
-        return NcclTransport.unique_id()
-
-    def nccl_create(self, group: tuple[int, ...], uid: Any) -> None:
-        from jaxreshard.comm._nccl import NcclTransport
-
+    def _nccl_transport(self) -> Any:
         if self._nccl is None:
+            from jaxreshard.comm._nccl import NcclTransport
+
             self._nccl = NcclTransport(self.devices)
-        self._nccl.create(tuple(group), uid)
+        return self._nccl
+
+    def nccl_unique_id(self) -> Any:
+        return self._nccl_transport().unique_id()
+
+    def nccl_create(self, group: tuple[int, ...], uid: Any, channel: str = "reshard") -> None:
+        """Make this host's ranks of a communicator (every member host calls it at once)."""
+        self._nccl_transport().create(tuple(group), uid, channel)
 
     # -- pipelines (see runtime/_pipeline_ray.py) ---------------------------------------------
 
@@ -247,6 +257,7 @@ class HostActor:
         pipelines = self.__dict__.setdefault("_pipelines", {})
         pipelines[key] = HostPipeline(
             self,
+            key,
             pickle.loads(fun),
             config,
             in_tree,

@@ -20,8 +20,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import jax
@@ -30,28 +28,35 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard._config import PipelineConfig
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
-from jaxreshard.comm import VirtualMesh, VirtualSharding, plan_reshard
-from jaxreshard.comm._order import host_programs
-from jaxreshard.comm._transport import HostData, HostWork, run_host_work
+from jaxreshard.comm import VirtualMesh, VirtualSharding
 from jaxreshard.frontend._backward import derive_backward
 from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
-from jaxreshard.pipeline._emit import Instruction
-from jaxreshard.runtime._pipeline import (
+from jaxreshard.runtime._compile import StageCompiler, fusable_segments
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._executor import (
     APPLY_EVENT,
     Event,
     PipelineError,
-    PipelineLayout,
-    StageCompiler,
-    StageRunner,
-    Transfer,
-    layout_pipeline,
-    spec_of,
-    transplant_spec,
+    StageProgram,
+    wait_for_stages,
 )
+from jaxreshard.runtime._host_channels import (
+    HostChannels,
+    check_channel_order,
+    nccl_programs,
+)
+from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline
 from jaxreshard.runtime._remote import RemoteArray
+from jaxreshard.runtime._specs import spec_of, transplant_spec
+from jaxreshard.runtime._step import (
+    combine_losses,
+    donated,
+    pre_values,
+    segment_function,
+    stage_feeds,
+)
 
 # -- in the host actor -----------------------------------------------------------------------------
 
@@ -62,6 +67,7 @@ class HostPipeline:
     def __init__(
         self,
         actor: Any,
+        key: str,
         fun: Callable[..., Any],
         config: PipelineConfig,
         in_tree: Any,
@@ -70,7 +76,7 @@ class HostPipeline:
         input_specs: Sequence[P] | None,
         stage_devices: dict[int, Any],
     ):
-        self.actor, self.config = actor, config
+        self.actor, self.config, self.key = actor, config, key
         self.meshes: dict[int, Mesh] = {}
         for s, grid in stage_devices.items():
             grid = np.asarray(grid)
@@ -103,139 +109,76 @@ class HostPipeline:
                 config,
             )
         self.layout: PipelineLayout | None = None
-        self.host_of_stage: dict[int, int] = {}
-        self._lock = threading.Condition()
-        self._local: dict[tuple[Any, ...], Future] = {}
-        self._local_plans: dict[tuple[Any, ...], Any] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxreshard-send")
-        self._failure: BaseException | None = None
-        self._sends: list[Future] = []  # this step's cross-host sends
+        self.channels: HostChannels | None = None
+        self.programs: dict[int, StageProgram] = {}
+        self._gid = {d: g for g, d in actor.devices.items()}
+        self._step_id = ""
 
     def sharding(self, s: int, spec: P) -> NamedSharding:
         return NamedSharding(self.meshes[s], spec)
 
-    def set_layout(self, layout: PipelineLayout, host_of_stage: dict[int, int]) -> None:
-        self.layout, self.host_of_stage = layout, host_of_stage
+    def set_layout(
+        self, layout: PipelineLayout, host_of_stage: dict[int, int], transport: str
+    ) -> dict[int, int]:
+        """Take the layout; make the channels; fuse optimizer segments into this host's stages'
+        last backwards where possible. Returns the fused segments (stage -> segment)."""
+        self.layout = layout
+        actor = self.actor
+        self.channels = HostChannels(
+            layout,
+            host=actor.host,
+            host_of_stage=host_of_stage,
+            devices=actor.devices,
+            meshes=self.meshes,
+            transport=actor._nccl_transport() if transport == "nccl" else actor._transport,
+            signal=self._signal,
+            timeout_s=self.config.timeout_s,
+        )
+        fused = fusable_segments(self.graph, self.compilers)
+        grad_of = {v: k for k, v in enumerate(self.graph.grad_outputs[1:])}
+        for s, j in fused.items():
+            seg = self.graph.segments[j]
+            self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
+        self.programs = {
+            s: StageProgram(compiler, self.graph, layout, self.channels)
+            for s, compiler in self.compilers.items()
+        }
+        return fused
 
-    # Transfers ------------------------------------------------------------------------------------
+    def _signal(self, host: int, step_id: str, key: tuple[Any, ...]) -> None:
+        self.actor.peers[host].pipeline_call.remote(self.key, "signalled", step_id, key)
+
+    def signalled(self, step_id: str, key: tuple[Any, ...]) -> None:
+        if self.channels is not None:
+            self.channels.signalled(step_id, key)
+
+    def abort(self, step_id: str, reason: str) -> None:
+        """Stop the running step `step_id` (a peer failed): every wait ends with `reason`."""
+        if self.channels is not None and step_id == self._step_id:
+            self.channels.fail(PipelineError(f"host {self.actor.host}: stopped: {reason}"))
 
     def _shards(self, value: Any) -> dict[int, Any]:
         """A jax.Array's shards by global device id (one per device)."""
-        gid = {d: g for g, d in self.actor.devices.items()}
-        return {gid[s.device]: s.data for s in value.addressable_shards}
+        return {self._gid[s.device]: s.data for s in value.addressable_shards}
 
-    def _assemble(
-        self, shape: Sequence[int], sharding: NamedSharding, shards: dict[int, Any]
-    ) -> jax.Array:
-        gid = {d: g for g, d in self.actor.devices.items()}
-        arrays = [shards[gid[d]] for d in sharding.mesh.devices.flat]
+    def _assemble(self, shape: Sequence[int], sharding: NamedSharding, shards: dict) -> jax.Array:
+        arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
-    def _work(self, transfer: Transfer, work_id: str, steps: Sequence[Any]) -> HostWork:
-        plan = transfer.plan
-        own = set(self.actor.devices)
-        return HostWork(
-            work_id=work_id,
-            host=self.actor.host,
-            shape=plan.shape,
-            dtype=plan.dtype,
-            steps=tuple(steps),
-            ops={s.op: plan.ops[s.op] for s in steps},
-            src_regions={d: i for d, i in zip(plan.src.devices, plan.src.indices) if d in own},
-            dst_regions={d: i for d, i in zip(plan.dst.devices, plan.dst.indices) if d in own},
-            src_array="",
-            dst_array="",
-            timeout_s=self.config.timeout_s,
-            describe=f"{transfer.name} ({work_id})",
-        )
-
-    def _send(self, step_id: str, ins: Instruction, value: Any) -> None:
-        transfer = self.layout.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
-        if self.host_of_stage[ins.dst] == self.actor.host:
-            future = self._pool.submit(self._move_local, transfer, value, ins.mb)
-            with self._lock:
-                self._local[(step_id, *ins.key)] = future
-                self._lock.notify_all()
-            return
-        work_id = _work_id(step_id, ins)
-
-        def send() -> None:
-            jax.block_until_ready(value)
-            steps = host_programs(transfer.plan).get(self.actor.host, [])
-            work = self._work(transfer, work_id, steps)
-            data = HostData(work, self._shards(value), self.actor.devices)
-            start = time.perf_counter()
-            run_host_work(work, data, self.actor._transport)
-            self._record(Event.send(transfer, ins.mb, start, time.perf_counter()))
-
-        with self._lock:
-            self._sends.append(self._pool.submit(self._guard, send))
-
-    def _guard(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as e:
-            with self._lock:
-                if self._failure is None:
-                    self._failure = e
-                self._lock.notify_all()
-
-    def _move_local(self, transfer: Transfer, value: Any, mb: int) -> Any:
-        from jaxreshard._reshard import execute
-
-        src = self.sharding(transfer.src_stage, transfer.src_spec)
-        dst = self.sharding(transfer.dst_stage, transfer.dst_spec)
-        key = (transfer.name, transfer.src_spec, transfer.dst_spec)
-        plan = self._local_plans.get(key)
-        if plan is None:
-            plan = self._local_plans[key] = plan_reshard(
-                transfer.shape, transfer.dtype, src, dst, strategy=self.config.resharding
+    def _value(self, item: tuple[str, Any], aval: Any, mesh: Mesh) -> Any:
+        """A value a driver call describes: by array id on this host, or as data."""
+        kind, value = item
+        if kind == "id":
+            array_id, spec = value
+            return self._assemble(
+                aval.shape, NamedSharding(mesh, P(*spec)), self.actor._array(array_id)
             )
-        start = time.perf_counter()
-        jax.block_until_ready(value)
-        moved = (
-            execute(plan, value, dst)
-            if not set(src.device_set) & set(dst.device_set)
-            else jax.device_put(value, dst)
-        )
-        jax.block_until_ready(moved)
-        self._record(Event.send(transfer, mb, start, time.perf_counter()))
-        return moved
+        spec = transplant_spec(None, dict(mesh.shape), np.shape(value))
+        return jax.device_put(np.asarray(value, aval.dtype), NamedSharding(mesh, spec))
 
-    def _recv(self, step_id: str, ins: Instruction) -> Any:
-        transfer = self.layout.transfers[(ins.kind, ins.tensor, ins.src, ins.dst)]
-        timeout = self.config.timeout_s
-        if self.host_of_stage[ins.src] == self.actor.host:
-            deadline = time.monotonic() + timeout
-            key = (step_id, *ins.key)
-            with self._lock:
-                while key not in self._local:
-                    self._check(ins, deadline)
-                    self._lock.wait(0.5)
-                future = self._local.pop(key)
-            return future.result(timeout=max(0.001, deadline - time.monotonic()))
-        steps = host_programs(transfer.plan).get(self.actor.host, [])
-        work = self._work(transfer, _work_id(step_id, ins), steps)
-        data = HostData(work, {}, self.actor.devices)
-        try:
-            run_host_work(work, data, self.actor._transport)
-        finally:
-            self.actor._transport.forget(work.work_id)
-        dst = self.sharding(ins.dst, transfer.dst_spec)
-        return self._assemble(transfer.shape, dst, data.finish())
-
-    def _check(self, ins: Instruction, deadline: float) -> None:
-        if self._failure is not None:
-            raise PipelineError("stopped: another stage failed") from None
-        if time.monotonic() > deadline:
-            raise PipelineError(
-                f"host {self.actor.host}: stage {ins.dst} waited {self.config.timeout_s:g} s for "
-                f"{ins}; stage {ins.src} never sent it"
-            )
-
-    def _record(self, event: Event) -> None:
-        if self._events is not None:
-            self._events.append(event)
+    def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
+        self.actor._store(array_id, self._shards(value))
+        return (array_id, tuple(spec_of(value.sharding)), value.shape, np.dtype(value.dtype).name)
 
     # A step ---------------------------------------------------------------------------------------
 
@@ -246,133 +189,117 @@ class HostPipeline:
         batches: dict[int, list[list[Any]]],
         consts: dict[int, list[Any]],
         record: bool,
+        signal_only: bool = False,
+        apply_inputs: dict[int, list[tuple[str, Any]]] | None = None,
     ) -> dict[str, Any]:
-        """Run this host's stages for one step; keep gradients; return losses (last stage)."""
-        self._failure = None
-        self._sends = []
-        self._events: list[Event] | None = [] if record else None
-        layout, graph = self.layout, self.graph
+        """Run this host's stages for one step (a `StageProgram` thread each, over the host's
+        channels); keep gradients and fused optimizer outputs; return losses (last stage)."""
+        layout, graph, channels = self.layout, self.graph, self.channels
+        assert layout is not None and channels is not None, "set_layout first"
+        self._step_id = step_id
+        events: list[Event] | None = [] if record else None
+        recorder = events.append if events is not None else None
         losses: list[Any] = [None] * self.config.num_micro_batches
         results: dict[int, dict[int, Any]] = {}
-        errors: list[BaseException] = []
-
-        def placed(k: int) -> Any:
-            owner = graph.owner[k]
-            shards = self.actor._array(params[k])
-            aval = graph.outer.in_avals[graph.params[k]]
-            return self._assemble(aval.shape, self.sharding(owner, layout.param_specs[k]), shards)
+        applied: dict[int, list[Any]] = {}
+        channels.begin(list(self.compilers), step_id=step_id, record=recorder,
+                       signal_only=signal_only)  # fmt: skip
 
         def worker(s: int) -> None:
-            runner = StageRunner(
-                self.compilers[s],
-                graph,
-                layout,
-                lambda ins, v: self._send(step_id, ins, v),
-                lambda ins: self._recv(step_id, ins),
-                lambda: self._failure is not None,
-                self._events.append if self._events is not None else None,
-            )
-            mine = {k: placed(k) for k in params if graph.owner[k] == s}
-            stage = graph.loss.stages[s]
-            specs = layout.input_specs[s]
-            per_mb = [
-                [
-                    jax.device_put(np.asarray(x), self.sharding(s, specs[i]))
-                    for x, i in zip(
-                        pieces, [i for i, r in enumerate(stage.inputs) if r.kind == BATCH]
-                    )
-                ]
-                for pieces in batches.get(s, [])
-            ]
-            stage_consts = [
-                jax.device_put(np.asarray(x), self.sharding(s, specs[i]))
-                for x, i in zip(
-                    consts.get(s, []), [i for i, r in enumerate(stage.inputs) if r.kind == CONST]
-                )
-            ]
             try:
-                results[s], _ = runner.run(mine, per_mb, stage_consts, losses)
+                stage = graph.loss.stages[s]
+                specs = layout.input_specs[s]
+                batch_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == BATCH]
+                const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
+                mine = {
+                    k: self._assemble(
+                        graph.outer.in_avals[graph.params[k]].shape,
+                        self.sharding(s, layout.param_specs[k]),
+                        self.actor._array(array_id),
+                    )
+                    for k, array_id in params.items()
+                    if graph.owner[k] == s
+                }
+                per_mb = [
+                    [jax.device_put(x, self.sharding(s, sp)) for x, sp in zip(xs, batch_specs)]
+                    for xs in batches.get(s, [])
+                ]
+                stage_consts = [
+                    jax.device_put(np.asarray(x), self.sharding(s, sp))
+                    for x, sp in zip(consts.get(s, []), const_specs)
+                ]
+                extra = None
+                if apply_inputs and s in apply_inputs:
+                    seg = graph.segments[self._fused[s]]
+                    grads = set(graph.grad_outputs[1:])
+                    avals = [v.aval for v in seg.inputs if v not in grads]
+                    extra = [
+                        self._value(item, aval, self.meshes[s])
+                        for item, aval in zip(apply_inputs[s], avals)
+                    ]
+                program = self.programs[s]
+                program.record = recorder
+                with jax.set_mesh(self.meshes[s]):
+                    results[s], out = program.run(mine, per_mb, stage_consts, losses, extra)
+                if out is not None:
+                    applied[s] = out
             except BaseException as e:
-                with self._lock:
-                    if self._failure is None:
-                        self._failure = e
-                    self._lock.notify_all()
-                errors.append(e)
+                error = (
+                    e
+                    if isinstance(e, PipelineError)
+                    else PipelineError(
+                        f"host {self.actor.host}: stage {s} failed: {type(e).__name__}: {e}"
+                    )
+                )
+                error.__cause__ = e
+                channels.fail(error)
 
-        threads = [threading.Thread(target=worker, args=(s,)) for s in self.compilers]
+        threads = [
+            threading.Thread(target=worker, args=(s,), name=f"jaxreshard-stage{s}", daemon=True)
+            for s in self.compilers
+        ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        # A step ends when its sends have: their errors belong to it, and so do their events.
-        _, pending = wait_futures(list(self._sends), timeout=self.config.timeout_s)
-        if pending and not errors and self._failure is None:
-            raise TimeoutError(
-                f"host {self.actor.host}: {len(pending)} send(s) of step {step_id} did not finish "
-                f"within timeout_s={self.config.timeout_s} s after the stages did; a receiving "
-                "host may be stuck or dead (raise PipelineConfig.timeout_s if transfers are slow)"
-            )
-        if errors or self._failure is not None:
-            raise errors[0] if errors else self._failure  # type: ignore[misc]
-        grads = {}
-        for s, accs in results.items():
-            for k, value in accs.items():
-                if graph.owner[k] == s:
-                    array_id = f"{step_id}:grad{k}"
-                    self.actor._store(array_id, self._shards(value))
-                    grads[k] = array_id
-        last = layout.num_stages - 1
-        out: dict[str, Any] = {"grads": grads}
-        if last in self.compilers:
+        wait_for_stages(threads, [channels], self.config.timeout_s, f"host {self.actor.host}")
+        channels.end()  # a step ends when its sends have: their errors and events belong to it
+        grads = {
+            k: self._describe(f"{step_id}:grad{k}", value)[0]
+            for s, accs in results.items()
+            for k, value in accs.items()
+            if graph.owner[k] == s
+        }
+        out: dict[str, Any] = {
+            "grads": grads,
+            "applied": {
+                s: [self._describe(f"{step_id}:fused{s}:{n}", v) for n, v in enumerate(values)]
+                for s, values in applied.items()
+            },
+        }
+        if layout.num_stages - 1 in self.compilers:
             out["losses"] = [np.asarray(v) for v in losses]
-        if self._events is not None:
-            out["events"] = [e.__dict__ for e in self._events]
+        if events is not None:
+            out["events"] = [e.__dict__ for e in events]
             out["clock"] = time.time() - time.perf_counter()  # to align hosts' event times
         return out
 
-    def segment(self, index: int, step_id: str, inputs: list[tuple[str, Any]]) -> list[Any]:
+    @property
+    def _fused(self) -> dict[int, int]:
+        return {s: j for j, seg in enumerate(self.graph.segments) for s in [seg.stage]
+                if s in self.compilers and self.compilers[s].fused}  # fmt: skip
+
+    def segment(
+        self,
+        index: int,
+        step_id: str,
+        inputs: list[tuple[str, Any]],
+        donate: tuple[int, ...] = (),
+    ) -> list[Any]:
         """Run post-gradient segment `index` here; keep its outputs; describe them."""
         seg = self.graph.segments[index]
         mesh = self.meshes[seg.stage]
-        values = []
-        for (kind, value), var in zip(inputs, seg.inputs):
-            if kind == "id":
-                array_id, spec = value
-                values.append(
-                    self._assemble(
-                        var.aval.shape, NamedSharding(mesh, P(*spec)), self.actor._array(array_id)
-                    )
-                )
-            else:
-                spec = transplant_spec(None, dict(mesh.shape), np.shape(value))
-                values.append(
-                    jax.device_put(np.asarray(value, var.aval.dtype), NamedSharding(mesh, spec))
-                )
-        outs = _jitted(seg.jaxpr)(*values)
-        described = []
-        for n, value in enumerate(outs):
-            array_id = f"{step_id}:seg{index}:{n}"
-            self.actor._store(array_id, self._shards(value))
-            described.append(
-                (array_id, tuple(spec_of(value.sharding)), value.shape, np.dtype(value.dtype).name)
-            )
-        return described
-
-
-def _work_id(step_id: str, ins: Instruction) -> str:
-    """What the sending and the receiving host call one transfer of one step."""
-    kind, tensor, mb, src, dst = ins.key
-    return f"{step_id}:{kind}{tensor}:mb{mb}:s{src}->s{dst}"
-
-
-_JITTED: dict[int, Any] = {}
-
-
-def _jitted(jaxpr: Any) -> Any:
-    fn = _JITTED.get(id(jaxpr))
-    if fn is None:
-        fn = _JITTED[id(jaxpr)] = jax.jit(jc.jaxpr_as_fun(jaxpr))
-    return fn
+        values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
+        outs = segment_function(seg.jaxpr, tuple(donate))(*values)
+        return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
 
 
 # -- in the driver ---------------------------------------------------------------------------------
@@ -488,15 +415,22 @@ class RayPipeline:
         self.layout = layout_pipeline(
             graph, config, self.meshes, leaves, runtime.cluster, compilers
         )
-        runtime._wait(
+        self.transport = runtime.transport
+        if self.transport == "nccl":
+            check_channel_order(self.layout)
+            for channel, programs in nccl_programs(self.layout, self.host_of_stage):
+                runtime._ensure_communicators(programs, channel)
+        fused = runtime._wait(
             {
                 h: runtime.actors[h].pipeline_call.remote(
-                    self.key, "set_layout", self.layout, self.host_of_stage
+                    self.key, "set_layout", self.layout, self.host_of_stage, self.transport
                 )
                 for h in stages_of
             },
             "sending the layout",
         )
+        self.fused = {s: j for per_host in fused.values() for s, j in per_host.items()}
+        self._donate = {j: donated(graph, j) for j in range(len(graph.segments))}
         self.hosts = sorted(stages_of)
         self._steps = 0
         self.last_events: list[Event] = []
@@ -504,13 +438,15 @@ class RayPipeline:
     def sharding(self, s: int, spec: P) -> VirtualSharding:
         return VirtualSharding(self.meshes[s], spec)
 
-    def run(self, leaves: list[Any], *, record: bool = False) -> list[Any]:
+    def run(
+        self, leaves: list[Any], *, record: bool = False, signal_only: bool = False
+    ) -> list[Any]:
         g, layout, rt = self.graph, self.layout, self.runtime
         m = self.config.num_micro_batches
         step_id = f"{self.key}:{self._steps}"
         self._steps += 1
+        values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
         params = {}
-        param_values = []
         for k, i in enumerate(g.params):
             sharding = self.sharding(g.owner[k], layout.param_specs[k])
             value = leaves[i]
@@ -519,36 +455,39 @@ class RayPipeline:
             ):
                 value = rt.put(np.asarray(value), sharding)
             params[k] = value.array_id
-            param_values.append(value)
-        consts_all = _const_values(g, leaves)
-        batches: dict[int, list[list[Any]]] = {}
-        consts: dict[int, list[Any]] = {}
-        for s, stage in enumerate(g.loss.stages):
-            pieces = [
-                np.split(np.asarray(leaves[r.index]), m, axis=0)
-                for r in stage.inputs
-                if r.kind == BATCH
-            ]
-            if pieces:
-                batches[s] = [[piece[mb] for piece in pieces] for mb in range(m)]
-            consts[s] = [np.asarray(consts_all[r.index]) for r in stage.inputs if r.kind == CONST]
+            values[g.outer.jaxpr.invars[i]] = value
+        host_leaves = [np.asarray(x) if not isinstance(x, RemoteArray) else x for x in leaves]
+        pre = pre_values(g, host_leaves)
+        values.update(pre)
+        raw_batches, raw_consts = stage_feeds(g, host_leaves, pre, m)
+        grad_vars = set(g.grad_outputs[1:])
         calls = {}
         for h in self.hosts:
             stages = [s for s, hh in self.host_of_stage.items() if hh == h]
+            apply_inputs = {
+                s: [
+                    self._locate(values[v], h)
+                    for v in g.segments[self.fused[s]].inputs
+                    if v not in grad_vars
+                ]
+                for s in stages
+                if s in self.fused
+            }
             calls[h] = rt.actors[h].pipeline_call.remote(
                 self.key,
                 "step",
                 step_id,
                 {k: params[k] for k in params if self.host_of_stage[g.owner[k]] == h},
-                {s: batches[s] for s in stages if s in batches},
-                {s: consts[s] for s in stages},
+                {s: [[np.asarray(x) for x in xs] for xs in raw_batches[s]] for s in stages},
+                {s: [np.asarray(x) for x in raw_consts[s]] for s in stages},
                 record,
+                signal_only,
+                apply_inputs,
             )
         results = rt._wait(
             calls, f"running step {step_id}", self.config.timeout_s + 30, work_id=step_id
         )
         last_host = self.host_of_stage[layout.num_stages - 1]
-        losses = results[last_host]["losses"]
         here = time.time() - time.perf_counter()
         self.last_events = [
             Event(
@@ -561,29 +500,35 @@ class RayPipeline:
             for r in results.values()
             for e in r.get("events", [])
         ]
-        loss = np.mean(losses) if self.config.loss_reduction == "mean" else np.sum(losses)
-        values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
-        for k, i in enumerate(g.params):
-            values[g.outer.jaxpr.invars[i]] = param_values[k]
+        loss = combine_losses(results[last_host]["losses"], self.config.loss_reduction)
         values[g.grad_outputs[0]] = np.asarray(loss, dtype=g.grad_outputs[0].aval.dtype)
         for k, v in enumerate(g.grad_outputs[1:]):
             owner = g.owner[k]
             array_id = results[self.host_of_stage[owner]]["grads"].get(k)
             aval = g.outer.in_avals[g.params[k]]
-            if array_id is None:  # the loss does not use this parameter
+            if array_id is not None:
+                values[v] = RemoteArray(
+                    rt,
+                    array_id,
+                    aval.shape,
+                    aval.dtype,
+                    self.sharding(owner, layout.param_specs[k]),
+                )
+            elif owner not in self.fused:  # the loss does not use this parameter
                 values[v] = np.zeros(aval.shape, aval.dtype)
-                continue
-            values[v] = RemoteArray(
-                rt, array_id, aval.shape, aval.dtype, self.sharding(owner, layout.param_specs[k])
-            )
+        for s, j in self.fused.items():
+            described = results[self.host_of_stage[s]]["applied"][s]
+            values.update(zip(g.segments[j].outputs, self._remote(s, described)))
         for index, seg in enumerate(g.segments):
+            if index in self.fused.values():
+                continue
             host = self.host_of_stage[seg.stage]
             start = time.perf_counter()
             inputs = [self._locate(values[v], host) for v in seg.inputs]
             described = rt._wait(
                 {
                     host: rt.actors[host].pipeline_call.remote(
-                        self.key, "segment", index, step_id, inputs
+                        self.key, "segment", index, step_id, inputs, self._donate[index]
                     )
                 },
                 f"post segment {index}",
@@ -592,12 +537,15 @@ class RayPipeline:
                 self.last_events.append(
                     Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply")
                 )
-            for var, (array_id, spec, shape, dtype) in zip(seg.outputs, described):
-                values[var] = RemoteArray(
-                    rt, array_id, shape, dtype, self.sharding(seg.stage, P(*spec))
-                )
+            values.update(zip(seg.outputs, self._remote(seg.stage, described)))
         return [
             values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars
+        ]
+
+    def _remote(self, stage: int, described: list[Any]) -> list[RemoteArray]:
+        return [
+            RemoteArray(self.runtime, array_id, shape, dtype, self.sharding(stage, P(*spec)))
+            for array_id, spec, shape, dtype in described
         ]
 
     def _locate(self, value: Any, host: int) -> tuple[str, Any]:
@@ -608,16 +556,6 @@ class RayPipeline:
                 return ("id", (value.array_id, tuple(value.sharding.spec)))
             return ("data", value.fetch())
         return ("data", np.asarray(value))
-
-
-def _const_values(g: StepGraph, leaves: list[Any]) -> list[Any]:
-    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    if g.pre is not None:
-        pre_in = [np.asarray(leaves[index[v]]) for v in g.pre_inputs]
-        pre = dict(zip(g.pre_outputs, jax.jit(jc.jaxpr_as_fun(g.pre))(*pre_in)))
-    else:
-        pre = {}
-    return [leaves[index[v]] if v in index else pre[v] for v in g.consts]
 
 
 def _by_value(fun: Callable[..., Any]) -> bytes:

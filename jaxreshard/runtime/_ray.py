@@ -17,6 +17,7 @@ import math
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ class RayRuntime:
         start_timeout_s: float = 180.0,
         nodes: str = "per_host",
         emulate_network_gbps: float | None = None,
+        gpu_memory_fraction: float = 0.6,
     ):
         import ray
 
@@ -121,6 +123,11 @@ class RayRuntime:
             if devices_per_host is None:
                 devices_per_host = int(self.description.get("devices_per_host", 1))
         self.emulate_network_gbps = emulate_network_gbps
+        if not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(
+                f"init(gpu_memory_fraction={gpu_memory_fraction!r}): a fraction in (0, 1]"
+            )
+        self.gpu_memory_fraction = gpu_memory_fraction
         try:
             self._start_actors(local, num_hosts, devices_per_host, start_timeout_s, transport)
         except BaseException:
@@ -133,7 +140,7 @@ class RayRuntime:
         self.cluster = Cluster(self.hosts, **(cluster_links or {}))
         platform = self.infos[0]["platform"]
         self.transport = transport if transport != "auto" else _auto_transport(platform)
-        self._communicators: set[tuple[int, ...]] = set()
+        self._communicators: set[tuple[str, tuple[int, ...]]] = set()
 
     def _start_actors(
         self,
@@ -156,11 +163,24 @@ class RayRuntime:
             counts = [devices_per_host or 1] * num_hosts  # type: ignore[operator]
             gpus = [counts[0] if use_gpu else 0] * num_hosts  # type: ignore[operator]
         else:
+            with_gpus = [n for n, g in zip(nodes, gpus_per_node) if g > 0]
+            if with_gpus and len(with_gpus) < len(nodes):
+                # A head node without GPUs must not turn the cluster into CPU devices.
+                skipped = [n["NodeManagerAddress"] for n, g in zip(nodes, gpus_per_node) if not g]
+                warnings.warn(
+                    f"the Ray cluster has {len(with_gpus)} nodes with GPUs and nodes without "
+                    f"({skipped}, e.g. a head node for the driver): host actors start on the GPU "
+                    "nodes only, so the stages run on GPUs",
+                    stacklevel=3,
+                )
+                nodes = with_gpus
+                gpus_per_node = [g for g in gpus_per_node if g > 0]
             if num_hosts is not None and num_hosts > len(nodes):
                 raise ValueError(
                     f"init(num_hosts={num_hosts}): the cluster has only {len(nodes)} live nodes"
                 )
             nodes = nodes[: num_hosts or len(nodes)]
+            gpus_per_node = gpus_per_node[: len(nodes)]
             placements = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
             use_gpu = all(g > 0 for g in gpus_per_node[: len(nodes)])
             counts = [
@@ -175,7 +195,11 @@ class RayRuntime:
         hosts, first = [], 0
         for h, (count, placement) in enumerate(zip(counts, placements)):
             env = {"JAX_PLATFORMS": "cuda" if use_gpu else "cpu"}
-            if not use_gpu:
+            if use_gpu:
+                # XLA preallocates 75% of a GPU by default; keep it to the fraction, so that
+                # CuPy (receive buffers) and NCCL have room (see [Note: NCCL transport]).
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.gpu_memory_fraction:g}"
+            else:
                 env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
             options: dict[str, Any] = dict(
                 max_concurrency=16, num_cpus=0, num_gpus=gpus[h], runtime_env={"env_vars": env}
@@ -380,7 +404,9 @@ class RayRuntime:
             receivers.setdefault(self.cluster.host_of(device), {})[device] = index
         self._wait(
             {
-                h: self.actors[h].pull_whole.remote(dst_id, array.dtype.name, refs, regions)
+                h: self.actors[h].pull_whole.remote(
+                    dst_id, array.dtype.name, refs, regions, self.timeout_s
+                )
                 for h, regions in receivers.items()
             },
             what,
@@ -418,10 +444,14 @@ class RayRuntime:
         chunk costs it an object and an actor call."""
         return {"chunk_bytes": plan.cluster.chunk_bytes} if self.transport == "tcp" else {}
 
-    def _ensure_communicators(self, programs: dict[int, list[Any]]) -> None:
+    def _ensure_communicators(
+        self, programs: dict[int, list[Any]], channel: str = "reshard"
+    ) -> None:
+        """Create the communicators the programs use that do not exist yet (see
+        [Note: NCCL transport]), one group at a time in sorted order."""
         groups = sorted({s.group for steps in programs.values() for s in steps if s.group})
         for group in groups:  # one fixed global order, the same on every host
-            if group in self._communicators:
+            if (channel, group) in self._communicators:
                 continue
             members = sorted({self.cluster.host_of(d) for d in group})
             uid = self._wait(
@@ -429,10 +459,10 @@ class RayRuntime:
                 f"making the NCCL id of {list(group)}",
             )[members[0]]
             self._wait(
-                {h: self.actors[h].nccl_create.remote(group, uid) for h in members},
-                f"creating the NCCL communicator {list(group)}",
+                {h: self.actors[h].nccl_create.remote(group, uid, channel) for h in members},
+                f"creating the NCCL communicator {list(group)} ({channel})",
             )
-            self._communicators.add(group)
+            self._communicators.add((channel, group))
 
     # -- waiting, failures, shutdown -------------------------------------------------------------
 
@@ -464,7 +494,7 @@ class RayRuntime:
             for ref in ready:
                 h = pending.pop(ref)
                 try:
-                    results[h] = ray.get(ref)
+                    results[h] = ray.get(ref, timeout=max(1.0, left))  # ready: at once
                 except ray.exceptions.RayActorError as e:
                     self._broken = f"host actor {h} died during {what}"
                     self._abort(work_id, self._broken)
@@ -473,14 +503,15 @@ class RayRuntime:
                         f"{_first_line(e)}. Call jaxreshard.shutdown() and jaxreshard.init() again."
                     ) from None
                 except ray.exceptions.RayTaskError as e:
-                    self._abort(work_id, f"host {h} failed")
-                    cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
-                    raise type(cause)(f"host {h}: {cause}") from None
+                    self._abort(work_id, f"host {h} failed during {what}")
+                    raise _named(e, h, what) from None
         return results
 
     def _abort(self, work_id: str | None, reason: str) -> None:
         if work_id is None:
             return
+        # An abort ends every NCCL communicator on every host: they are made anew on next use.
+        self._communicators.clear()
         for h, actor in enumerate(self.actors):
             try:
                 actor.abort.remote(work_id, reason)
@@ -616,6 +647,19 @@ def _described_cluster() -> dict[str, Any] | None:
     except Exception as e:  # a malformed entry must not stop the runtime; say so
         logging.getLogger(__name__).warning("ignoring the cluster description in Ray: %s", e)
         return None
+
+
+def _named(e: Any, h: int, what: str) -> BaseException:
+    """A host's error as the driver raises it: its own type where possible, naming the host
+    (once) and what the driver was doing."""
+    cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
+    text = str(cause)
+    prefix = f"host {h}: "
+    message = (text if text.startswith(prefix) else prefix + text) + f" (during {what})"
+    try:
+        return type(cause)(message)
+    except Exception:  # an exception type that cannot be made from a message
+        return RuntimeError(f"{type(cause).__name__}: {message}")
 
 
 def _first_line(e: BaseException) -> str:

@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
+from jaxreshard.pipeline import SCHEDULE_NAMES as SCHEDULES
+
 RESHARDING = (
     "send_recv",
     "allgather",

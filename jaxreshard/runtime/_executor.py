@@ -1,0 +1,575 @@
+"""The executor core: one interpreter of stage programs, and the channels boundary tensors take.
+
+[Note: pipeline execution]
+Compilation goes stage by stage, forward then backward, and exchanges only `PartitionSpec`s, so
+that a stage can compile in the process that owns its devices (this one, or a host actor):
+- `StageCompiler` (`_compile.py`) compiles one stage on its mesh for given input specs: its
+  forward (returning outputs and residuals), and its backward (whole, or B and W), with gradient
+  accumulators updated in place; it reports the specs XLA chose for every output.
+- `layout_pipeline` (`_layout.py`) chains those specs, plans every transfer once (reused every
+  micro-batch and step), and turns the schedule into per-stage instruction lists.
+- `StageProgram` (here) steps through one stage's instructions (see [Note: instructions]) and
+  is the only interpreter: the local runtime runs one per stage in threads of this process, a
+  Ray host actor one per stage it holds. Compute is dispatched to JAX asynchronously.
+- `Channels` (here) is everything that happens to a boundary tensor; the runtimes differ only
+  in its `_move` / `_post_receives` (see [Note: boundary tensors]).
+
+[Note: boundary tensors]
+What happens to a boundary tensor (an activation, its gradient, a shared parameter or its
+gradient contribution), on every runtime:
+1. At the start of a step, `Channels.begin` posts every receive of the stages this process
+   runs: a runtime whose transfers need the receiving side to act (Ray's object store, NCCL)
+   starts it now, off the compute threads, in each channel's program order.
+2. The producing stage's `SEND` calls `Channels.send`, which never blocks: the value joins its
+   stage's outgoing queue, ordered by when the consumer needs it (the consumer action's start in
+   the simulated schedule: `PipelineLayout.need`), and the stage computes on.
+3. A sender thread per stage checks that the value is laid out as planned, waits for it to
+   exist, and moves it by the transfer's plan (`_move`): in this process (the local runtime, or
+   stages of one Ray host) by `comm._local.execute_local`; to another host by the sending side
+   of the plan's host programs over the object store (`ObjectStoreTransport`) or NCCL.
+4. The value arrives in the consumer's mailbox (`deliver`); with network emulation, with the
+   time it may be used. The consumer's `RECV` takes it, waiting only if it is not there yet,
+   with a deadline that names the silent stage.
+5. `Channels.end` waits (with a deadline) until this process's sends have been delivered; the
+   first failure anywhere (`fail`) wakes every wait, and the transports abort their transfers.
+In signal-only mode (see [Note: signal-only bound]) step 3 moves no data: the receiver gets
+zeros placed on its mesh once, and only the dependency remains.
+
+[Note: signal-only bound]
+The paper's upper bound on what hiding transfers can buy: every cross-mesh transfer becomes a
+signal that keeps the dependency (the receiver still waits for the sender's value to exist) but
+carries no data; the receiver computes on zeros placed on its mesh once. A step run so is as fast
+as the same schedule with free communication; its losses are meaningless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard.comm._emulate import sleep_until
+from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
+from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
+from jaxreshard.pipeline._emit import (
+    ACTIVATION,
+    GRADIENT,
+    RECV_OP,
+    RUN,
+    SEND_OP,
+    Instruction,
+)
+from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
+from jaxreshard.runtime._compile import StageCompiler
+from jaxreshard.runtime._layout import PipelineLayout, Transfer
+
+
+class PipelineError(RuntimeError):
+    """A stage failed, or a transfer did not arrive in time."""
+
+
+@dataclasses.dataclass
+class Event:
+    """A timed thing that happened during a step (for profiles).
+
+    Kinds: `F`, `B`, `W` (compute; `FB` is a forward and backward run as one executable), `A`
+    (an optimizer segment run after the pipeline), `send` (a transfer, on the sender's lane,
+    `dst` its receiver) and `wait` (a stage blocked in a RECV). Times are
+    `time.perf_counter()` seconds of the process that ran the stage.
+    """
+
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+    name: str
+    nbytes: int = 0
+    dst: int = -1
+
+    @classmethod
+    def send(cls, transfer: Any, mb: int, start: float, end: float, nbytes: int | None = None):
+        """A `send` event of one micro-batch's `transfer` (its bytes unless `nbytes` says)."""
+        size = transfer.nbytes if nbytes is None else nbytes
+        return cls(
+            transfer.src_stage, SEND, mb, start, end, transfer.name, size, transfer.dst_stage
+        )
+
+
+SEND, WAIT, APPLY_EVENT = "send", "wait", "A"
+
+
+def transfer_key(ins: Instruction) -> tuple[str, int, int, int]:
+    """The `PipelineLayout.transfers` key of the transfer an instruction moves."""
+    return (ins.kind, ins.tensor, ins.src, ins.dst)
+
+
+def transfer_name(ins: Instruction) -> str:
+    """The name of the `Transfer` an instruction moves (`act3 s0->s1`)."""
+    return f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
+
+
+# -- channels ------------------------------------------------------------------------------------
+
+
+class Channels:
+    """How boundary tensors move between stages (see [Note: boundary tensors]).
+
+    One object per process that runs stages, reused step after step. Subclasses implement
+    `_move` (and `_post_receives` where receiving takes work of its own); `where(stage)` may name
+    the host a stage runs on, for messages.
+    """
+
+    def __init__(self, layout: PipelineLayout, timeout_s: float):
+        self.layout, self.timeout_s = layout, timeout_s
+        self.record: Callable[[Event], None] | None = None
+        self.signal_only = False
+        self._cond = threading.Condition()
+        self._arrived: dict[tuple[Any, ...], tuple[Any, float]] = {}
+        self._failure: BaseException | None = None
+        self._queues: dict[int, list[Any]] = {}
+        self._senders: dict[int, threading.Thread] = {}
+        self._in_flight = 0
+        self._order = itertools.count()
+        self._closed = False
+        self._placeholders: dict[tuple[str, Any], Any] = {}
+
+    # A step ------------------------------------------------------------------------------------
+
+    def begin(
+        self,
+        stages: Sequence[int],
+        *,
+        step_id: str = "",
+        record: Callable[[Event], None] | None = None,
+        signal_only: bool = False,
+    ) -> None:
+        """Start step `step_id` of `stages` (the ones this process runs): post their
+        receives."""
+        with self._cond:
+            self._arrived.clear()
+            self._failure = None
+            self._in_flight = 0
+        self.record, self.signal_only = record, signal_only
+        self._post_receives(stages)
+
+    def send(self, ins: Instruction, value: Any) -> None:
+        """Hand a value over for moving; returns at once."""
+        transfer = self.layout.transfers[transfer_key(ins)]
+        need = self.layout.need.get(ins.key, 0.0)
+        with self._cond:
+            self._check_failure()
+            heapq.heappush(
+                self._queues.setdefault(ins.src, []),
+                (need, next(self._order), ins, transfer, value),
+            )
+            self._in_flight += 1
+            if ins.src not in self._senders:
+                thread = threading.Thread(
+                    target=self._send_loop,
+                    args=(ins.src,),
+                    name=f"jaxreshard-send-s{ins.src}",
+                    daemon=True,
+                )
+                self._senders[ins.src] = thread
+                thread.start()
+            self._cond.notify_all()
+
+    def recv(self, ins: Instruction) -> Any:
+        """The value of a RECV, waiting (at most `timeout_s`) until it has arrived."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while ins.key not in self._arrived:
+                self._check_failure()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(self._silent(ins))
+                self._cond.wait(min(left, 1.0))
+            value, ready = self._arrived.pop(ins.key)
+        sleep_until(ready)  # an emulated link's end (0: now)
+        return value
+
+    def deliver(self, key: tuple[Any, ...], value: Any, ready: float = 0.0) -> None:
+        """A moved value has arrived (usable from `ready` on the monotonic clock)."""
+        with self._cond:
+            self._arrived[key] = (value, ready)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """Wait until this process's sends are delivered; raise the step's first failure."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._in_flight and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._failure = PipelineError(
+                        f"{self._in_flight} transfer(s) of this step did not finish within "
+                        f"timeout_s={self.timeout_s:g} s after the stages did; a receiving host "
+                        "may be stuck or dead (raise PipelineConfig.timeout_s if transfers are "
+                        "slow)"
+                    )
+                    break
+                self._cond.wait(min(left, 1.0))
+            failure = self._failure
+        if failure is not None:
+            self._on_failure(failure)
+            raise failure
+
+    def fail(self, error: BaseException) -> None:
+        """Record the step's first failure and wake every wait."""
+        with self._cond:
+            first = self._failure is None
+            if first:
+                self._failure = error
+            self._cond.notify_all()
+        if first:
+            self._on_failure(error)
+
+    @property
+    def stopped(self) -> bool:
+        return self._failure is not None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # Helpers for subclasses --------------------------------------------------------------------
+
+    def placeholder(self, transfer: Transfer, sharding: Any) -> Any:
+        """Signal-only mode's stand-in for a transfer's result: zeros already in place, made
+        once (see [Note: signal-only bound])."""
+        key = (transfer.name, transfer.dst_spec)
+        with self._cond:
+            value = self._placeholders.get(key)
+        if value is None:
+            value = jax.device_put(np.zeros(transfer.shape, transfer.dtype), sharding)
+            with self._cond:
+                value = self._placeholders.setdefault(key, value)
+        return value
+
+    def where(self, stage: int) -> str:
+        """How messages name a stage (`stage 2`, or `stage 2 (host 1)`)."""
+        return f"stage {stage}"
+
+    # To implement -------------------------------------------------------------------------------
+
+    def _move(self, ins: Instruction, transfer: Transfer, value: Any) -> None:
+        """Move one value by its transfer's plan and `deliver` it (or have the receiver do so)."""
+        raise NotImplementedError
+
+    def _post_receives(self, stages: Sequence[int]) -> None:
+        """Start receiving what these stages' programs RECV (if receiving takes work)."""
+
+    def _on_failure(self, error: BaseException) -> None:
+        """Abort transfers in flight (transports' waits end with an error)."""
+
+    # Internals ----------------------------------------------------------------------------------
+
+    def _send_loop(self, stage: int) -> None:
+        queue = self._queues[stage]
+        while True:
+            with self._cond:
+                while not queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                _, _, ins, transfer, value = heapq.heappop(queue)
+            try:
+                if self._failure is None:
+                    self._move(ins, transfer, value)
+            except BaseException as e:
+                error = (
+                    e
+                    if isinstance(e, PipelineError)
+                    else PipelineError(
+                        f"{self.where(ins.src)}: sending {ins}: {type(e).__name__}: {e}"
+                    )
+                )
+                error.__cause__ = e
+                self.fail(error)
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+
+    def _check_failure(self) -> None:
+        if self._failure is not None:
+            raise PipelineError("stopped: another stage failed") from None
+
+    def _silent(self, ins: Instruction) -> str:
+        return (
+            f"{self.where(ins.dst)} waited timeout_s={self.timeout_s:g} s for {ins}; "
+            f"{self.where(ins.src)} never sent it (it is stuck, dead, or slower than timeout_s)"
+        )
+
+
+def wait_for_stages(
+    stages: Sequence[Any], channels: Sequence[Channels], timeout_s: float, what: str
+) -> None:
+    """Wait until every stage's runner (a `Future` or a `Thread`) has returned. Each of their
+    waits has a deadline, so they end; once the step has failed, they get `timeout_s` more to
+    notice it before the step gives up on them (a stuck device)."""
+    deadline: float | None = None
+    for stage in stages:
+        while not (stage.done() if hasattr(stage, "done") else not stage.is_alive()):
+            if hasattr(stage, "join"):
+                stage.join(0.5)
+            else:
+                futures_wait([stage], timeout=0.5)
+            if deadline is None and any(c.stopped for c in channels):
+                deadline = time.monotonic() + timeout_s
+            if deadline is not None and time.monotonic() > deadline:
+                raise PipelineError(
+                    f"{what}: a stage did not stop within {timeout_s:g} s after the step failed "
+                    "(a device or a transfer is stuck); restart the runtime "
+                    "(jaxreshard.shutdown(); jaxreshard.init())"
+                )
+
+
+def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
+    """A transfer's plan says which device holds which slice: moving a value laid out otherwise
+    would deliver wrong data, so refuse it (an internal error, never silent)."""
+    if not value.sharding.is_equivalent_to(planned, len(transfer.shape)):
+        raise PipelineError(
+            f"{transfer.name}: the value leaves stage {transfer.src_stage} as {value.sharding} but "
+            f"its transfer was planned for {planned}; this is a jaxreshard bug, please report it"
+        )
+
+
+# -- the interpreter -----------------------------------------------------------------------------
+
+
+class StageProgram:
+    """Steps through one stage's instructions (see [Note: instructions]).
+
+    The last stage runs a forward and the backward right after it (nothing between them but
+    FREEs) as one executable when its backward is not split: nothing crosses stages in between,
+    and XLA then keeps the residuals in the program instead of writing them out (with one stage
+    and one micro-batch, the step is a single executable, as under `jax.jit`).
+
+    Args:
+        compiler: the stage's compiled executables.
+        graph, layout: the step.
+        channels: moves boundary tensors (see [Note: boundary tensors]).
+        record: if given, called with an `Event` after each action (blocks on its results).
+    """
+
+    def __init__(
+        self,
+        compiler: StageCompiler,
+        graph: StepGraph,
+        layout: PipelineLayout,
+        channels: Channels,
+        record: Callable[[Event], None] | None = None,
+    ):
+        self.c, self.graph, self.layout, self.channels = compiler, graph, layout, channels
+        self.record = record
+        program = layout.programs[compiler.s]
+        self.program = program
+        last = compiler.s == layout.num_stages - 1
+        runs = [i for i, ins in enumerate(program) if ins.op == RUN]
+        self.last_backward = max(i for i in runs if program[i].action.kind in (BACKWARD, WEIGHT))
+        # Positions of forwards fused with the backward that follows them.
+        self.fused_fb: set[int] = set()
+        if last and compiler.bw.w is None:
+            for i, j in itertools.pairwise(runs):
+                f, b = program[i].action, program[j].action
+                between = program[i + 1 : j]
+                if (
+                    f.kind == FORWARD
+                    and b.kind == BACKWARD
+                    and f.microbatch_index == b.microbatch_index
+                    and all(ins.op not in (RECV_OP, SEND_OP) for ins in between)
+                ):
+                    self.fused_fb.add(i)
+
+    def run(
+        self,
+        params: dict[int, Any],
+        batches: list[list[Any]],
+        consts: list[Any],
+        losses: list[Any],
+        apply_inputs: Sequence[Any] | None = None,
+    ) -> tuple[dict[int, Any], list[Any] | None]:
+        """Run the stage's program.
+
+        Args:
+            params: the parameters this stage keeps (owner), by index.
+            batches: per micro-batch, the stage's batch inputs in input order.
+            consts: the stage's per-step constants in input order.
+            losses: filled per micro-batch by the last stage.
+            apply_inputs: with a fused optimizer segment (`StageCompiler.set_apply`), its
+                inputs other than the gradients.
+
+        Returns:
+            The gradient accumulators by parameter index (none when the optimizer was fused),
+            and the fused segment's outputs (or None).
+        """
+        c, bw, channels = self.c, self.c.bw, self.channels
+        fused = c.fused and apply_inputs is not None
+        applied: list[Any] | None = None
+        stage, s = bw.stage, c.s
+        last = s == self.layout.num_stages - 1
+        local_params = dict(params)
+        acc: list[Any] | None = None  # the first backward's gradients start the accumulators
+        acc_params = c.acc_params
+        inbox: dict[tuple[int, int], Any] = {}
+        outbox: dict[tuple[int, int], Any] = {}
+        grads_in: dict[tuple[int, int, int], Any] = {}
+        grads_out: dict[tuple[int, int], Any] = {}
+        residuals: dict[int, Any] = {}
+        exports: dict[int, Any] = {}
+        done_early: dict[int, Any] = {}  # mb -> activation gradients of a fused forward-backward
+        batch_pos = [i for i, r in enumerate(stage.inputs) if r.kind == BATCH]
+        const_pos = [i for i, r in enumerate(stage.inputs) if r.kind == CONST]
+        consumers = {a.id: a.consumers for a in self.graph.loss.activations}
+
+        def cotangents(mb: int) -> list[Any]:
+            if last:
+                return []
+            return [
+                grads_in[(stage.outputs[i].index, consumer, mb)]
+                for i in bw.float_outputs
+                for consumer in consumers[stage.outputs[i].index]
+            ]
+
+        def forward_inputs(mb: int) -> list[Any]:
+            args = []
+            for i, ref in enumerate(stage.inputs):
+                if ref.kind == PARAM:
+                    args.append(local_params[ref.index])
+                elif ref.kind == BATCH:
+                    args.append(batches[mb][batch_pos.index(i)])
+                elif ref.kind == CONST:
+                    args.append(consts[const_pos.index(i)])
+                else:
+                    args.append(inbox[(ref.index, mb)])
+            return args
+
+        def keep_act_grads(mb: int, act_grads: Sequence[Any]) -> None:
+            for k, g in zip(bw.act_grads, act_grads):
+                grads_out[(stage.inputs[bw.diff[k]].index, mb)] = g
+
+        for position, ins in enumerate(self.program):
+            if channels.stopped:
+                raise PipelineError("stopped: another stage failed")
+            if ins.op == RECV_OP:
+                start = time.perf_counter()
+                value = channels.recv(ins)
+                if self.record is not None:
+                    self.record(
+                        Event(s, WAIT, ins.mb, start, time.perf_counter(), transfer_name(ins))
+                    )
+                if ins.kind == ACTIVATION:
+                    inbox[(ins.tensor, ins.mb)] = value
+                elif ins.kind == GRADIENT:
+                    grads_in[(ins.tensor, ins.src, ins.mb)] = value
+                elif ins.kind == PARAM_COPY:
+                    local_params[ins.tensor] = value
+                else:  # a user's gradient contribution to a parameter this stage keeps
+                    k = acc_params.index(ins.tensor)
+                    acc[k] = acc[k] + value  # type: ignore[index]
+            elif ins.op == SEND_OP:
+                if ins.kind == ACTIVATION:
+                    channels.send(ins, outbox[(ins.tensor, ins.mb)])
+                elif ins.kind == GRADIENT:
+                    channels.send(ins, grads_out[(ins.tensor, ins.mb)])
+                elif ins.kind == PARAM_COPY:
+                    channels.send(ins, local_params[ins.tensor])
+                else:
+                    channels.send(ins, acc[acc_params.index(ins.tensor)])  # type: ignore[index]
+            elif ins.op == RUN:
+                action = ins.action
+                mb = action.microbatch_index
+                start = time.perf_counter()
+                kind = action.kind
+                if position in self.fused_fb:  # the forward and the backward after it, at once
+                    final = fused and self._fb_backward(position) == self.last_backward
+                    args = forward_inputs(mb)
+                    if final:
+                        loss, act_grads, applied = (
+                            c.fb_apply_first(args, apply_inputs)
+                            if acc is None
+                            else c.fb_apply_later(acc, args, apply_inputs)
+                        )
+                        acc = []
+                    elif acc is None:
+                        loss, act_grads, acc = c.fb_first(args)
+                    else:
+                        loss, act_grads, acc = c.fb_later(acc, args)
+                    losses[mb] = loss
+                    done_early[mb] = act_grads
+                    done: Any = act_grads
+                    kind = "FB"
+                elif kind == BACKWARD and mb in done_early:
+                    keep_act_grads(mb, done_early.pop(mb))
+                    continue
+                elif kind == FORWARD:
+                    outs, residuals[mb] = c.forward(*forward_inputs(mb))
+                    if last:
+                        losses[mb] = outs[0]
+                    else:
+                        for ref, value in zip(stage.outputs, outs):
+                            outbox[(ref.index, mb)] = value
+                    done = outs
+                elif kind == BACKWARD:
+                    final = fused and position == self.last_backward
+                    if final and acc is None:
+                        act_grads, applied = c.apply_first(
+                            residuals[mb], cotangents(mb), apply_inputs
+                        )
+                    elif final:
+                        act_grads, applied = c.apply_later(
+                            acc, residuals[mb], cotangents(mb), apply_inputs
+                        )
+                        acc = []
+                    elif bw.w is None and acc is None:
+                        act_grads, acc = c.backward_first(residuals[mb], cotangents(mb))
+                    elif bw.w is None:
+                        act_grads, acc = c.backward(acc, residuals[mb], cotangents(mb))
+                    else:
+                        act_grads, exports[mb] = c.b_part(residuals[mb], cotangents(mb))
+                    keep_act_grads(mb, act_grads)
+                    done = act_grads
+                elif fused and position == self.last_backward:  # WEIGHT, with the optimizer
+                    args2 = (residuals[mb], cotangents(mb), exports.pop(mb), apply_inputs)
+                    applied = c.apply_first(*args2) if acc is None else c.apply_later(acc, *args2)
+                    acc, done = [], applied
+                else:  # WEIGHT
+                    if acc is None:
+                        acc = c.w_first(residuals[mb], cotangents(mb), exports.pop(mb))
+                    else:
+                        acc = c.w_part(acc, residuals[mb], cotangents(mb), exports.pop(mb))
+                    done = acc
+                if self.record is not None:
+                    jax.block_until_ready(done)
+                    label = f"{s}FB{mb}" if kind == "FB" else str(action)
+                    self.record(Event(s, kind, mb, start, time.perf_counter(), label))
+            else:  # FREE: drop what this micro-batch no longer needs
+                mb = ins.mb
+                if ins.kind == "fwd":
+                    for store in (inbox, outbox):
+                        for key in [k for k in store if k[1] == mb]:
+                            del store[key]
+                else:
+                    residuals.pop(mb, None)
+                    for key in [k for k in grads_in if k[2] == mb]:
+                        del grads_in[key]
+                    for key in [k for k in grads_out if k[1] == mb]:
+                        del grads_out[key]
+        return (dict(zip(acc_params, acc)) if acc else {}), applied
+
+    def _fb_backward(self, forward_position: int) -> int:
+        """The position of the backward fused with the forward at `forward_position`."""
+        return next(
+            i for i in range(forward_position + 1, len(self.program)) if self.program[i].op == RUN
+        )

@@ -1,0 +1,254 @@
+"""Laying a compiled step out: every stage's specs, every transfer's plan, the programs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxreshard.comm import Cluster, Plan, plan_reshard
+from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
+from jaxreshard.pipeline import Costs, Schedule, build_schedule, simulate
+from jaxreshard.pipeline._emit import (
+    ACTIVATION,
+    GRADIENT,
+    PARAM_GRAD,
+    RECV_OP,
+    RUN,
+    Edge,
+    Instruction,
+    SharedParam,
+    emit,
+)
+from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._specs import batch_spec, spec_of, transplant_spec
+
+
+@dataclasses.dataclass
+class Transfer:
+    """How one boundary tensor (or its gradient, or a parameter copy) moves between stages."""
+
+    name: str
+    src_stage: int
+    dst_stage: int
+    shape: tuple[int, ...]
+    dtype: Any
+    src_spec: P
+    dst_spec: P
+    plan: Plan
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class PipelineLayout:
+    """Everything about a compiled step that is not an executable (and pickles)."""
+
+    config: PipelineConfig
+    num_stages: int
+    mesh_shapes: list[dict[str, int]]
+    param_specs: list[P]  # per parameter, on its owner's mesh
+    input_specs: list[list[P]]  # per stage, per forward input
+    transfers: dict[tuple[str, int, int, int], Transfer]
+    schedule: Schedule
+    programs: tuple[tuple[Instruction, ...], ...]
+    loss_scale: float
+    micro_batch_rows: int
+    # When each RECV's consumer starts in the simulated schedule (by instruction key): a
+    # stage's outgoing transfers go out in this order (see [Note: boundary tensors]).
+    need: dict[tuple[Any, ...], float] = dataclasses.field(default_factory=dict)
+
+
+def layout_pipeline(
+    graph: StepGraph,
+    config: PipelineConfig,
+    meshes: Sequence[Any],
+    leaves: Sequence[Any],
+    cluster: Cluster,
+    compilers: Sequence[Any],
+) -> PipelineLayout:
+    """Compile every stage through `compilers` (local `StageCompiler`s or remote proxies with the
+    same two methods), chaining specs, then plan every transfer and emit the programs.
+
+    `meshes` are the stage meshes as the planner should see them: `jax.sharding.Mesh`es locally,
+    `VirtualMesh`es over the runtime's devices on Ray.
+    """
+    p, m = graph.num_stages, config.num_micro_batches
+    avals = graph.outer.in_avals
+    shapes = [dict(mesh.shape) for mesh in meshes]
+    param_specs = [
+        transplant_spec(
+            spec_of(getattr(leaves[i], "sharding", None)),
+            shapes[graph.owner[k]],
+            avals[i].shape,
+            f"parameter {k} ({avals[i].str_short()}) on stage {graph.owner[k]}",
+        )
+        for k, i in enumerate(graph.params)
+    ]
+    by_id = {a.id: a for a in graph.loss.activations}
+    out_specs: list[list[P]] = []
+    res_specs: list[list[P]] = []
+    input_specs: list[list[P]] = []
+    act_spec: dict[int, P] = {}
+    scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
+    # A stage's backward needs only its own forward's specs: it compiles in the background
+    # while the next stages' forwards do (XLA compiles without the GIL).
+    pool = ThreadPoolExecutor(max_workers=max(1, p), thread_name_prefix="jaxreshard-compile")
+    backward_futures: list[Future] = []
+    for s, stage in enumerate(graph.loss.stages):
+        specs = []
+        for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
+            if ref.kind == PARAM:
+                specs.append(
+                    param_specs[ref.index]
+                    if graph.owner[ref.index] == s
+                    else transplant_spec(
+                        param_specs[ref.index],
+                        shapes[s],
+                        aval.shape,
+                        f"parameter {ref.index} ({aval.str_short()}), shared with stage {s}",
+                    )
+                )
+            elif ref.kind == BATCH:
+                specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis))
+            elif ref.kind == CONST:
+                specs.append(P())
+            else:
+                where = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
+                specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, where))
+        input_specs.append(specs)
+        outs, res = compilers[s].compile_forward(specs)
+        out_specs.append(outs)
+        res_specs.append(res)
+        for ref, sp in zip(stage.outputs, outs):
+            if ref.kind == ACT:
+                act_spec[ref.index] = sp
+        backward_futures.append(
+            pool.submit(compilers[s].compile_backward, res, outs, scale if s == p - 1 else None)
+        )
+    try:
+        grad_specs: list[list[P]] = [f.result() for f in backward_futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    def sharding(s: int, spec: P) -> Any:
+        mesh = meshes[s]
+        if isinstance(mesh, Mesh):
+            return NamedSharding(mesh, spec)
+        from jaxreshard.comm import VirtualSharding
+
+        return VirtualSharding(mesh, spec)
+
+    transfers: dict[tuple[str, int, int, int], Transfer] = {}
+
+    def add(kind: str, tensor: int, src: int, dst: int, aval: Any, src_spec: P, dst_spec: P):
+        plan = plan_reshard(
+            aval.shape,
+            aval.dtype,
+            sharding(src, src_spec),
+            sharding(dst, dst_spec),
+            cluster=cluster,
+            strategy=config.resharding,
+        )
+        transfers[(kind, tensor, src, dst)] = Transfer(
+            f"{kind}{tensor} s{src}->s{dst}",
+            src,
+            dst,
+            tuple(aval.shape),
+            np.dtype(aval.dtype),
+            src_spec,
+            dst_spec,
+            plan,
+        )
+
+    split = config.weight_delay or config.schedule == "zb_h1"
+    for s, stage in enumerate(graph.loss.stages):
+        diff = [
+            i
+            for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
+            if r.kind in (PARAM, ACT) and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+        ]
+        act_grad_inputs = [i for i in diff if stage.inputs[i].kind == ACT]
+        for i, (ref, aval) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals)):
+            if ref.kind == ACT:
+                home = by_id[ref.index].home
+                add(ACTIVATION, ref.index, home, s, aval, act_spec[ref.index], input_specs[s][i])
+            elif ref.kind == PARAM and graph.owner[ref.index] != s:
+                owner = graph.owner[ref.index]
+                add(
+                    PARAM_COPY, ref.index, owner, s, aval, param_specs[ref.index], input_specs[s][i]
+                )
+                if i in diff:
+                    add(
+                        PARAM_GRAD,
+                        ref.index,
+                        s,
+                        owner,
+                        aval,
+                        input_specs[s][i],
+                        param_specs[ref.index],
+                    )
+        for i, sp in zip(act_grad_inputs, grad_specs[s]):
+            ref, aval = stage.inputs[i], stage.jaxpr.in_avals[i]
+            home = by_id[ref.index].home
+            home_out = graph.loss.stages[home].outputs.index(ref)
+            add(GRADIENT, ref.index, s, home, aval, sp, out_specs[home][home_out])
+
+    costs = Costs.make(
+        p,
+        forward=config.cost_forward,
+        backward=config.cost_backward,
+        weight_grad=config.cost_weight_grad if split else config.cost_backward / 2,
+        comm=config.cost_comm,
+    )
+    schedule = build_schedule(config.schedule, p, m, weight_delay=config.weight_delay, costs=costs)
+    edges = [
+        Edge(a.id, a.home, c, a.differentiable) for a in graph.loss.activations for c in a.consumers
+    ]
+    shared = []
+    for k in range(len(graph.params)):
+        users = tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
+        if users:
+            shared.append(SharedParam(k, graph.owner[k], users))
+    programs = emit(schedule, edges, shared)
+    rows = {avals[i].shape[0] for i in graph.batch}  # the step is traced per micro-batch
+    return PipelineLayout(
+        config,
+        p,
+        shapes,
+        param_specs,
+        input_specs,
+        transfers,
+        schedule,
+        programs,
+        scale,
+        next(iter(rows)) if rows else 0,
+        need_times(schedule, costs, programs),
+    )
+
+
+def need_times(
+    schedule: Schedule, costs: Costs, programs: Sequence[Sequence[Instruction]]
+) -> dict[tuple[Any, ...], float]:
+    """For every RECV: the simulated start of the action that consumes it (the next RUN of its
+    program; none after it, as for the step's last gradient contributions: infinity)."""
+    timeline = simulate(schedule, costs)
+    start = {t.action: t.start for stage in timeline.stages for t in stage}
+    need: dict[tuple[Any, ...], float] = {}
+    for program in programs:
+        upcoming = float("inf")
+        for ins in reversed(program):
+            if ins.op == RUN:
+                upcoming = start.get(ins.action, upcoming)
+            elif ins.op == RECV_OP:
+                need[ins.key] = upcoming
+    return need

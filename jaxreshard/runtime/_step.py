@@ -1,0 +1,89 @@
+"""What a step does around its pipeline, the same on every runtime.
+
+Before the stages run: the step's inputs become per-stage feeds (the batch split into
+micro-batches along dim 0, the per-step constants computed once by the `pre` part). After them:
+the micro-batch losses are combined, and the post-gradient segments (the optimizer) run on the
+stage that holds their inputs, each compiled once, overwriting gradients that die in it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jc
+
+from jaxreshard.frontend._split import BATCH, CONST, StepGraph
+
+
+@functools.lru_cache(maxsize=256)
+def segment_function(jaxpr: Any, donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """A post-gradient segment (or the `pre` part), jitted once."""
+    return jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=donate)
+
+
+def dead_gradients(g: StepGraph) -> dict[Any, int]:
+    """Accumulated gradients that die in a post segment: gradient var -> that segment's index.
+
+    They are the pipeline's own buffers, so the optimizer may overwrite them (XLA writes the new
+    parameters there instead of into fresh memory)."""
+    last_use: dict[Any, int] = {}
+    for index, segment in enumerate(g.segments):
+        for v in segment.inputs:
+            last_use[v] = index
+    returned = {v for v in g.outer.jaxpr.outvars if not isinstance(v, jc.Literal)}
+    return {v: last_use[v] for v in g.grad_outputs[1:] if v in last_use and v not in returned}
+
+
+def donated(g: StepGraph, index: int) -> tuple[int, ...]:
+    """The inputs of segment `index` it may overwrite (see `dead_gradients`)."""
+    dead = dead_gradients(g)
+    return tuple(i for i, v in enumerate(g.segments[index].inputs) if dead.get(v) == index)
+
+
+def pre_values(g: StepGraph, leaves: Sequence[Any]) -> dict[Any, Any]:
+    """The `pre` part's outputs (values the step computes from its inputs before the loss) by
+    variable; computed once per step."""
+    if g.pre is None:
+        return {}
+    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
+    outs = segment_function(g.pre)(*(leaves[index[v]] for v in g.pre_inputs))
+    return dict(zip(g.pre_outputs, outs))
+
+
+def stage_feeds(
+    g: StepGraph, leaves: Sequence[Any], pre: dict[Any, Any], num_micro_batches: int
+) -> tuple[list[list[list[Any]]], list[list[Any]]]:
+    """Per stage: its batch inputs per micro-batch, and its per-step constants (host or device
+    arrays, not yet placed)."""
+    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
+    consts_all = [leaves[index[v]] if v in index else pre[v] for v in g.consts]
+    batches, consts = [], []
+    for stage in g.loss.stages:
+        per_mb: list[list[Any]] = [[] for _ in range(num_micro_batches)]
+        for ref in stage.inputs:
+            if ref.kind == BATCH:
+                for mb, piece in enumerate(split_rows(leaves[ref.index], num_micro_batches)):
+                    per_mb[mb].append(piece)
+        batches.append(per_mb)
+        consts.append([consts_all[r.index] for r in stage.inputs if r.kind == CONST])
+    return batches, consts
+
+
+def split_rows(x: Any, m: int) -> list[Any]:
+    """`x` cut into `m` micro-batches along dim 0 (views for numpy, slices for JAX)."""
+    if isinstance(x, jax.Array):
+        rows = x.shape[0] // m
+        return [x[j * rows : (j + 1) * rows] for j in range(m)]
+    return np.split(np.asarray(x), m, axis=0)
+
+
+def combine_losses(losses: Sequence[Any], reduction: str) -> Any:
+    """The step's loss from its micro-batches' (`mean` or `sum`)."""
+    total = losses[0]
+    for value in losses[1:]:
+        total = total + value
+    return total / len(losses) if reduction == "mean" else total

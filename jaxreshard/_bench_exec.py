@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._cases import Case
-from jaxreshard.comm import Layout, VirtualSharding
+from jaxreshard.comm import Layout, Op, VirtualSharding, simulate
 from jaxreshard.comm._layout import spec_axes
 
 
@@ -133,8 +133,10 @@ def run_local(case: Case, repeats: int) -> dict[str, Any]:
         "runtime": "local",
         "strategy": plan.chosen,
         "seconds": statistics.median(ours),
+        "predicted_seconds": plan.seconds,
         "baseline": "jax.device_put",
         "baseline_seconds": statistics.median(theirs),
+        "baseline_predicted_seconds": None,  # the cluster model does not describe device_put
         "correct": bool(correct),
         "all_seconds": ours,
         "all_baseline_seconds": theirs,
@@ -157,6 +159,7 @@ def run_ray(runtime: Any, case: Case, repeats: int) -> dict[str, Any]:
     x = runtime.put(data, src)
     ours, theirs = [], []
     plan = runtime.plan(x, dst)
+    naive = naive_ops(src, dst, case.shape, plan.itemsize, runtime.cluster)
     for _ in range(repeats):
         t, y = _timed(lambda: runtime.reshard(x, dst), 1)
         ours += t
@@ -170,14 +173,40 @@ def run_ray(runtime: Any, case: Case, repeats: int) -> dict[str, Any]:
     x.free()
     return {
         "runtime": "ray",
+        "transport": runtime.transport,
         "strategy": plan.chosen,
         "seconds": statistics.median(ours),
+        "predicted_seconds": plan.seconds,
         "baseline": "naive: every receiving host pulls the whole tensor",
         "baseline_seconds": statistics.median(theirs),
+        "baseline_predicted_seconds": simulate(naive, runtime.cluster)[1],
         "correct": correct,
         "all_seconds": ours,
         "all_baseline_seconds": theirs,
     }
+
+
+def naive_ops(
+    src: VirtualSharding, dst: VirtualSharding, shape: Sequence[int], itemsize: int, cluster: Any
+) -> list[Op]:
+    """The naive baseline (`RayRuntime.reshard_naive`) as plan ops, for the simulator: every
+    host with destination devices receives every distinct source region from its first holder
+    (one send to one of its devices), region by region."""
+    src_layout = Layout.from_sharding(src, tuple(shape))
+    dst_layout = Layout.from_sharding(dst, tuple(shape))
+    first: dict[Any, int] = {}
+    for device, index in zip(src_layout.devices, src_layout.indices):
+        first.setdefault(index, device)
+    receiver: dict[int, int] = {}
+    for device in dst_layout.devices:
+        receiver.setdefault(cluster.host_of(device), device)
+    ops = []
+    for index, holder in first.items():
+        nbytes = math.prod(b - a for a, b in index) * itemsize
+        for device in receiver.values():
+            if device != holder:
+                ops.append(Op("send", index, nbytes, src_device=holder, dst_devices=(device,)))
+    return ops
 
 
 def map_devices(case: Case, runtime: Any) -> dict[int, int]:
@@ -204,21 +233,39 @@ def ray_shape(cases: Sequence[Case]) -> tuple[int, int]:
 
 
 def executed_table(results: dict[str, Any]) -> Any:
+    """The executed results as a rich table; on Ray, measured beside the simulator's
+    prediction for the same plan (and for the naive baseline) on the runtime's cluster model."""
     from rich.table import Table
 
     limit = results["memcpy_gbytes_per_s"]
     runtime = results["cases"][0]["executed"]["runtime"] if results["cases"] else "?"
     emulated = results.get("emulate_network_gbps")
     network = f"; emulated NICs {emulated:g} GB/s" if emulated else ""
+    model = results.get("cluster_model")
+    if model:
+        network += (
+            f"; model {model['inter_host_gbytes_per_s']:g} GB/s NICs, "
+            f"{model['latency_s'] * 1e3:g} ms latency"
+        )
+    if results.get("address"):
+        network += f"; cluster {results['address']}"
+    transport = results["cases"][0]["executed"].get("transport") if results["cases"] else None
+    if transport:
+        network += f"; transport {transport}"
     table = Table(
         title=f"Executed resharding ({runtime} runtime, scale 1/{results['scale']} per "
         f"dim{network}); memcpy limit {limit:.2f} GB/s"
     )
     local = runtime == "local"
-    columns = ["case", "shape", "MiB to dst", "plan", "seconds", "baseline s", "speedup"]
-    columns += ["MiB copied", "MiB adopted", "copy GB/s", "of memcpy"] if local else ["GB/s"]
+    columns = ["case", "shape", "MiB to dst", "plan", "seconds"]
+    if local:
+        columns += ["baseline s", "speedup", "MiB copied", "MiB adopted", "copy GB/s", "of memcpy"]
+    else:
+        columns += ["predicted", "meas/pred", "naive s", "naive pred", "meas/pred", "speedup"]
+        columns += ["pred speedup", "GB/s"]
     for column in (*columns, "correct"):
         table.add_column(column, justify="left" if column in ("case", "plan") else "right")
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
     for c in results["cases"]:
         e = c["executed"]
         row = [
@@ -227,19 +274,29 @@ def executed_table(results: dict[str, Any]) -> Any:
             f"{e['bytes'] / 2**20:.0f}",
             e["strategy"],
             f"{e['seconds']:.4f}",
-            f"{e['baseline_seconds']:.4f}",
-            f"{e['baseline_seconds'] / e['seconds']:.2f}x" if e["seconds"] else "-",
         ]
         if local:
             copied = e.get("copied_bytes") or 0
             rate = copied / e["seconds"] / 1e9 if copied and e["seconds"] else None
             row += [
+                f"{e['baseline_seconds']:.4f}",
+                ratio(e["baseline_seconds"], e["seconds"]),
                 f"{copied / 2**20:.0f}",
                 f"{(e.get('adopted_bytes') or 0) / 2**20:.0f}",
                 f"{rate:.2f}" if rate else "-",
                 f"{rate / limit:.0%}" if rate else "-",
             ]
         else:
-            row.append(f"{e['bytes'] / e['seconds'] / 1e9:.2f}" if e["seconds"] else "-")
+            predicted, naive_predicted = e["predicted_seconds"], e["baseline_predicted_seconds"]
+            row += [
+                f"{predicted:.4f}",
+                ratio(e["seconds"], predicted),
+                f"{e['baseline_seconds']:.4f}",
+                f"{naive_predicted:.4f}",
+                ratio(e["baseline_seconds"], naive_predicted),
+                ratio(e["baseline_seconds"], e["seconds"]),
+                ratio(naive_predicted, predicted),
+                f"{e['bytes'] / e['seconds'] / 1e9:.2f}" if e["seconds"] else "-",
+            ]
         table.add_row(*row, "yes" if e["correct"] else "[red]NO")
     return table

@@ -61,10 +61,14 @@ class ThreadTransport(Transport):
                 missing.discard(region)
 
 
-def run_plan_on_threads(plan, src_arrays, devices, chunk_bytes):
+def run_plan_on_threads(plan, src_arrays, devices, chunk_bytes, transports=None):
+    """Run every host's program in a thread of this process; `transports` (host -> transport)
+    default to `ThreadTransport`s over one shared mailbox."""
     programs = host_programs(plan)
     check_programs(programs, plan.cluster)
     mailbox, cond = {}, threading.Condition()
+    if transports is None:
+        transports = {h: ThreadTransport(h, mailbox, cond) for h in range(plan.cluster.num_hosts)}
     results, errors = {}, []
 
     def host(h):
@@ -85,10 +89,13 @@ def run_plan_on_threads(plan, src_arrays, devices, chunk_bytes):
         )
         try:
             data = HostData(work, src_arrays, devices)
-            run_host_work(work, data, ThreadTransport(h, mailbox, cond))
+            run_host_work(work, data, transports[h])
             results.update(data.finish())
         except Exception as e:  # surfaced below
             errors.append(e)
+        finally:
+            if hasattr(transports[h], "forget"):
+                transports[h].forget(work.work_id)
 
     threads = [threading.Thread(target=host, args=(h,)) for h in range(plan.cluster.num_hosts)]
     for t in threads:

@@ -159,3 +159,23 @@ def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
     rt = jaxreshard.init(**RAY_CONFIG)  # the next tests use this one
     src, dst = sharding(rt, (2,), [0, 1], P()), sharding(rt, (2,), [6, 7], P("x"))
     assert np.array_equal(jaxreshard.reshard(rt.put(value, src), dst).fetch(), value)
+
+
+def test_the_object_store_transport_is_exact_too(ray_runtime):
+    """The default CPU transport is TCP; the object store one stays selectable (last test: it
+    replaces the shared runtime, which the next session starts anew)."""
+    from conftest import RAY_CONFIG
+
+    jaxreshard.shutdown()
+    rt = jaxreshard.init(**{**RAY_CONFIG, "transport": "object_store"})
+    try:
+        assert rt.transport == "object_store"
+        for layout in LAYOUTS:
+            sm, sd, ss, dm, dd, ds, shape = layout
+            value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+            x = rt.put(value, sharding(rt, sm, sd, ss))
+            for strategy in ("auto", "broadcast_naive"):
+                y = jaxreshard.reshard(x, sharding(rt, dm, dd, ds), strategy=strategy)
+                assert np.array_equal(y.fetch(), value), (layout, strategy)
+    finally:
+        jaxreshard.shutdown()

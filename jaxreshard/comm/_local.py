@@ -95,12 +95,13 @@ class BufferPool:
 
     def _trim(self) -> None:
         total = sum(entry[0].nbytes for entry in self._entries)
-        for entry in list(self._entries):
-            if total <= self.max_bytes:
-                break
-            if self._references(entry) <= entry[2]:
-                self._entries.remove(entry)
+        kept = []
+        for entry in self._entries:  # least recently used first
+            if total > self.max_bytes and self._references(entry) <= entry[2]:
                 total -= entry[0].nbytes
+            else:
+                kept.append(entry)
+        self._entries = kept  # (`list.remove` would compare the arrays in the entries)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,9 +1,10 @@
 """One host's part of a resharding, and the transports that move its bytes between hosts.
 
 A host runs its `HostWork` (its steps of the plan, see `_order.host_programs`) in order:
-`local` steps copy between its own devices, `send`/`recv` steps go through the object-store
-transport, `collective` steps through NCCL. Every wait has a deadline that names what it waited
-for. This module imports neither Ray nor CuPy at import time.
+`local` steps copy between its own devices, `send`/`recv` steps go through a point-to-point
+transport (TCP streams, `_stream.py`, or Ray's object store), `collective` steps through NCCL.
+Every wait has a deadline that names what it waited for. This module imports neither Ray nor
+CuPy at import time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
 from jaxreshard.comm._layout import Index, format_index, index_size
-from jaxreshard.comm._local import aligned_empty, contains, relative_slices, split_region
+from jaxreshard.comm._local import POOL, aligned_empty, contains, relative_slices, split_region
 from jaxreshard.comm._order import COLLECTIVE, LOCAL, RECV, SEND, Step
 from jaxreshard.comm._plan import Op
 
@@ -99,7 +100,7 @@ class HostData:
         self.views = {d: (work.src_regions[d], np.asarray(src[d])) for d in work.src_regions}
         dtype = jax.numpy.dtype(work.dtype)
         self.buffers: dict[int, tuple[Index, Any]] = {
-            d: (region, aligned_empty([b - a for a, b in region], dtype))
+            d: (region, aligned_empty([b - a for a, b in region], dtype, pool=POOL))
             for d, region in work.dst_regions.items()
         }
 
@@ -226,11 +227,13 @@ def expected_chunks(work: HostWork, op: Op) -> list[Index]:
 
 
 class ObjectStoreTransport(Transport):
-    """CPU transport over Ray's object store.
+    """CPU transport over Ray's object store (`transport="object_store"`; the default CPU
+    transport streams over TCP instead, see [Note: stream transport]).
 
     A slice is put into the object store once, and its reference travels to the next host of
     the op's chain, which fetches it (Ray moves it between nodes; processes of one node share it
-    in shared memory), writes it into its receivers and, for a broadcast, hands the reference on.
+    in shared memory), writes it into its receivers and, for a broadcast, puts it into its own
+    store and hands that reference on (so the next host pulls from it, not from the source).
     Slices larger than `chunk_bytes` go in chunks, so the chain pipelines; smaller ones to one
     peer share one object (and one message) until `batch_bytes`. Receivers on the sender's own
     host never touch the store: they copy from the source view.
@@ -290,13 +293,7 @@ class ObjectStoreTransport(Transport):
             self._peers(peer).deliver.remote(work_id, items, [ref], ready)
 
     def _book(self, peer: int, nbytes: int) -> float:
-        """When a transfer to `peer` may be used: at once, or when the emulated NICs are done."""
-        if self._emulator is None:
-            return 0.0
-        import ray
-
-        _, end = ray.get(self._emulator.reserve.remote(self._host, peer, nbytes), timeout=60.0)
-        return end
+        return book_link(self._emulator, self._host, peer, nbytes)
 
     def deliver(
         self,
@@ -323,24 +320,10 @@ class ObjectStoreTransport(Transport):
 
         op = work.ops[step.op]
         missing = set(expected_chunks(work, op))
-        key = (work.work_id, step.op)
         while missing:
-            with self._cond:
-                while not self._mailbox.get(key):
-                    self._check_wait(work, step, deadline)
-                    self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
-                arrived = self._mailbox.pop(key)
+            arrived = take_arrived(self._cond, self._mailbox, work, step, deadline, self._aborted)
             for region, ref, position, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
-                if forward_to:
-                    nbytes = index_size(region) * (op.nbytes // max(1, index_size(op.index)))
-                    for peer in forward_to:  # hand the chunk on before copying it here
-                        self._peers(peer).deliver.remote(
-                            work.work_id,
-                            [(step.op, region, position)],
-                            [ref],
-                            self._book(peer, nbytes),
-                        )
                 fetched = self._fetched.setdefault(work.work_id, {})
                 try:
                     value = fetched.get(ref)
@@ -355,21 +338,20 @@ class ObjectStoreTransport(Transport):
                         f"host {work.host}: {work.where(step.op)} could not fetch a slice from "
                         f"host {step.peers[0]} within {work.timeout_s:g} s"
                     ) from None
-                write(region, value if position is None else value[position])
+                piece = value if position is None else value[position]
+                if forward_to:
+                    # Hand on a copy in this host's store: the next host then pulls from here,
+                    # not from the source (whose NIC a chain exists to spare).
+                    mine = ray.put(piece)
+                    for peer in forward_to:
+                        self._peers(peer).deliver.remote(
+                            work.work_id,
+                            [(step.op, region, None)],
+                            [mine],
+                            self._book(peer, piece.nbytes),
+                        )
+                write(region, piece)
                 missing.discard(region)
-
-    def _check_wait(self, work: HostWork, step: Step, deadline: float) -> None:
-        reason = aborted_reason(self._aborted, work.work_id)
-        if reason is not None:
-            raise RuntimeError(
-                f"host {work.host}: {work.where(step.op)} aborted while waiting for host "
-                f"{step.peers[0]}: {reason}"
-            )
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"host {work.host}: {work.where(step.op)} waited {work.timeout_s:g} s for the "
-                f"slice from host {step.peers[0]}, which never sent it"
-            )
 
     def abort(self, work_id: str, reason: str = "a peer failed") -> None:
         """Wake the waits of `work_id` and of every work under it (`work_id:...`: a pipeline
@@ -391,3 +373,48 @@ class ObjectStoreTransport(Transport):
             for table in (self._mailbox, self._pending):
                 for key in [k for k in table if mine(k[0])]:
                     del table[key]
+
+
+def take_arrived(
+    cond: threading.Condition,
+    mailbox: dict[tuple[str, int], list[Any]],
+    work: HostWork,
+    step: Step,
+    deadline: float,
+    aborted: Mapping[str, str],
+    broken: str | None = None,
+) -> list[Any]:
+    """Wait on `cond` until `mailbox` holds pieces of op `step.op` of `work`; take them.
+
+    Raises (naming the host, op, tensor and peer) if the work (or one it belongs to, see
+    `aborted_reason`) was aborted, the transport is `broken`, or `deadline` passes first.
+    """
+    key = (work.work_id, step.op)
+    with cond:
+        while not mailbox.get(key):
+            where = f"host {work.host}: {work.where(step.op)}"
+            if broken is not None:
+                raise RuntimeError(f"{where}: {broken}")
+            reason = aborted_reason(aborted, work.work_id)
+            if reason is not None:
+                raise RuntimeError(
+                    f"{where} aborted while waiting for host {step.peers[0]}: {reason}"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{where} waited {work.timeout_s:g} s for the slice from host "
+                    f"{step.peers[0]}, which never sent it"
+                )
+            cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
+        return mailbox.pop(key)
+
+
+def book_link(emulator: Any, host: int, peer: int, nbytes: int) -> float:
+    """When a transfer of `nbytes` from `host` to `peer` may be used: at once (no emulator), or
+    when the emulated NICs are done with it (see [Note: network emulation])."""
+    if emulator is None:
+        return 0.0
+    import ray
+
+    _, end = ray.get(emulator.reserve.remote(host, peer, nbytes), timeout=60.0)
+    return end

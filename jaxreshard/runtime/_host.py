@@ -52,7 +52,9 @@ class HostActor:
         self.arrays: dict[str, dict[int, Any]] = {}
         self.peers: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._transport: Any = None
+        self._transport: Any = None  # the CPU point-to-point transport in use
+        self._objects: Any = None  # the object-store transport (also behind `deliver`)
+        self._stream: Any = None  # the TCP transport, once `open_stream` made its listener
         self._emulator: Any = None
         self._nccl: Any = None
 
@@ -67,12 +69,36 @@ class HostActor:
             "devices": {gid: str(d) for gid, d in self.devices.items()},
         }
 
-    def set_peers(self, peers: Mapping[int, Any], emulator: Any = None) -> None:
-        from jaxreshard.comm._transport import ObjectStoreTransport
+    def open_stream(self) -> tuple[str, int]:
+        """Listen for the TCP transport on this node's address; return (ip, port)."""
+        import ray
+
+        from jaxreshard.comm._stream import StreamTransport
+
+        if self._stream is None:
+            self._stream = StreamTransport(self.host, ray.util.get_node_ip_address())
+        return self._stream.address
+
+    def set_peers(
+        self,
+        peers: Mapping[int, Any],
+        emulator: Any = None,
+        addresses: Mapping[int, tuple[str, int]] | None = None,
+    ) -> None:
+        """Meet the other hosts: their actors, and (for the TCP transport, which then becomes
+        this host's point-to-point transport) where they listen."""
+        from jaxreshard.comm._transport import ObjectStoreTransport, book_link
 
         self.peers = dict(peers)
         self._emulator = emulator
-        self._transport = ObjectStoreTransport(self.peers.__getitem__, self.host, emulator)
+        self._objects = ObjectStoreTransport(self.peers.__getitem__, self.host, emulator)
+        self._transport = self._objects
+        if addresses is not None:
+            book = None
+            if emulator is not None:
+                book = lambda peer, nbytes: book_link(emulator, self.host, peer, nbytes)
+            self._stream.connect(addresses, book)
+            self._transport = self._stream
 
     # -- arrays --------------------------------------------------------------------------------
 
@@ -111,11 +137,13 @@ class HostActor:
 
     def deliver(self, work_id: str, items: list[Any], boxed: list[Any], ready: float = 0.0) -> None:
         """A peer hands over slices of `work_id` (see `ObjectStoreTransport.deliver`)."""
-        self._transport.deliver(work_id, items, boxed, ready)
+        self._objects.deliver(work_id, items, boxed, ready)
 
     def abort(self, work_id: str, reason: str) -> None:
         """Stop `work_id` (a resharding, or a pipeline step) here: a peer failed."""
-        self._transport.abort(work_id, reason)
+        self._objects.abort(work_id, reason)
+        if self._stream is not None:
+            self._stream.abort(work_id, reason)
         if self._nccl is not None:
             self._nccl.abort(work_id, reason)
         for pipeline in self.__dict__.get("_pipelines", {}).values():
@@ -165,10 +193,10 @@ class HostActor:
         import jax
         import ray
 
-        from jaxreshard.comm._local import aligned_empty, relative_slices
+        from jaxreshard.comm._local import POOL, aligned_empty, relative_slices
 
-        buffers = {
-            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype))
+        buffers = {  # from the same pool as the planned reshardings' (HostData), to be fair
+            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype), pool=POOL)
             for d, r in regions.items()
         }
         from jaxreshard.comm._emulate import sleep_until

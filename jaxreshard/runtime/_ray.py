@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxreshard.cluster._describe import HOST_RESOURCE, driver_ip_for, links_of
 from jaxreshard.comm import Cluster, Layout, VirtualDevice, VirtualMesh, VirtualSharding
 from jaxreshard.comm import plan_reshard as _plan_reshard
 from jaxreshard.comm._order import check_programs, host_programs
@@ -65,6 +66,10 @@ class RayRuntime:
         for name, value in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"init(backend='ray', {name}={value!r}): must be an int >= 1")
+        if transport not in ("auto", *TRANSPORTS):
+            raise ValueError(
+                f"init(transport={transport!r}): choose 'auto', {', '.join(map(repr, TRANSPORTS))}"
+            )
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already initialised in this process; jaxreshard.init(backend='ray') "
@@ -104,7 +109,19 @@ class RayRuntime:
                     namespace="jaxreshard",
                 )
         else:
-            ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard")
+            # A driver joins an emulated cluster of this machine through its own node.
+            ip = driver_ip_for(address)
+            extra = {"_node_ip_address": ip} if ip else {}
+            ray.init(
+                address=address, logging_level=logging.WARNING, namespace="jaxreshard", **extra
+            )
+        # A cluster that describes itself (e.g. `jaxreshard cluster up`) gives the planner its
+        # NIC model and the devices per host; see [Note: cluster description].
+        self.description = None if local else _described_cluster()
+        if self.description is not None:
+            cluster_links = {**links_of(self.description), **(cluster_links or {})}
+            if devices_per_host is None:
+                devices_per_host = int(self.description.get("devices_per_host", 1))
         self.emulate_network_gbps = emulate_network_gbps
         if not 0 < gpu_memory_fraction <= 1:
             raise ValueError(
@@ -112,7 +129,7 @@ class RayRuntime:
             )
         self.gpu_memory_fraction = gpu_memory_fraction
         try:
-            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s)
+            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s, transport)
         except BaseException:
             self._kill_all()
             ray.shutdown()
@@ -122,11 +139,7 @@ class RayRuntime:
             raise
         self.cluster = Cluster(self.hosts, **(cluster_links or {}))
         platform = self.infos[0]["platform"]
-        self.transport = (
-            transport if transport != "auto" else ("object_store" if platform == "cpu" else "nccl")
-        )
-        if self.transport not in ("object_store", "nccl"):
-            raise ValueError(f"transport={transport!r}: choose 'auto', 'object_store' or 'nccl'")
+        self.transport = transport if transport != "auto" else _auto_transport(platform)
         self._communicators: set[tuple[str, tuple[int, ...]]] = set()
 
     def _start_actors(
@@ -135,15 +148,14 @@ class RayRuntime:
         num_hosts: int | None,
         devices_per_host: int | None,
         start_timeout_s: float,
+        transport: str = "auto",
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from jaxreshard.runtime._host import HostActor
 
-        nodes = sorted(
-            (n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"]
-        )
+        nodes = _host_nodes([n for n in ray.nodes() if n["Alive"]])
         gpus_per_node = [int(n["Resources"].get("GPU", 0)) for n in nodes]
         if local:
             use_gpu = gpus_per_node and gpus_per_node[0] >= (devices_per_host or 1) * num_hosts
@@ -226,8 +238,15 @@ class RayRuntime:
             self.emulator = (
                 ray.remote(LinkEmulator).options(num_cpus=0).remote(self.emulate_network_gbps)
             )
+        addresses = None
+        if (transport if transport != "auto" else _auto_transport(platform)) == "tcp":
+            addresses = self._wait(
+                {h: a.open_stream.remote() for h, a in handles.items()},
+                "opening the hosts' TCP listeners",
+                start_timeout_s,
+            )
         self._wait(
-            {h: a.set_peers.remote(handles, self.emulator) for h, a in handles.items()},
+            {h: a.set_peers.remote(handles, self.emulator, addresses) for h, a in handles.items()},
             "introducing the host actors",
             start_timeout_s,
         )
@@ -415,8 +434,15 @@ class RayRuntime:
                 dst_array=dst_id,
                 timeout_s=self.timeout_s,
                 describe=what,
+                **self._chunking(plan),
             )
         return works
+
+    def _chunking(self, plan: Plan) -> dict[str, int]:
+        """The TCP transport moves slices in the cluster model's chunks (cheap per message, and
+        what the simulator assumes); the object store keeps its larger default chunks, as every
+        chunk costs it an object and an actor call."""
+        return {"chunk_bytes": plan.cluster.chunk_bytes} if self.transport == "tcp" else {}
 
     def _ensure_communicators(
         self, programs: dict[int, list[Any]], channel: str = "reshard"
@@ -554,7 +580,13 @@ class RayRuntime:
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
 
 
-_HOST_RESOURCE = "jaxreshard_host_"
+_HOST_RESOURCE = HOST_RESOURCE
+TRANSPORTS = ("tcp", "object_store", "nccl")
+
+
+def _auto_transport(platform: str) -> str:
+    """CPU hosts stream slices over TCP (see [Note: stream transport]); GPUs use NCCL."""
+    return "tcp" if platform == "cpu" else "nccl"
 
 
 def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
@@ -590,6 +622,31 @@ def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
         nodes.shutdown()
         raise
     return nodes
+
+
+def _host_nodes(alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The nodes that take host actors, in host order: those that carry the resource
+    `jaxreshard_host_<i>` (an emulated cluster; its head carries none) by i, else all of them by
+    address."""
+    marked = {
+        int(key[len(_HOST_RESOURCE) :]): n
+        for n in alive
+        for key in n["Resources"]
+        if key.startswith(_HOST_RESOURCE) and key[len(_HOST_RESOURCE) :].isdigit()
+    }
+    if marked:
+        return [marked[i] for i in sorted(marked)]
+    return sorted(alive, key=lambda n: n["NodeManagerAddress"])
+
+
+def _described_cluster() -> dict[str, Any] | None:
+    from jaxreshard.cluster._describe import lookup
+
+    try:
+        return lookup()
+    except Exception as e:  # a malformed entry must not stop the runtime; say so
+        logging.getLogger(__name__).warning("ignoring the cluster description in Ray: %s", e)
+        return None
 
 
 def _named(e: Any, h: int, what: str) -> BaseException:

@@ -1,0 +1,230 @@
+"""A real emulated cluster: network namespaces, shaped NICs, one Ray node each (root only).
+
+One 2-host cluster serves the whole module (Ray start-ups are slow on 2 cores); the last test
+takes it down and checks that nothing is left.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard
+from jaxreshard import _cli
+from jaxreshard.cluster import _emulated, _netns, emulated, measure_tcp, status
+from jaxreshard.cluster._describe import state_file
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.ray,
+    pytest.mark.skipif(
+        _netns.missing_requirements() is not None,
+        reason=f"emulated cluster unavailable: {_netns.missing_requirements()}",
+    ),
+]
+
+NAME = "jrstest"
+NIC_GBPS = 0.1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    jaxreshard.shutdown()  # a Ray runtime of earlier tests would hold this process's Ray
+    with emulated(
+        hosts=2,
+        nic_gbps=NIC_GBPS,
+        cpus_per_host=1,
+        devices_per_host=2,
+        name=NAME,
+        object_store_mib=256,
+    ) as c:
+        yield c
+    # (`down` ran on exit; the last test checks what it leaves.)
+
+
+def _ours(name):
+    """Namespaces, root links and Ray processes of cluster `name`."""
+    prefix = _netns.names(name)[1]
+    namespaces = _netns.namespaces(prefix)
+    pids = [p for ns in namespaces for p in _netns.pids_in(ns)]
+    pids += _netns.processes_under(str(state_file(name).parent) + os.sep)
+    return namespaces, _netns.links(prefix), pids
+
+
+def test_the_cluster_is_up_with_shaped_nics_in_both_directions(cluster):
+    (info,) = status(NAME)
+    assert info["state"] == "up", info
+    assert info["format"] == "jaxreshard-cluster/1" and info["nic_gbps"] == NIC_GBPS
+    assert [n["name"] for n in info["nodes"]] == ["head", "h0", "h1", "driver"]
+    assert info["planner_links"]["inter_host_gbytes_per_s"] == NIC_GBPS
+    for host in cluster.hosts:
+        netns, link = _netns.host_names(NAME, host.name)
+        sending = _netns.run(["tc", "-n", netns, "qdisc", "show", "dev", "eth0"])
+        receiving = _netns.run(["tc", "qdisc", "show", "dev", link])
+        for text in (sending, receiving):
+            assert "tbf" in text and "rate 800Mbit" in text, text
+        # Every process of the host (raylet, agents, workers) runs on the host's pinned CPUs.
+        pids = _netns.pids_in(netns)
+        assert pids and all(os.sched_getaffinity(p) == set(host.cpus) for p in pids), host
+
+
+def test_a_plain_tcp_transfer_runs_at_the_set_rate(cluster):
+    # The issue's explicit check: within +-20% of the set rate (16 MiB, one retry for noise).
+    for _ in range(2):
+        result = measure_tcp(cluster, 0, 1, 16 * 2**20)
+        if 0.8 <= result["of_nic"] <= 1.2:
+            break
+    assert 0.8 <= result["of_nic"] <= 1.2, result
+
+
+def test_a_reshard_across_the_cluster_is_correct(cluster):
+    rt = jaxreshard.init("ray", address=cluster.address, timeout_s=60)
+    try:
+        assert rt.transport == "tcp"
+        assert rt.description["name"] == NAME
+        assert rt.cluster.inter_host_gbytes_per_s == NIC_GBPS  # the shaped NIC, from the cluster
+        assert rt.cluster.hosts == ((0, 1), (2, 3))
+        src = rt.sharding(rt.mesh((2,), ("x",), [0, 1]), P("x"))
+        dst = rt.sharding(rt.mesh((2,), ("x",), [2, 3]), P(None, "x"))
+        value = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
+        x = rt.put(value, src)
+        for strategy in ("auto", "send_recv", "broadcast_naive"):
+            assert np.array_equal(rt.reshard(x, dst, strategy=strategy).fetch(), value), strategy
+        assert np.array_equal(rt.reshard_naive(x, dst).fetch(), value)
+    finally:
+        jaxreshard.shutdown()
+
+
+def test_bench_reshard_runs_on_the_cluster_and_reports_predictions(cluster, tmp_path):
+    cases = {
+        "format": "jaxreshard-reshard-cases/1",
+        "cluster": {"devices_per_host": 2, "inter_host_gbytes_per_s": 1.25},
+        "cases": [
+            {
+                "name": "tiny",
+                "shape": [64, 256],
+                "dtype": "float32",
+                "src_mesh": {"shape": [1, 2], "axis_names": ["x", "y"]},
+                "src_spec": ["y", None],
+                "dst_mesh": {"shape": [1, 2], "axis_names": ["x", "y"]},
+                "dst_spec": [None, None],
+            }
+        ],
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = tmp_path / "out.json"
+    args = ["bench", "reshard", "--cases", str(tmp_path / "cases.json"), "--strategies", "auto"]
+    args += ["--execute", "ray", "--address", cluster.address, "--scale", "1", "--repeats", "1"]
+    code = _cli.main([*args, "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["cluster_model"]["inter_host_gbytes_per_s"] == NIC_GBPS  # not the file's 1.25
+    executed = result["cases"][0]["executed"]
+    assert executed["correct"]
+    for key in ("seconds", "predicted_seconds", "baseline_seconds", "baseline_predicted_seconds"):
+        assert executed[key] > 0, key
+
+
+DRIVER = """
+import sys, numpy as np, jaxreshard
+from jax.sharding import PartitionSpec as P
+rt = jaxreshard.init("ray", address=sys.argv[1], timeout_s=60)
+src = rt.sharding(rt.mesh((2,), ("x",), [0, 1]), P("x"))
+dst = rt.sharding(rt.mesh((2,), ("x",), [2, 3]), P())
+x = rt.put(np.ones((1024, 2048), np.float32), src)
+while True:
+    rt.reshard(x, dst).free()
+    print("running", flush=True)
+"""
+
+
+def test_a_killed_driver_leaves_a_usable_cluster(cluster, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(DRIVER))
+    driver = subprocess.Popen(
+        [sys.executable, str(script), cluster.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert driver.stdout.readline().strip() == "running"  # mid-run: reshards in flight
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(30)
+    (info,) = status(NAME)
+    assert info["state"] == "up"
+
+
+def test_down_leaves_no_namespace_link_or_ray_process(cluster):
+    namespaces, links, pids = _ours(NAME)
+    assert len(namespaces) == 3 and links and pids  # head + 2 hosts; bridge; Ray processes
+    removed = _emulated.down(NAME)
+    assert sorted(removed["namespaces"]) == namespaces and not removed["stuck_pids"]
+    assert _ours(NAME) == ([], [], [])
+    deadline = time.monotonic() + 10
+    while any(_netns._alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _netns._alive(p)]
+    assert not state_file(NAME).parent.exists()
+    again = _emulated.down(NAME)  # idempotent
+    assert again["namespaces"] == [] and again["links"] == []
+
+
+def test_a_crashed_up_removes_what_it_made(monkeypatch):
+    def crash(cluster, timeout_s):
+        assert len(_netns.namespaces(_netns.names("jrscrsh")[1])) == 3  # head + 2 hosts
+        raise RuntimeError("ray start crashed")
+
+    monkeypatch.setattr(_emulated, "_start_ray", crash)
+    with pytest.raises(RuntimeError, match="ray start crashed"):
+        _emulated.up(2, 0.5, name="jrscrsh")
+    assert _ours("jrscrsh") == ([], [], [])
+    assert not state_file("jrscrsh").exists()
+
+
+def test_latency_is_a_netem_delay_or_a_clear_error(monkeypatch):
+    qdiscs = []
+
+    def stop(cluster, timeout_s):
+        netns, _ = _netns.host_names("jrsdly", "h0")
+        qdiscs.append(_netns.run(["tc", "-n", netns, "qdisc", "show", "dev", "eth0"]))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(_emulated, "_start_ray", stop)
+    try:
+        _emulated.up(2, 0.5, latency_ms=2.0, name="jrsdly")
+    except _netns.ClusterUnavailable as e:  # this kernel has no netem
+        assert "needs the netem qdisc" in str(e) and "without --latency-ms" in str(e)
+    except RuntimeError as e:
+        assert "stop here" in str(e)
+        assert "netem" in qdiscs[0] and "delay 2ms" in qdiscs[0] and "tbf" in qdiscs[0]
+    assert _ours("jrsdly") == ([], [], [])
+
+
+def test_down_cleans_leftovers_and_touches_no_other_cluster():
+    subnet = _netns.pick_subnet()
+    keep_subnet = _netns.pick_subnet(taken=[str(subnet)])
+    try:
+        for name, net in (("jrsleft", subnet), ("jrskeep", keep_subnet)):
+            _netns.make_bridge(name, f"{net.network_address + 1}/24")
+            address = f"{net.network_address + 10}/24"
+            _netns.make_host(name, "h0", address, _netns.Shaping(0.5))
+        # A crashed `up` of "jrsleft" (no state file, no Ray) is still removed by name.
+        _emulated.down("jrsleft")
+        assert _ours("jrsleft") == ([], [], [])
+        namespaces, links, _ = _ours("jrskeep")
+        assert namespaces == ["jrs-jrskeep-h0"]
+        assert sorted(links) == ["jrs-jrskeep-br", "jrs-jrskeep-h0"]
+    finally:
+        _emulated.down("jrsleft")
+        _emulated.down("jrskeep")
+    assert _ours("jrskeep") == ([], [], [])

@@ -174,13 +174,23 @@ class HostPipeline:
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
     def _value(self, item: tuple[str, Any], aval: Any, mesh: Mesh) -> Any:
-        """A value a driver call describes: by array id on this host, or as data."""
+        """A value a driver call describes, placed on `mesh`: by array id on this host (where it
+        may sit on another stage's mesh: then it moves between this host's devices), or as
+        data."""
         kind, value = item
         if kind == "id":
-            array_id, spec = value
-            return self._assemble(
-                aval.shape, NamedSharding(mesh, P(*spec)), self.actor._array(array_id)
+            array_id, spec, grid = value
+            devices = np.vectorize(lambda g: self.actor.devices[int(g)], otypes=[object])(
+                np.asarray(grid)
             )
+            home = make_mesh(devices, mesh.axis_names, self.config.axis_types)
+            array = self._assemble(
+                aval.shape, NamedSharding(home, P(*spec)), self.actor._array(array_id)
+            )
+            if home == mesh:
+                return array
+            fitted = transplant_spec(P(*spec), dict(mesh.shape), aval.shape)
+            return jax.device_put(array, NamedSharding(mesh, fitted))
         spec = transplant_spec(None, dict(mesh.shape), np.shape(value))
         return jax.device_put(np.asarray(value, aval.dtype), NamedSharding(mesh, spec))
 
@@ -576,9 +586,10 @@ class RayPipeline:
     def _locate(self, value: Any, host: int) -> tuple[str, Any]:
         """How a segment on `host` gets a value: by id if it is there, else as data."""
         if isinstance(value, RemoteArray):
-            mesh_hosts = {d.process_index for d in value.sharding.mesh.devices.flat}
-            if mesh_hosts == {host}:
-                return ("id", (value.array_id, tuple(value.sharding.spec)))
+            mesh = value.sharding.mesh
+            if {d.process_index for d in mesh.devices.flat} == {host}:
+                grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
+                return ("id", (value.array_id, tuple(value.sharding.spec), grid))
             return ("data", value.fetch())
         return ("data", np.asarray(value))
 

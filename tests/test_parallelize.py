@@ -533,13 +533,3 @@ def test_virtual_stages_on_the_ray_runtime(ray_runtime, schedule, weight_delay):
     step = jr.parallelize(make_step(4, skip=True, shared=True), config=cfg, batch_argnums=(1,))
     params, losses = run_steps(step, make_params(4), make_batch())
     assert_same(params, losses, *reference(4, True, True))
-
-
-@pytest.mark.ray
-def test_stages_sharing_a_ray_host(ray_runtime):
-    """Meshes of one device: stages 0 and 1 on host 0, stage 2 on host 1; the optimizer of one
-    stage reads values another stage of the same host keeps."""
-    cfg = config(num_micro_batches=2, stage_mesh_shape=(1, 1), backend="ray")
-    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
-    params, losses = run_steps(step, make_params(3), make_batch())
-    assert_same(params, losses, *reference(3, True, True))

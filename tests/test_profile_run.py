@@ -131,8 +131,11 @@ def test_emulated_network_delays_transfers():
 
 
 @pytest.mark.ray
-def test_local_and_ray_give_the_same_losses(ray_runtime):
-    pc = gpt_config(schedule="1f1b", weight_delay=True)
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 1)])
+def test_local_and_ray_give_the_same_losses(ray_runtime, mesh):
+    """(1, 1): both stages on one host, whose Adam updates read the step count another stage
+    of the host keeps."""
+    pc = gpt_config(schedule="1f1b", weight_delay=True, stage_mesh_shape=mesh)
     local = profiler.run_profile(pc)
     ray = profiler.run_profile(pc.replace_pipeline(backend="ray"))
     assert ray["backend"] == "ray"

@@ -254,18 +254,12 @@ class Parallelized:
         times in this process's `time.perf_counter()` seconds. Timing blocks on every action's
         results, which costs a little overlap of dispatch with compute.
 
-        With `signal_only` (the local runtime only), transfers carry no data, only the
-        dependency: the step runs as fast as it would with free communication, and its outputs
-        are wrong (see [Note: signal-only bound]); the next ordinary call is correct again.
+        With `signal_only`, transfers carry no data, only the dependency: the step runs as fast
+        as it would with free communication, and its outputs are wrong (see
+        [Note: signal-only bound]); the next ordinary call is correct again.
         """
         entry, leaves = self._entry(args)
-        if signal_only and not isinstance(entry.pipeline, LocalPipeline):
-            raise ValueError(
-                "profile_call(signal_only=True) runs on the local runtime only; the Ray runtime "
-                "has no signal-only transfers"
-            )
-        kwargs = {"signal_only": True} if signal_only else {}
-        outputs = entry.pipeline.run(leaves, record=True, **kwargs)
+        outputs = entry.pipeline.run(leaves, record=True, signal_only=signal_only)
         out = jax.tree.unflatten(entry.out_tree, outputs)
         jax.block_until_ready(out)
         return out, list(entry.pipeline.last_events)

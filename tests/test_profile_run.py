@@ -147,9 +147,16 @@ def test_local_and_ray_give_the_same_losses(ray_runtime, mesh):
 
 
 @pytest.mark.ray
-def test_signal_only_is_refused_on_ray(ray_runtime):
+def test_signal_only_steps_on_ray_keep_training_intact(ray_runtime):
     pc = gpt_config(backend="ray")
-    session = profiler.Session(pc, runtime=ray_runtime)
-    session.warm_up()
-    with pytest.raises(ValueError, match="local runtime only"):
-        session.step(signal_only=True)
+    plain = profiler.Session(pc, runtime=ray_runtime)
+    bounded = profiler.Session(pc, runtime=ray_runtime)
+    for session in (plain, bounded):
+        session.warm_up()
+        session.step()
+    bound = bounded.step(signal_only=True)
+    plain.step()
+    bounded.step()
+    assert [s.loss for s in plain.steps] == [s.loss for s in bounded.steps]
+    sends = [e for e in bound.events if e.kind == "send"]
+    assert sends and all(e.nbytes == 0 for e in sends)

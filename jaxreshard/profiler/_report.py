@@ -20,6 +20,7 @@ from jaxreshard.profiler._run import (
     Session,
     StepRecord,
     median,
+    predicted_step,
     stage_stats,
     transfer_stats,
 )
@@ -135,6 +136,8 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
         "compile_seconds": session.compile_seconds,
         "steps": [{"seconds": s.seconds, "loss": s.loss} for s in steps],
         "step_seconds": step_s,
+        # The pipeline simulator's step time for this schedule with the measured costs.
+        "predicted_step_seconds": predicted_step(steps, layout)[0],
         "samples_per_second": samples_per_s,
         "unit": pc.spec.unit,
         "units_per_second": samples_per_s * per_sample if samples_per_s else None,
@@ -222,6 +225,7 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     step = Table(title="step (median over timed steps; compile excluded)", title_justify="left")
     for col in (
         "step time",
+        "predicted",
         f"{result['unit']}/s",
         "samples/s",
         "model TFLOP/s",
@@ -234,6 +238,7 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     tflops = result["model_tflops"]
     step.add_row(
         _fmt_s(result["step_seconds"]),
+        _fmt_s(result["predicted_step_seconds"]),
         f"{result['units_per_second']:,.0f}" if result["units_per_second"] else "n/a",
         f"{result['samples_per_second']:,.1f}" if result["samples_per_second"] else "n/a",
         f"{tflops:.4f}" if tflops else "n/a",
@@ -324,9 +329,12 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
         step_s = median([s.seconds for s in session.steps])
         bound = median([s.seconds for s in session.signal_steps]) if session.signal_steps else None
         losses = [s.loss for s in session.steps]
+        predicted, costs = predicted_step(session.steps, session.layout)
         rows.append(
             {
                 "label": session.label,
+                "predicted_seconds": predicted,
+                "measured_costs": costs.to_json(),
                 "schedule": session.pc.pipeline.schedule,
                 "weight_delay": session.pc.pipeline.weight_delay,
                 "resharding": session.pc.pipeline.resharding,
@@ -346,6 +354,11 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 ],
             }
         )
+    base_predicted = rows[0]["predicted_seconds"]
+    for r in rows:
+        p = r["predicted_seconds"]
+        r["predicted_speedup"] = base_predicted / p if p > 0 else None
+        r["measured_over_predicted"] = r["step_seconds"] / p if p > 0 else None
     return rows
 
 
@@ -358,6 +371,9 @@ def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
         "step time (median)",
         "best",
         "speedup",
+        "predicted",
+        "predicted speedup",
+        "measured / predicted",
         "signal-only bound",
         "% of bound",
         "blocked per stage",
@@ -370,6 +386,9 @@ def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
             _fmt_s(r["step_seconds"]),
             _fmt_s(r["best_step_seconds"]),
             f"{r['speedup']:.2f}x" if r["speedup"] else "n/a",
+            _fmt_s(r["predicted_seconds"]),
+            f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "n/a",
+            f"{r['measured_over_predicted']:.2f}" if r["measured_over_predicted"] else "n/a",
             _fmt_s(r["signal_only_seconds"]),
             f"{r['fraction_of_bound']:.0%}" if r["fraction_of_bound"] else "n/a",
             " ".join(_fmt_s(b) for b in r["blocked_seconds"]),

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 
 import jaxreshard as jr
 from jaxreshard._jax_compat import make_mesh
+from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import ProfileConfig
-from jaxreshard.runtime._executor import APPLY_EVENT, SEND, WAIT, Event
+from jaxreshard.runtime._executor import APPLY_EVENT, ARRIVE, SEND, WAIT, Event
 from jaxreshard.runtime._specs import transplant_spec
 
 COMPUTE_KINDS = ("F", "B", "W", APPLY_EVENT)
@@ -294,3 +295,74 @@ def run_steps(
             record = session.step(signal_only=signal_only)
             if on_step is not None:
                 on_step(session, record)
+
+
+# -- the simulator's prediction for a measured run ------------------------------------------------
+
+
+def transfer_durations(steps: Sequence[StepRecord]) -> dict[str, list[float]]:
+    """Per transfer name: each micro-batch's time from its send's start to its arrival at the
+    receiver (an `arrive` event where the receiving side records one, else the send's end)."""
+    out: dict[str, list[float]] = {}
+    for st in steps:
+        arrivals = {(e.name, e.mb): e.end for e in st.events if e.kind == ARRIVE}
+        for e in st.events:
+            if e.kind == SEND and e.nbytes > 0:
+                end = max(e.end, arrivals.get((e.name, e.mb), e.end))
+                out.setdefault(e.name, []).append(end - e.start)
+    return out
+
+
+def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
+    """The schedule cost model of a measured run (seconds): per stage the median F, B, W and
+    optimizer (A) times, per boundary the median transfer time of its activations and
+    gradients."""
+    schedule = layout.schedule
+    n = schedule.num_chunks
+    times: dict[tuple[int, str], list[float]] = {}
+    for st in steps:
+        applied: dict[int, float] = {}
+        for e in st.events:
+            if e.kind in ("F", "B", "W"):
+                times.setdefault((e.stage, e.kind), []).append(e.end - e.start)
+            elif e.kind == APPLY_EVENT:
+                applied[e.stage] = applied.get(e.stage, 0.0) + e.end - e.start
+        for s, seconds in applied.items():
+            times.setdefault((s, "A"), []).append(seconds)
+
+    def med(s: int, kind: str) -> float:
+        values = times.get((s, kind))
+        return median(values) if values else 0.0
+
+    split = schedule.split_backward
+    forward = [med(s, "F") for s in range(n)]
+    backward = [med(s, "B") + (med(s, "W") if split else 0.0) for s in range(n)]
+    weight = [med(s, "W") if split else b / 2 for s, b in zip(range(n), backward)]
+    durations = transfer_durations(steps)
+    comm = []
+    for b in range(n - 1):
+        values = [
+            d
+            for t in layout.transfers.values()
+            if {t.src_stage, t.dst_stage} == {b, b + 1}
+            for d in durations.get(t.name, [])
+        ]
+        comm.append(median(values) if values else 0.0)
+    return Costs.make(
+        n,
+        forward=forward,
+        backward=backward,
+        weight_grad=weight,
+        comm=comm,
+        apply=[med(s, "A") for s in range(n)],
+    )
+
+
+def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Costs]:
+    """What the pipeline simulator says a step of this schedule takes with the measured costs
+    (transfers overlapping compute, as the runtime runs them), and those costs."""
+    from jaxreshard.pipeline import simulate
+
+    costs = measured_costs(steps, layout)
+    timeline = simulate(layout.schedule.with_apply(), costs)
+    return timeline.makespan, costs

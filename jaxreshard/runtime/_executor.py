@@ -82,7 +82,8 @@ class Event:
 
     Kinds: `F`, `B`, `W` (compute; `FB` is a forward and backward run as one executable), `A`
     (an optimizer segment run after the pipeline), `send` (a transfer, on the sender's lane,
-    `dst` its receiver) and `wait` (a stage blocked in a RECV). Times are
+    `dst` its receiver), `arrive` (the same transfer complete at its receiver, where receiving
+    is a job of its own: on Ray) and `wait` (a stage blocked in a RECV). Times are
     `time.perf_counter()` seconds of the process that ran the stage.
     """
 
@@ -105,6 +106,7 @@ class Event:
 
 
 SEND, WAIT, APPLY_EVENT = "send", "wait", "A"
+ARRIVE = "arrive"  # a transfer reached its receiver (recorded where receiving is a job of its own)
 
 
 def transfer_key(ins: Instruction) -> tuple[str, int, int, int]:

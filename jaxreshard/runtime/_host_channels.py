@@ -24,6 +24,7 @@ from jaxreshard.comm._order import LOCAL, OrderError, host_programs
 from jaxreshard.comm._transport import HostData, HostWork, Transport, run_host_work
 from jaxreshard.pipeline._emit import RECV_OP, SEND_OP, Instruction
 from jaxreshard.runtime._executor import (
+    ARRIVE,
     Channels,
     Event,
     PipelineError,
@@ -264,6 +265,10 @@ class HostChannels(Channels):
                 return
             try:
                 self.deliver(ins.key, self._receive(ins))
+                if self.record is not None:
+                    now = time.perf_counter()
+                    name = f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
+                    self.record(Event(ins.dst, ARRIVE, ins.mb, now, now, name, dst=ins.dst))
             except BaseException as e:
                 if self.stopped:  # woken by the failure that stopped the step
                     return

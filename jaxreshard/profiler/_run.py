@@ -360,9 +360,33 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
 
 def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Costs]:
     """What the pipeline simulator says a step of this schedule takes with the measured costs
-    (transfers overlapping compute, as the runtime runs them), and those costs."""
+    (transfers overlapping compute, as the runtime runs them), and those costs.
+
+    The schedule simulator knows activations and their gradients; a parameter shared by two
+    stages adds two transfers per step (see [Note: instructions]), added here: its copy
+    delays the user's first action if it arrives later, and the owner's optimizer waits for
+    the user's gradient contribution after the user's last action.
+    """
     from jaxreshard.pipeline import simulate
 
     costs = measured_costs(steps, layout)
     timeline = simulate(layout.schedule.with_apply(), costs)
-    return timeline.makespan, costs
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for rank in timeline.stages:
+        for t in rank:
+            c = t.action.stage_index
+            first[c] = min(first.get(c, t.start), t.start)
+            if t.action.kind != "A":
+                last[c] = max(last.get(c, t.end), t.end)
+    durations = transfer_durations(steps)
+    late_start, makespan = 0.0, timeline.makespan
+    for t in layout.transfers.values():
+        seconds = median(durations.get(t.name, [])) if durations.get(t.name) else 0.0
+        kind = t.name.split(" ")[0].rstrip("0123456789")
+        if kind == "param":
+            late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
+        elif kind == "param_grad":
+            done = last.get(t.src_stage, 0.0) + seconds + costs.apply[t.dst_stage]
+            makespan = max(makespan, done)
+    return makespan + late_start, costs

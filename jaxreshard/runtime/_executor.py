@@ -574,7 +574,7 @@ class StageProgram:
                 loss, act_grads, ch.acc = comp.fb_later(ch.acc, args)
             losses[mb] = loss
             ch.early[mb] = act_grads
-            done: Any = act_grads
+            done: Any = (loss, act_grads, ch.acc, ch.applied)
             kind = "FB"
         elif kind == BACKWARD and mb in ch.early:
             keep_act_grads(ch, mb, ch.early.pop(mb))
@@ -604,7 +604,9 @@ class StageProgram:
             else:
                 act_grads, ch.exports[mb] = comp.b_part(res, cts)
             keep_act_grads(ch, mb, act_grads)
-            done = act_grads
+            # Everything the executable wrote (a first stage sends nothing back: its backward
+            # is all accumulators).
+            done = (act_grads, ch.acc, ch.applied, ch.exports.get(mb))
         else:  # WEIGHT
             res, cts, exports = ch.residuals[mb], cotangents(ch, mb), ch.exports.pop(mb)
             if fused and position == self.last_backward[c]:  # with the optimizer

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding
 from jaxreshard.frontend._backward import derive_backward
-from jaxreshard.frontend._split import BATCH, CONST, StepGraph
+from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.runtime._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
@@ -209,9 +209,12 @@ class HostPipeline:
         record: bool,
         signal_only: bool = False,
         apply_inputs: dict[int, list[tuple[str, Any]]] | None = None,
+        segments: list[tuple[int, list[tuple[str, Any]], tuple[int, ...]]] | None = None,
     ) -> dict[str, Any]:
-        """Run this host's stages for one step (a `StageProgram` thread each, over the host's
-        channels); keep gradients and fused optimizer outputs; return losses (last stage)."""
+        """Run this host's stages for one step (a `StageProgram` thread per rank, over the
+        host's channels), then the post-gradient `segments` whose inputs are all here (see
+        `RayPipeline.run`); keep gradients and outputs; return losses (last stage) and what
+        was kept."""
         layout, graph, channels = self.layout, self.graph, self.channels
         assert layout is not None and channels is not None, "set_layout first"
         self._step_id = step_id
@@ -293,18 +296,20 @@ class HostPipeline:
             t.start()
         wait_for_stages(threads, [channels], self.config.timeout_s, f"host {self.actor.host}")
         channels.end()  # a step ends when its sends have: their errors and events belong to it
-        grads = {
-            k: self._describe(f"{step_id}:grad{k}", value)[0]
+        own_grads = {
+            k: value
             for s, accs in results.items()
             for k, value in accs.items()
             if graph.owner[k] == s
         }
+        grads = {k: self._describe(f"{step_id}:grad{k}", v)[0] for k, v in own_grads.items()}
         out: dict[str, Any] = {
             "grads": grads,
             "applied": {
                 s: [self._describe(f"{step_id}:fused{s}:{n}", v) for n, v in enumerate(values)]
                 for s, values in applied.items()
             },
+            "segments": self._run_segments(step_id, segments or [], own_grads, recorder),
         }
         if layout.num_stages - 1 in self.compilers:
             out["losses"] = [np.asarray(v) for v in losses]
@@ -312,6 +317,46 @@ class HostPipeline:
             out["events"] = [e.__dict__ for e in events]
             out["clock"] = time.time() - time.perf_counter()  # to align hosts' event times
         return out
+
+    def _run_segments(
+        self,
+        step_id: str,
+        segments: list[tuple[int, list[tuple[str, Any]], tuple[int, ...]]],
+        grads: dict[int, Any],
+        record: Callable[[Event], None] | None,
+    ) -> dict[int, list[Any]]:
+        """Post-gradient segments run here, after the step's programs, in order: their inputs
+        are this host's gradients ("grad", k), arrays it keeps ("id", ...), data the driver
+        sent, or outputs of the segments before them ("out", (j, n))."""
+        produced: dict[int, list[Any]] = {}
+        described: dict[int, list[Any]] = {}
+        for index, items, donate in segments:
+            seg = self.graph.segments[index]
+            mesh = self.meshes[seg.stage]
+            values = []
+            for (kind, value), var in zip(items, seg.inputs):
+                if kind == "grad":
+                    x = grads[value]
+                elif kind == "out":
+                    j, n = value
+                    x = produced[j][n]
+                else:
+                    values.append(self._value((kind, value), var.aval, mesh))
+                    continue
+                if x.sharding.device_set != frozenset(mesh.devices.flat):
+                    spec = transplant_spec(spec_of(x.sharding), dict(mesh.shape), x.shape)
+                    x = jax.device_put(x, NamedSharding(mesh, spec))
+                values.append(x)
+            start = time.perf_counter()
+            outs = segment_function(seg.jaxpr, tuple(donate))(*values)
+            if record is not None:
+                jax.block_until_ready(outs)
+                record(Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply"))
+            produced[index] = list(outs)
+            described[index] = [
+                self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)
+            ]
+        return described
 
     @property
     def _fused(self) -> dict[int, int]:
@@ -496,6 +541,7 @@ class RayPipeline:
         values.update(pre)
         raw_batches, raw_consts = stage_feeds(g, host_leaves, pre, m)
         grad_vars = set(g.grad_outputs[1:])
+        on_host, on_driver = self._place_segments(values)
         calls = {}
         for h in self.hosts:
             stages = [s for s, hh in self.host_of_stage.items() if hh == h]
@@ -518,6 +564,7 @@ class RayPipeline:
                 record,
                 signal_only,
                 apply_inputs,
+                on_host.get(h, []),
             )
         results = rt._wait(
             calls, f"running step {step_id}", self.config.timeout_s + 30, work_id=step_id
@@ -554,9 +601,13 @@ class RayPipeline:
         for s, j in self.fused.items():
             described = results[self.host_of_stage[s]]["applied"][s]
             values.update(zip(g.segments[j].outputs, self._remote(s, described)))
-        for index, seg in enumerate(g.segments):
-            if index in self.fused.values():
-                continue
+        for h, segments in on_host.items():
+            for index, _, _ in segments:
+                seg = g.segments[index]
+                described = results[h]["segments"][index]
+                values.update(zip(seg.outputs, self._remote(seg.stage, described)))
+        for index in on_driver:  # segments whose inputs sit on several hosts
+            seg = g.segments[index]
             host = self.host_of_stage[seg.stage]
             start = time.perf_counter()
             inputs = [self._locate(values[v], host) for v in seg.inputs]
@@ -576,6 +627,50 @@ class RayPipeline:
         return [
             values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars
         ]
+
+    def _place_segments(
+        self, values: dict[Any, Any]
+    ) -> tuple[dict[int, list[tuple[int, list[tuple[str, Any]], tuple[int, ...]]]], list[int]]:
+        """Which post-gradient segments run on their host within the step call (all their
+        inputs are there, or are data the call carries: no round trip through the driver, and
+        hosts run theirs at once), and which the driver runs after the step, in order."""
+        g = self.graph
+        grad_of = {v: k for k, v in enumerate(g.grad_outputs[1:])}
+        where: dict[Any, tuple[int, tuple[str, Any]]] = {}  # var -> (host, how that host finds it)
+        on_host: dict[int, list[tuple[int, list[tuple[str, Any]], tuple[int, ...]]]] = {}
+        on_driver: list[int] = []
+        fused = set(self.fused.values())
+        for index, seg in enumerate(g.segments):
+            if index in fused:
+                continue
+            host = self.host_of_stage[seg.stage]
+            items: list[tuple[str, Any]] | None = []
+            for v in seg.inputs:
+                if v in where:
+                    h, item = where[v]
+                elif v in grad_of and not g.loss.users(PARAM, grad_of[v]):  # unused: zeros
+                    h, item = host, ("data", np.zeros(v.aval.shape, v.aval.dtype))
+                elif v in grad_of and g.owner[grad_of[v]] not in self.fused:
+                    h, item = self.host_of_stage[g.owner[grad_of[v]]], ("grad", grad_of[v])
+                elif v in values and not isinstance(values[v], RemoteArray):
+                    h, item = host, ("data", np.asarray(values[v]))
+                elif v in values:  # a RemoteArray: here if its mesh is on this host
+                    mesh_hosts = {d.process_index for d in values[v].sharding.mesh.devices.flat}
+                    h = host if mesh_hosts == {host} else -1
+                    item = self._locate(values[v], host) if h == host else ("", None)
+                else:
+                    h = -1  # made by a fused optimizer or the driver
+                if h != host:
+                    items = None
+                    break
+                items.append(item)
+            if items is None:
+                on_driver.append(index)
+                continue
+            on_host.setdefault(host, []).append((index, items, self._donate[index]))
+            for n, v in enumerate(seg.outputs):
+                where[v] = (host, ("out", (index, n)))
+        return on_host, on_driver
 
     def _remote(self, stage: int, described: list[Any]) -> list[RemoteArray]:
         return [

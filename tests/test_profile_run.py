@@ -76,12 +76,21 @@ def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_gpt_profile_trains_with_optax_adam(tmp_path):
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--optimizer", "adamw", "--weight-decay", "0.01", "--clip-norm", "1.0"]],
+    ids=["default_adam", "adamw_clipped"],
+)
+def test_gpt_profile_trains_with_optax(tmp_path, flags):
     out = tmp_path / "p.json"
     args = ["profile", "gpt", "--steps", "3", "--no-progress", "--json", str(out)]
-    assert main([*args, "--compile-cache", "off"]) == 0
-    losses = [s["loss"] for s in json.loads(out.read_text())["steps"]]
+    assert main([*args, "--compile-cache", "off", *flags]) == 0
+    result = json.loads(out.read_text())
+    losses = [s["loss"] for s in result["steps"]]
     assert len(losses) == 3 and losses[-1] < losses[0]
+    run = result["config"]["run"]
+    assert run["optimizer"] == ("adamw" if flags else "adam")
+    assert run["clip_norm"] == (1.0 if flags else None)
 
 
 def test_profile_state_is_sharded_like_the_parameters_and_compiles_once():

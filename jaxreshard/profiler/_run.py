@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 
 import jaxreshard as jr
@@ -62,7 +61,7 @@ class Session:
         spec = pc.spec
         self.module = spec.module
         cfg = pc.model_config
-        optimizer = optax.adam(pc.run.learning_rate)
+        optimizer = pc.run.make_optimizer()
         params = self.module.init_params(cfg, pc.run.seed)
         self._state_structs = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
         self.step_fn = self.module.train_step(cfg, pc.num_stages, optimizer)

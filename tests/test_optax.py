@@ -143,9 +143,22 @@ def test_global_norm_clipping_moves_only_scalars_between_stages():
 
 
 @pytest.mark.ray
-def test_optax_on_the_ray_runtime_keeps_state_on_the_hosts(ray_runtime, monkeypatch):
+@pytest.mark.parametrize(
+    "stage_mesh_shape", [(1, 2), (1, 1)], ids=["a_host_per_stage", "two_stages_on_a_host"]
+)
+def test_optax_on_the_ray_runtime_keeps_state_on_the_hosts(
+    ray_runtime, monkeypatch, stage_mesh_shape
+):
+    """Moments stay on their parameter's host and the next steps fetch nothing but scalars;
+    with two stages on one host, one of them reads Adam's step count that the other keeps."""
     optimizer = OPTIMIZERS["clip_adam"]()
-    step = parallelize(optimizer, backend="ray", schedule="eager_1f1b", weight_delay=True)
+    step = parallelize(
+        optimizer,
+        backend="ray",
+        schedule="eager_1f1b",
+        weight_delay=True,
+        stage_mesh_shape=stage_mesh_shape,
+    )
     params, state, losses = run(step, optimizer, steps=1)
 
     def host(x):
@@ -154,6 +167,7 @@ def test_optax_on_the_ray_runtime_keeps_state_on_the_hosts(ray_runtime, monkeypa
     meshes = step.plan(params, state, make_batch()).meshes
     stage_hosts = [{d.process_index for d in m.devices.flat} for m in meshes]
     assert [host(params[k]) for k in ("emb", "w1", "w2")] == stage_hosts
+    assert len({min(h) for h in stage_hosts}) == (3 if stage_mesh_shape == (1, 2) else 2)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         assert isinstance(leaf, jr.RemoteArray), jax.tree_util.keystr(path)
         k = param_of(path)

@@ -9,6 +9,7 @@ everything pipeline-specific here is the decorator and its config.
 import sys
 
 import jax
+import optax
 
 jax.config.update("jax_num_cpu_devices", 8)  # fake CPU devices: 2 stages x (1, 2) meshes
 
@@ -18,12 +19,13 @@ from jaxreshard.models import gpt  # noqa: E402
 path = sys.argv[1] if len(sys.argv) > 1 else "examples/configs/gpt_tiny.toml"
 config = jr.PipelineConfig.from_toml(path)  # the [pipeline] table
 cfg = gpt.PRESETS["tiny"]
+optimizer = optax.adam(1e-3)  # any optax.GradientTransformation
 step = jr.parallelize(
-    gpt.train_step(cfg, num_stages=config.num_stages, learning_rate=1e-3),
+    gpt.train_step(cfg, num_stages=config.num_stages, optimizer=optimizer),
     config=config,
     batch_argnums=(2,),
 )
-params, opt_state = gpt.init_state(cfg, seed=0)
+params, opt_state = gpt.init_state(cfg, seed=0, optimizer=optimizer)
 for i in range(20):
     batch = gpt.synthetic_batch(cfg, batch_size=16, step=i)
     params, opt_state, loss = step(params, opt_state, batch)

@@ -296,11 +296,16 @@ _SPECS: dict[Any, tuple[Any, ...]] = {}
 def _leaf_key(x: Any) -> tuple[Any, ...]:
     """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
     unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
-    compile). Shardings are few and hashable: their specs are looked up, not rebuilt."""
+    compile). Shardings are few and hashable: their specs are looked up, not rebuilt.
+    Trailing `None`s are dropped: `P('model', None)` as placed and `P('model')` as XLA returns
+    the step's outputs are one sharding, and must not compile the step twice."""
     sharding = getattr(x, "sharding", None)
     spec = _SPECS.get(sharding)
     if spec is None:
-        spec = _SPECS[sharding] = tuple(spec_of(sharding))
+        entries = list(spec_of(sharding))
+        while entries and entries[-1] is None:
+            entries.pop()
+        spec = _SPECS[sharding] = tuple(entries)
     return (x.shape, x.dtype, spec)
 
 

@@ -210,6 +210,23 @@ def test_params_stay_on_their_stage_and_are_not_moved_again(cpu_devices):
     assert len(step._cache) == 1  # same signature: compiled once
 
 
+def test_specs_with_trailing_none_compile_once(cpu_devices):
+    """P('model', None) (as a user places an array) and P('model') (as XLA returns it from a
+    step) are one sharding: one compiled pipeline serves both."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]).reshape(1, 2), ("data", "model"))
+    step = jr.parallelize(make_step(3), config=config(num_micro_batches=2), batch_argnums=(1,))
+    for spec in (P("model", None), P("model")):
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, spec if v.ndim == 2 else P()))
+            for k, v in make_params(3).items()
+        }
+        step.plan(params, make_batch())
+    assert len(step._cache) == 1
+
+
 def test_boundary_tensors_are_what_the_model_implies():
     step = jr.parallelize(
         make_step(3, skip=True, shared=True), config=config(num_micro_batches=2), batch_argnums=(1,)

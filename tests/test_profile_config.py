@@ -1,5 +1,7 @@
 """`jaxreshard profile` configuration: TOML tables, flag overrides and their errors."""
 
+import jax.numpy as jnp
+import optax
 import pytest
 
 from jaxreshard._cli import main
@@ -121,3 +123,68 @@ def test_shipped_configs_load():
         model = "gpt" if path.name.startswith("gpt") else "utransformer"
         pc = load_profile_config(model, path)
         assert pc.model_config.num_params > 0
+
+
+def trained(optimizer):
+    """A parameter at 1 after two updates with gradient 10: compares optimizers by what they
+    do (Optax transformations do not compare)."""
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    for _ in range(2):
+        updates, state = optimizer.update({"w": jnp.full(3, 10.0)}, state, params)
+        params = optax.apply_updates(params, updates)
+    return float(params["w"][0])
+
+
+def test_optimizer_keys_from_file_and_flags(tmp_path):
+    pc = load_profile_config("gpt")
+    assert pc.run.optimizer == "adam"
+    assert trained(pc.run.make_optimizer()) == trained(optax.adam(1e-3))
+    path = write(
+        tmp_path,
+        "[run]\noptimizer = 'adamw'\nlearning_rate = 0.1\nweight_decay = 0.5\nclip_norm = 2.0\n",
+    )
+    pc = load_profile_config("gpt", path)
+    assert (pc.run.optimizer, pc.run.weight_decay, pc.run.clip_norm) == ("adamw", 0.5, 2.0)
+    want = optax.chain(optax.clip_by_global_norm(2.0), optax.adamw(0.1, weight_decay=0.5))
+    assert trained(pc.run.make_optimizer()) == trained(want)
+    assert pc.to_json()["run"]["optimizer"] == "adamw"
+    # Flags override the file ("none" unsets a key the file set).
+    flags = {"optimizer": "sgd", "momentum": "0.9", "learning_rate": "0.01", "clip_norm": "none"}
+    pc = load_profile_config("gpt", path, {"run": {**flags, "weight_decay": "none"}})
+    assert pc.run.clip_norm is None and pc.run.momentum == 0.9
+    assert trained(pc.run.make_optimizer()) == trained(optax.sgd(0.01, momentum=0.9))
+    pc = load_profile_config("gpt", None, {"run": {"optimizer": "sgd"}})
+    assert trained(pc.run.make_optimizer()) == trained(optax.sgd(1e-3))
+
+
+@pytest.mark.parametrize(
+    "text, flags, words",
+    [
+        ("optimizer = 'adagrad'", {}, ["optimizer='adagrad'", "adam, adamw, sgd", "FILE"]),
+        ("", {"optimizer": "lion"}, ["optimizer='lion'", "adam, adamw, sgd", "--optimizer"]),
+        ("optimizer = 3", {}, ["optimizer=3", "string", "FILE"]),
+        ("weight_decay = 0.1", {}, ["weight_decay=0.1", "optimizer='adamw'", "FILE"]),
+        ("optimizer = 'sgd'", {"weight_decay": "0.1"}, ["weight_decay=0.1", "--weight-decay"]),
+        ("optimizer = 'adamw'\nweight_decay = -1", {}, ["weight_decay=-1", ">= 0", "FILE"]),
+        ("momentum = 0.9", {}, ["momentum=0.9", "optimizer='sgd'", "optimizer='adam'"]),
+        ("optimizer = 'sgd'\nmomentum = 1.0", {}, ["momentum=1.0", "< 1", "FILE"]),
+        ("clip_norm = 0", {}, ["clip_norm=0", "> 0", "FILE"]),
+        ("", {"clip_norm": "big"}, ["clip_norm='big'", "number", "--clip-norm"]),
+        ("learning_rate = -1", {}, ["learning_rate=-1", "> 0", "FILE"]),
+        ("optimiser = 'adam'", {}, ["optimiser", "valid keys", "optimizer", "clip_norm"]),
+    ],
+)
+def test_bad_optimizer_keys_name_source_value_and_choices(tmp_path, text, flags, words):
+    path = write(tmp_path, f"[run]\n{text}\n")
+    with pytest.raises(ValueError) as info:
+        load_profile_config("gpt", path, {"run": flags})
+    message = str(info.value)
+    for word in words:
+        assert word.replace("FILE", f"{path} [run]") in message, (word, message)
+
+
+def test_optimizer_flags_exist(capsys):
+    assert main(["profile", "gpt", "--optimizer", "adagrad"]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizer" in err and "adamw" in err

@@ -7,6 +7,7 @@ agree, and the JSON, the Chrome trace and the PNG are what they claim to be.
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -73,6 +74,40 @@ def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
     lanes = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
     assert {(0, "compute"), (0, "transfers out"), (1, "blocked")} <= lanes
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--optimizer", "adamw", "--weight-decay", "0.01", "--clip-norm", "1.0"]],
+    ids=["default_adam", "adamw_clipped"],
+)
+def test_gpt_profile_trains_with_optax(tmp_path, flags):
+    out = tmp_path / "p.json"
+    args = ["profile", "gpt", "--steps", "3", "--no-progress", "--json", str(out)]
+    assert main([*args, "--compile-cache", "off", *flags]) == 0
+    result = json.loads(out.read_text())
+    losses = [s["loss"] for s in result["steps"]]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    run = result["config"]["run"]
+    assert run["optimizer"] == ("adamw" if flags else "adam")
+    assert run["clip_norm"] == (1.0 if flags else None)
+
+
+def test_profile_state_is_sharded_like_the_parameters_and_compiles_once():
+    """Optax makes the state from the placed parameters, so every moment has its parameter's
+    sharding (same mesh, same spec) after each step, and no step after the first recompiles."""
+    session = profiler.Session(gpt_config())
+    session.warm_up()
+    for _ in range(2):
+        session.step()
+    assert len(session.pstep._cache) == 1
+    params = dict(jax.tree_util.tree_flatten_with_path(session.params)[0])
+    adam = session.opt[0]  # optax.adam: (ScaleByAdamState, EmptyState)
+    for moments in (adam.mu, adam.nu):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
+            param = params[path]
+            assert leaf.sharding.device_set == param.sharding.device_set, path
+            assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), path
 
 
 def test_every_schedule_trains_identically():

@@ -63,3 +63,18 @@ def test_readme_set_up_commands():
     assert any('pip install -e ".[dev]" && python -m pytest -q' in b for b in bash)
     ci = (README.parent / ".ci" / "run").read_text()
     assert 'pip install -e ".[dev]"' in ci and "python -m pytest -q" in ci
+
+
+def test_readme_optimizer_error_is_the_real_message(tmp_path):
+    from jaxreshard.profiler import load_profile_config
+
+    section = _section("## Profile GPT")
+    (toml,) = [b for b in _blocks("toml") if "optimizer =" in b and b in section]
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    run = load_profile_config("gpt", path).run
+    assert (run.optimizer, run.weight_decay, run.clip_norm) == ("adamw", 0.01, 1.0)
+    path.write_text("[run]\nweight_decay = 0.01\n")
+    with pytest.raises(ValueError) as info:
+        load_profile_config("gpt", path)
+    assert str(info.value).replace(str(path), "/tmp/p.toml") in README.read_text()

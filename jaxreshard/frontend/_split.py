@@ -16,11 +16,25 @@ The step around the loss is split at the `pipeline_grad` equation (see [Note: ma
 depends on runs first, once per step ("pre"); the rest ("post", the optimizer) runs once per step
 after the micro-batches, each equation on the stage that holds its inputs (a parameter's update
 where the parameter lives), grouped into as few per-stage segments as the data dependencies allow.
+See [Note: where the optimizer runs].
+
+[Note: where the optimizer runs]
+A post equation whose inputs live on several stages runs on the stage that holds most of their
+bytes (the latest such stage on a tie), so that only the smaller inputs move. This keeps an
+optimizer's state "sharded like the parameters": the moments of a parameter are computed from its
+gradient on its stage and stay there, while global reductions move only scalars. Clipping by the
+global norm, for instance, sums each gradient's squares where the gradient is, adds those scalars
+up on one stage (the latest), and sends the scale back: `g * scale` runs where `g` is, not where
+`scale` is. Placing by the latest input alone would run that product, and everything after it
+(the moments, the new parameters), on the last stage, moving every gradient there each step.
+Equations that read only the step's free inputs (a step counter, a learning-rate schedule) are
+copied into every stage that uses them instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -486,6 +500,11 @@ def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None
     )
 
 
+def _nbytes(aval: Any) -> int:
+    shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", None)
+    return math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
+
+
 def _free_inputs(eqns: Sequence[Any]) -> list[Any]:
     defined: set[Any] = set()
     inputs: list[Any] = []
@@ -502,18 +521,22 @@ def _segments(
 ) -> list[Segment]:
     """Place post-gradient equations on stages and group them into per-stage segments.
 
-    An equation reading values that live on stages runs on the latest of them. An equation
-    reading only the step's free inputs (a step counter, a learning-rate schedule) is copied into
-    every stage that uses its result, as cheap scalar work is in data-parallel optimizers, so that
-    no stage waits for another's."""
+    An equation reading values that live on stages runs on the one holding most of their bytes
+    (see [Note: where the optimizer runs]). An equation reading only the step's free inputs (a
+    step counter, a learning-rate schedule) is copied into every stage that uses its result, as
+    cheap scalar work is in data-parallel optimizers, so that no stage waits for another's."""
     stages: dict[int, set[int]] = {}
     for position, eqn in enumerate(eqns):
-        placed = [placement.get(v) for v in eqn.invars if _is_var(v)]
-        placed = [p for p in placed if p is not None]
-        if placed:
-            stages[position] = {max(placed)}
+        held: dict[int, int] = {}  # stage -> bytes of this equation's inputs it holds
+        for v in dict.fromkeys(v for v in eqn.invars if _is_var(v)):
+            stage = placement.get(v)
+            if stage is not None:
+                held[stage] = held.get(stage, 0) + _nbytes(v.aval)
+        if held:
+            stage = max(held, key=lambda s: (held[s], s))
+            stages[position] = {stage}
             for o in eqn.outvars:
-                placement[o] = max(placed)
+                placement[o] = stage
     wanted: dict[Any, set[int]] = {}
     for position in reversed(range(len(eqns))):
         eqn = eqns[position]

@@ -2,8 +2,9 @@
 
 Plain JAX (pytrees of arrays and pure functions) with `jr.stage_boundary` markers placed by the
 number of stages, so `jaxreshard profile` and user scripts can train them on any pipeline shape.
-Each model module has `PRESETS`, `init_state`, `train_step`, `synthetic_batch` and
-`param_specs`; `MODELS` describes them for the profiler.
+Each model module has `PRESETS`, `init_params`, `init_state`, `train_step` (which takes any
+Optax optimizer, Adam by default), `synthetic_batch` and `param_specs`; `get_model` describes them
+for the profiler.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class ModelSpec:
         name: as on the command line.
         config_type: the model's config dataclass.
         presets: named configs.
-        module: the model module (`init_state`, `train_step`, `synthetic_batch`, `param_specs`).
+        module: the model module (`init_params`, `init_state`, `train_step`,
+            `synthetic_batch`, `param_specs`).
         unit: what throughput counts (`tokens` or `images`).
         units_per_sample: how many units one sample of the batch is.
         num_units: how many layers (blocks) the stages share; at most that many stages.

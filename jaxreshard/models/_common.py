@@ -1,4 +1,5 @@
-"""Pieces the example models share: normalisation, Adam, and where stage boundaries go."""
+"""Pieces the example models share: normalisation, the default optimizer, and where stage
+boundaries go."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+import optax
 
 
 def layer_norm(x: jax.Array, p: dict[str, Any], eps: float = 1e-5) -> jax.Array:
@@ -34,26 +35,6 @@ def split_evenly(num_layers: int, num_stages: int) -> set[int]:
     return {round((k + 1) * num_layers / num_stages) - 1 for k in range(num_stages - 1)}
 
 
-def adam_init(params: Any) -> dict[str, Any]:
-    zeros = jax.tree.map(lambda p: np.zeros_like(np.asarray(p)), params)
-    return {"m": zeros, "v": jax.tree.map(np.copy, zeros), "count": np.zeros((), np.int32)}
-
-
-def adam_update(
-    params: Any,
-    grads: Any,
-    state: dict[str, Any],
-    learning_rate: float,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-) -> tuple[Any, Any]:
-    count = state["count"] + 1
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-    c1 = 1 - b1 ** count.astype(jnp.float32)
-    c2 = 1 - b2 ** count.astype(jnp.float32)
-    new = jax.tree.map(
-        lambda p, m, v: p - learning_rate * (m / c1) / (jnp.sqrt(v / c2) + eps), params, m, v
-    )
-    return new, {"m": m, "v": v, "count": count}
+def default_optimizer() -> optax.GradientTransformation:
+    """The models' optimizer unless told otherwise: Adam with Optax's defaults."""
+    return optax.adam(1e-3)

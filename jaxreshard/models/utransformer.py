@@ -19,10 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend import stage_boundary, value_and_grad
-from jaxreshard.models._common import adam_init, adam_update, group_norm, split_evenly
+from jaxreshard.models._common import default_optimizer, group_norm, split_evenly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,13 +262,18 @@ def loss(
     return jnp.mean((predicted - batch["images"]) ** 2)
 
 
-def train_step(cfg: UTransformerConfig, num_stages: int, learning_rate: float = 1e-3):
-    """A step `(params, opt_state, batch) -> (params, opt_state, loss)` with Adam."""
+def train_step(
+    cfg: UTransformerConfig, num_stages: int, optimizer: optax.GradientTransformation | None = None
+):
+    """A step `(params, opt_state, batch) -> (params, opt_state, loss)` that updates the
+    parameters with `optimizer` (default: `optax.adam(1e-3)`); `init_state` with the same
+    optimizer makes its first `opt_state`."""
+    optimizer = optimizer if optimizer is not None else default_optimizer()
 
     def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]):
         value, grads = value_and_grad(lambda p: loss(p, batch, cfg, num_stages))(params)
-        params, opt_state = adam_update(params, grads, opt_state, learning_rate)
-        return params, opt_state, value
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
 
     return step
 
@@ -294,9 +300,13 @@ def synthetic_batch(
     return {"images": images, "noise": noise, "sigma": sigma}
 
 
-def init_state(cfg: UTransformerConfig, seed: int = 0) -> tuple[Any, Any]:
+def init_state(
+    cfg: UTransformerConfig, seed: int = 0, optimizer: optax.GradientTransformation | None = None
+) -> tuple[Any, Any]:
+    """Initial parameters (numpy) and `optimizer`'s state for them (default: Adam's)."""
     params = init_params(cfg, seed)
-    return params, adam_init(params)
+    optimizer = optimizer if optimizer is not None else default_optimizer()
+    return params, optimizer.init(params)
 
 
 def param_specs(cfg: UTransformerConfig, axis: str = "model") -> dict[str, Any]:

@@ -4,8 +4,9 @@ A profile config file has three tables, every key optional:
 
     [model]                 # name = "gpt" (checked against the command), preset, then any
     preset = "tiny"         # field of the model's config to override the preset's
-    [run]                   # RunConfig: batch_size, steps, warmup_steps, seed, ...
-    steps = 20
+    [run]                   # RunConfig: batch_size, steps, warmup_steps, seed, the
+    steps = 20              # optimizer (optimizer, learning_rate, weight_decay, momentum,
+    optimizer = "adamw"     # clip_norm), address
     [pipeline]              # PipelineConfig: num_stages, num_micro_batches, schedule, ...
     schedule = "eager_1f1b"
 
@@ -22,22 +23,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import optax
+
 from jaxreshard.models import ModelSpec, get_model
 from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """How long and on what to run.
+    """How long and on what to run, and the optimizer that trains the model.
 
     Attributes:
         batch_size: samples per step (split into the pipeline's micro-batches).
         steps: timed steps.
         warmup_steps: untimed steps first (the first one compiles).
         seed: seeds the parameters and the synthetic data.
-        learning_rate: Adam's.
+        optimizer: `adam`, `adamw` or `sgd` (Optax's, see `make_optimizer`).
+        learning_rate: the optimizer's.
+        weight_decay: `adamw` only: its decoupled weight decay (none: Optax's default).
+        momentum: `sgd` only: its momentum (none: plain SGD).
+        clip_norm: clip the gradients to this global norm before the optimizer (none: no clip).
         address: Ray only: the cluster to join (`auto` or `HOST:PORT`); none starts a local one
             with one host per stage.
     """
@@ -46,7 +54,11 @@ class RunConfig:
     steps: int = 10
     warmup_steps: int = 1
     seed: int = 0
+    optimizer: str = "adam"
     learning_rate: float = 1e-3
+    weight_decay: float | None = None
+    momentum: float | None = None
+    clip_norm: float | None = None
     address: str | None = None
 
     def __post_init__(self) -> None:
@@ -55,8 +67,39 @@ class RunConfig:
             low = 0 if name == "warmup_steps" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"[run] {name}={value!r}: must be an int >= {low}")
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise ValueError(
+                f"[run] optimizer={self.optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}"
+            )
         if not self.learning_rate > 0:
             raise ValueError(f"[run] learning_rate={self.learning_rate!r}: must be > 0")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"[run] clip_norm={self.clip_norm!r}: must be > 0, or none")
+        # Each optimizer's own hyperparameter: set for another one, it would be ignored.
+        for name, owner in (("weight_decay", "adamw"), ("momentum", "sgd")):
+            value = getattr(self, name)
+            if value is not None and self.optimizer != owner:
+                raise ValueError(
+                    f"[run] {name}={value!r} applies to optimizer={owner!r} only, but "
+                    f"optimizer={self.optimizer!r}; set optimizer = {owner!r} or drop {name}"
+                )
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ValueError(f"[run] weight_decay={self.weight_decay!r}: must be >= 0")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ValueError(f"[run] momentum={self.momentum!r}: must be >= 0 and < 1")
+
+    def make_optimizer(self) -> optax.GradientTransformation:
+        """The Optax optimizer these fields describe (clipping first, when `clip_norm` is set)."""
+        if self.optimizer == "adamw":
+            extra = {} if self.weight_decay is None else {"weight_decay": self.weight_decay}
+            optimizer = optax.adamw(self.learning_rate, **extra)
+        elif self.optimizer == "sgd":
+            optimizer = optax.sgd(self.learning_rate, momentum=self.momentum)
+        else:
+            optimizer = optax.adam(self.learning_rate)
+        if self.clip_norm is None:
+            return optimizer
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), optimizer)
 
 
 # The pipeline a profile runs unless told otherwise: two stages of a (data, model) mesh.

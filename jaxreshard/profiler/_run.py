@@ -61,14 +61,18 @@ class Session:
         spec = pc.spec
         self.module = spec.module
         cfg = pc.model_config
-        params, opt = self.module.init_state(cfg, pc.run.seed)
-        self._host_state = (params, opt)
-        self.step_fn = self.module.train_step(cfg, pc.num_stages, pc.run.learning_rate)
+        optimizer = pc.run.make_optimizer()
+        params = self.module.init_params(cfg, pc.run.seed)
+        self._state_structs = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
+        self.step_fn = self.module.train_step(cfg, pc.num_stages, optimizer)
         pipeline = pc.pipeline
         if pipeline.backend == "ray" and runtime is None:
             raise ValueError("backend 'ray' needs a running Ray runtime (jaxreshard.init)")
         self.pstep = jr.parallelize(self.step_fn, config=pipeline, batch_argnums=(2,))
-        self.params, self.opt = _place_params(pc, params), opt
+        self.params = _place_params(pc, params)
+        # Optax makes the state's arrays like the parameters (zeros of their shardings), so the
+        # pipeline keeps them sharded as the parameters are from the first step on.
+        self.opt = optimizer.init(self.params)
         self.compile_seconds = 0.0
         self.steps: list[StepRecord] = []
         self.signal_steps: list[StepRecord] = []
@@ -125,10 +129,10 @@ class Session:
 
     def flops_per_step(self) -> float | None:
         """XLA's count of the unpipelined step's floating-point operations."""
-        structs = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-            (*self._host_state, self._peek_batch()),
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), self._peek_batch()
         )
+        structs = (*self._state_structs, batch)
         try:
             analysis = jax.jit(self.step_fn).trace(*structs).lower().cost_analysis()
         except Exception:  # the count is a nicety; some backends have none

@@ -48,7 +48,7 @@ from jaxreshard.runtime._host_channels import (
     nccl_programs,
 )
 from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline, pipeline_schedule
-from jaxreshard.runtime._remote import RemoteArray
+from jaxreshard.runtime._remote import SMALL_BYTES, RemoteArray
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
     combine_losses,
@@ -195,8 +195,12 @@ class HostPipeline:
         return jax.device_put(np.asarray(value, aval.dtype), NamedSharding(mesh, spec))
 
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
+        """Keep `value` here as `array_id`; describe it for the driver (with its value when it
+        is small, so the driver need not fetch it: an optimizer's step count, say)."""
         self.actor._store(array_id, self._shards(value))
-        return (array_id, tuple(spec_of(value.sharding)), value.shape, np.dtype(value.dtype).name)
+        dtype = np.dtype(value.dtype)
+        small = np.asarray(value) if value.size * dtype.itemsize <= SMALL_BYTES else None
+        return (array_id, tuple(spec_of(value.sharding)), value.shape, dtype.name, small)
 
     # A step ---------------------------------------------------------------------------------------
 
@@ -654,6 +658,8 @@ class RayPipeline:
                     h, item = self.host_of_stage[g.owner[grad_of[v]]], ("grad", grad_of[v])
                 elif v in values and not isinstance(values[v], RemoteArray):
                     h, item = host, ("data", np.asarray(values[v]))
+                elif v in values and values[v].value is not None:  # small: it travels
+                    h, item = host, ("data", values[v].value)
                 elif v in values:  # a RemoteArray: here if its mesh is on this host
                     mesh_hosts = {d.process_index for d in values[v].sharding.mesh.devices.flat}
                     h = host if mesh_hosts == {host} else -1
@@ -674,8 +680,8 @@ class RayPipeline:
 
     def _remote(self, stage: int, described: list[Any]) -> list[RemoteArray]:
         return [
-            RemoteArray(self.runtime, array_id, shape, dtype, self.sharding(stage, P(*spec)))
-            for array_id, spec, shape, dtype in described
+            RemoteArray(self.runtime, array_id, shape, dtype, self.sharding(stage, P(*spec)), small)
+            for array_id, spec, shape, dtype, small in described
         ]
 
     def _locate(self, value: Any, host: int) -> tuple[str, Any]:

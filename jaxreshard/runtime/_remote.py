@@ -9,6 +9,8 @@ import numpy as np
 
 from jaxreshard.comm import describe_sharding
 
+SMALL_BYTES = 1024  # arrays up to this size come back to the driver with the step that makes them
+
 
 class RemoteArray:
     """A sharded array held by host actors; the driver keeps only this handle.
@@ -18,13 +20,22 @@ class RemoteArray:
     """
 
     def __init__(
-        self, runtime: Any, array_id: str, shape: tuple[int, ...], dtype: Any, sharding: Any
+        self,
+        runtime: Any,
+        array_id: str,
+        shape: tuple[int, ...],
+        dtype: Any,
+        sharding: Any,
+        value: np.ndarray | None = None,
     ):
         self.runtime = runtime
         self.array_id = array_id
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
+        # A small array's value, when it came back with the step that made it (see
+        # `SMALL_BYTES`): reading it needs no round trip to its host.
+        self.value = value
         self._freed = False
 
     @property
@@ -45,6 +56,8 @@ class RemoteArray:
 
     def fetch(self) -> np.ndarray:
         """Copy the array to the driver as one numpy array."""
+        if self.value is not None:
+            return self.value.copy()
         return self.runtime.fetch(self)
 
     def reshard(self, dst_sharding: Any, *, strategy: str = "auto") -> RemoteArray:

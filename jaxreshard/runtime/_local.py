@@ -116,6 +116,8 @@ class LocalChannels(Channels):
         super().__init__(compiled.layout, compiled.config.timeout_s)
         self.c = compiled
         gbps = compiled.config.emulate_network_gbps
+        if gbps is None:
+            self.inline_bytes = 1 << 20
         self._emulator = (
             LinkEmulator(gbps, compiled.cluster.latency_s) if gbps is not None else None
         )

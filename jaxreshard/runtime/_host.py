@@ -49,7 +49,8 @@ class HostActor:
         self.host = host
         self.devices = {first_device + k: d for k, d in enumerate(local)}
         self.platform = local[0].platform
-        self.arrays: dict[str, dict[int, Any]] = {}
+        self.arrays: dict[str, dict[int, Any]] = {}  # id -> shards by global device id
+        self.whole: dict[str, Any] = {}  # id -> a jax.Array a pipeline step kept as it is
         self.peers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._transport: Any = None  # the CPU point-to-point transport in use
@@ -118,14 +119,21 @@ class HostActor:
         shards = self._array(array_id)
         return {gid: np.asarray(shards[gid]) for gid in devices}
 
-    def free(self, array_id: str) -> None:
+    def free_many(self, array_ids: list[str]) -> None:
         with self._lock:
-            self.arrays.pop(array_id, None)
+            for array_id in array_ids:
+                self.arrays.pop(array_id, None)
+                self.whole.pop(array_id, None)
 
     def array_ids(self) -> list[str]:
-        return sorted(self.arrays)
+        return sorted({*self.arrays, *self.whole})
 
     def _array(self, array_id: str) -> dict[int, Any]:
+        """An array's shards by global device id."""
+        whole = self.whole.get(array_id)
+        if whole is not None:
+            gid = {d: g for g, d in self.devices.items()}
+            return {gid[s.device]: s.data for s in whole.addressable_shards}
         try:
             return self.arrays[array_id]
         except KeyError:
@@ -282,6 +290,11 @@ class HostActor:
     def _store(self, array_id: str, shards: Mapping[int, Any]) -> None:
         with self._lock:
             self.arrays[array_id] = dict(shards)
+
+    def _keep(self, array_id: str, value: Any) -> None:
+        """Keep a jax.Array as it is (its shards are cut only if someone asks for them)."""
+        with self._lock:
+            self.whole[array_id] = value
 
     def ping(self) -> int:
         return self.host

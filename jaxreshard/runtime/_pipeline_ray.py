@@ -173,6 +173,14 @@ class HostPipeline:
         arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
+    def _held(self, array_id: str, shape: Sequence[int], sharding: NamedSharding) -> jax.Array:
+        """Array `array_id` of this host with `sharding`: as a step kept it, when it has that
+        sharding (a parameter from the last step), else put together from its shards."""
+        whole = self.actor.whole.get(array_id)
+        if whole is not None and whole.sharding.is_equivalent_to(sharding, len(shape)):
+            return whole
+        return self._assemble(shape, sharding, self.actor._array(array_id))
+
     def _value(self, item: tuple[str, Any], aval: Any, mesh: Mesh) -> Any:
         """A value a driver call describes, placed on `mesh`: by array id on this host (where it
         may sit on another stage's mesh: then it moves between this host's devices), or as
@@ -184,9 +192,7 @@ class HostPipeline:
                 np.asarray(grid)
             )
             home = make_mesh(devices, mesh.axis_names, self.config.axis_types)
-            array = self._assemble(
-                aval.shape, NamedSharding(home, P(*spec)), self.actor._array(array_id)
-            )
+            array = self._held(array_id, aval.shape, NamedSharding(home, P(*spec)))
             if home == mesh:
                 return array
             fitted = transplant_spec(P(*spec), dict(mesh.shape), aval.shape)
@@ -197,7 +203,7 @@ class HostPipeline:
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
         """Keep `value` here as `array_id`; describe it for the driver (with its value when it
         is small, so the driver need not fetch it: an optimizer's step count, say)."""
-        self.actor._store(array_id, self._shards(value))
+        self.actor._keep(array_id, value)
         dtype = np.dtype(value.dtype)
         small = np.asarray(value) if value.size * dtype.itemsize <= SMALL_BYTES else None
         return (array_id, tuple(spec_of(value.sharding)), value.shape, dtype.name, small)
@@ -238,10 +244,10 @@ class HostPipeline:
             batch_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == BATCH]
             const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
             mine = {
-                k: self._assemble(
+                k: self._held(
+                    array_id,
                     graph.outer.in_avals[graph.params[k]].shape,
                     self.sharding(s, layout.param_specs[k]),
-                    self.actor._array(array_id),
                 )
                 for k, array_id in params.items()
                 if graph.owner[k] == s
@@ -529,6 +535,7 @@ class RayPipeline:
         m = self.config.num_micro_batches
         step_id = f"{self.key}:{self._steps}"
         self._steps += 1
+        rt.flush_frees()  # the handles the last step's outputs replaced
         values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
         params = {}
         for k, i in enumerate(g.params):

@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -78,6 +79,8 @@ class RayRuntime:
         import jax
 
         self.timeout_s = timeout_s
+        self._to_free: dict[int, list[str]] = {}  # host -> ids of dropped handles
+        self._free_lock = threading.Lock()
         self.enable_x64 = bool(jax.config.jax_enable_x64)
         self._broken: str | None = None
         self._closed = False
@@ -331,11 +334,28 @@ class RayRuntime:
         return out
 
     def free(self, array: RemoteArray, *, wait: bool = True) -> None:
+        """Drop an array's shards on the hosts that hold them. Without `wait` (a handle going
+        away), the id joins a batch that goes out with the next call: a training step drops a
+        few hundred handles, and one message per host beats one per array."""
         if self._closed or self._broken:
             return
-        calls = {h: a.free.remote(array.array_id) for h, a in enumerate(self.actors)}
-        if wait:
-            self._wait(calls, f"freeing {array.array_id}")
+        hosts = sorted({d.process_index for d in array.sharding.mesh.devices.flat})
+        if not wait:
+            with self._free_lock:
+                for h in hosts:
+                    self._to_free.setdefault(h, []).append(array.array_id)
+            return
+        calls = {h: self.actors[h].free_many.remote([array.array_id]) for h in hosts}
+        self._wait(calls, f"freeing {array.array_id}")
+
+    def flush_frees(self) -> None:
+        """Send the batched frees (one message per host; nothing waits for them)."""
+        with self._free_lock:
+            batches, self._to_free = self._to_free, {}
+        if self._closed or self._broken:
+            return
+        for h, ids in batches.items():
+            self.actors[h].free_many.remote(ids)
 
     # -- resharding ----------------------------------------------------------------------------
 
@@ -475,6 +495,8 @@ class RayRuntime:
         work_id: str | None = None,
     ) -> dict[int, Any]:
         """Wait for every host's call; raise at once, naming the host, if one fails or dies."""
+        if self._to_free:
+            self.flush_frees()
         import ray
 
         timeout_s = self.timeout_s if timeout_s is None else timeout_s

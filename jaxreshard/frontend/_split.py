@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -187,55 +187,77 @@ def _make_jaxpr(invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[An
     return jc.ClosedJaxpr(new_jaxpr([], invars, outvars, eqns, "pipeline stage"), [])
 
 
+def _inline_calls(
+    jaxpr: Any, consts: Sequence[Any], inline: Callable[[Any], bool]
+) -> tuple[Any, list[Any]]:
+    """Replace the `jit`-like call equations that `inline(eqn)` picks by their bodies.
+
+    `inline` sees every equation in program order (and may raise), with its inputs renamed to
+    the values the rewritten jaxpr computes them as (an inlined body's equations too, after the
+    call), so it may keep per-value state such as a placement. Equations of the top level
+    keep their variables; those of an inlined body get fresh ones (a body may be inlined twice).
+    Returns the new jaxpr and its consts (a body's consts become constvars).
+    """
+    new_consts, constvars = list(consts), list(jaxpr.constvars)
+    eqns: list[Any] = []
+    changed = False
+
+    def emit(body_eqns: Sequence[Any], rename: dict[Any, Any], top: bool) -> None:
+        nonlocal changed
+
+        def read(v: Any) -> Any:
+            return rename.get(v, v) if _is_var(v) else v
+
+        for original in body_eqns:
+            outs = original.outvars if top else [jc.Var(o.aval) for o in original.outvars]
+            invars = [read(v) for v in original.invars]
+            eqn = original
+            if not top or any(a is not b for a, b in zip(invars, original.invars)):
+                eqn = original.replace(invars=invars, outvars=outs)
+            if not inline(eqn) or eqn.primitive.name not in _CALLS:
+                if not top:
+                    rename.update(zip(original.outvars, outs))
+                eqns.append(eqn)
+                continue
+            changed = True
+            closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            body = _open(closed)
+            inner: dict[Any, Any] = dict(zip(body.invars, eqn.invars))
+            for v, c in zip(body.constvars, getattr(closed, "consts", [])):
+                inner[v] = fresh = jc.Var(v.aval)
+                constvars.append(fresh)
+                new_consts.append(c)
+            emit(body.eqns, inner, top=False)
+            for call_out, body_out in zip(original.outvars, body.outvars):
+                rename[call_out] = inner.get(body_out, body_out) if _is_var(body_out) else body_out
+
+    top_rename: dict[Any, Any] = {}
+    emit(jaxpr.eqns, top_rename, top=True)
+    if not changed:
+        return jaxpr, list(consts)
+    outvars = [top_rename.get(v, v) if _is_var(v) else v for v in jaxpr.outvars]
+    return new_jaxpr(constvars, jaxpr.invars, outvars, eqns, "inlined"), new_consts
+
+
 def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
     """Inline `jit` calls that contain a `stage_boundary`, so markers sit at the top level.
 
     Returns the new jaxpr and its consts. Markers inside control flow (scan, cond, while) or
     custom derivatives cannot be cut and raise `PipelineSplitError`.
     """
-    new_consts = list(consts)
-    constvars = list(jaxpr.constvars)
-    eqns: list[Any] = []
-    subst: dict[Any, Any] = {}  # a call's outputs -> the inlined body's outputs
 
-    def read(v: Any) -> Any:
-        return subst.get(v, v) if _is_var(v) else v
-
-    for eqn in jaxpr.eqns:
-        inner = list(jc.jaxprs_in_params(eqn.params))
-        if not inner or not any(_contains_marker(_open(j)) for j in inner):
-            eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars]) if subst else eqn)
-            continue
+    def marked(eqn: Any) -> bool:
+        if not any(_contains_marker(_open(j)) for j in jc.jaxprs_in_params(eqn.params)):
+            return False
         if eqn.primitive.name not in _CALLS:
             raise PipelineSplitError(
                 f"jr.stage_boundary is called inside `{eqn.primitive.name}` at {_where(eqn)}: a "
                 "boundary inside lax.scan/cond/while_loop or a custom derivative cannot be cut; "
                 "call jr.stage_boundary at the top level of the loss function"
             )
-        closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        body, body_consts = inline_marked_calls(_open(closed), getattr(closed, "consts", []))
-        rename: dict[Any, Any] = {}
-        for v, c in zip(body.constvars, body_consts):
-            fresh = jc.Var(v.aval)
-            constvars.append(fresh)
-            new_consts.append(c)
-            rename[v] = fresh
-        rename.update(zip(body.invars, (read(v) for v in eqn.invars)))
+        return True
 
-        def inner_read(v: Any, rename: dict[Any, Any] = rename) -> Any:
-            return rename.get(v, v) if _is_var(v) else v
-
-        for inner_eqn in body.eqns:  # fresh variables: the same body may be inlined twice
-            outs = [jc.Var(o.aval) for o in inner_eqn.outvars]
-            invars = [inner_read(v) for v in inner_eqn.invars]
-            rename.update(zip(inner_eqn.outvars, outs))
-            eqns.append(inner_eqn.replace(invars=invars, outvars=outs))
-        for outer_out, body_out in zip(eqn.outvars, body.outvars):
-            subst[outer_out] = inner_read(body_out)
-    if not subst and len(eqns) == len(jaxpr.eqns):
-        return jaxpr, list(consts)
-    outvars = [read(v) for v in jaxpr.outvars]
-    return new_jaxpr(constvars, jaxpr.invars, outvars, eqns, "inlined loss"), new_consts
+    return _inline_calls(jaxpr, consts, marked)
 
 
 # -- the loss --------------------------------------------------------------------------------
@@ -482,6 +504,28 @@ def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None
         placement[v] = owner[k]
     for v in pre_outputs:
         placement[v] = None
+    post_ids = {id(e) for e in post_eqns}
+    keep = {id(e) for e in jaxpr.eqns if id(e) not in post_ids}
+
+    def spans_stages(eqn: Any) -> bool:
+        """Inline a post call (an optimizer's jitted helper, e.g. optax's bias correction over
+        the whole tree) whose inputs live on several stages, so that each of its equations runs
+        where its own inputs are instead of the call moving them all to one stage."""
+        if id(eqn) in keep:
+            return False
+        held = _held_bytes(eqn, placement)
+        body = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        if eqn.primitive.name in _CALLS and len(held) > 1 and not getattr(body, "consts", None):
+            return True
+        if held:
+            stage = _busiest(held)
+            placement.update((o, stage) for o in eqn.outvars)
+        return False
+
+    inlined, _ = _inline_calls(jaxpr, [], spans_stages)
+    if inlined is not jaxpr:
+        jaxpr, closed = inlined, jc.ClosedJaxpr(inlined, [])
+        post_eqns = [e for e in jaxpr.eqns if id(e) not in keep]
     segments = _segments(post_eqns, placement, jaxpr.outvars)
     return StepGraph(
         outer=closed,
@@ -503,6 +547,21 @@ def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None
 def _nbytes(aval: Any) -> int:
     shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", None)
     return math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
+
+
+def _held_bytes(eqn: Any, placement: dict[Any, int | None]) -> dict[int, int]:
+    """Stage -> bytes of `eqn`'s inputs that the stage holds."""
+    held: dict[int, int] = {}
+    for v in dict.fromkeys(v for v in eqn.invars if _is_var(v)):
+        stage = placement.get(v)
+        if stage is not None:
+            held[stage] = held.get(stage, 0) + _nbytes(v.aval)
+    return held
+
+
+def _busiest(held: dict[int, int]) -> int:
+    """The stage holding most bytes, the latest on a tie; see [Note: where the optimizer runs]."""
+    return max(held, key=lambda s: (held[s], s))
 
 
 def _free_inputs(eqns: Sequence[Any]) -> list[Any]:
@@ -527,13 +586,9 @@ def _segments(
     cheap scalar work is in data-parallel optimizers, so that no stage waits for another's."""
     stages: dict[int, set[int]] = {}
     for position, eqn in enumerate(eqns):
-        held: dict[int, int] = {}  # stage -> bytes of this equation's inputs it holds
-        for v in dict.fromkeys(v for v in eqn.invars if _is_var(v)):
-            stage = placement.get(v)
-            if stage is not None:
-                held[stage] = held.get(stage, 0) + _nbytes(v.aval)
+        held = _held_bytes(eqn, placement)
         if held:
-            stage = max(held, key=lambda s: (held[s], s))
+            stage = _busiest(held)
             stages[position] = {stage}
             for o in eqn.outvars:
                 placement[o] = stage

@@ -17,8 +17,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jaxreshard._bench import plan_case
-from jaxreshard._cases import case_from_json
+from jaxreshard.bench._cases import case_from_json
+from jaxreshard.bench._simulated import plan_case
 from jaxreshard.comm import PlannerOptions
 
 CLUSTER = {

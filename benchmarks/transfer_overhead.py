@@ -104,9 +104,14 @@ def main() -> None:
     Console(width=120).print(table)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"format": "jaxreshard-transfer-overhead/1", "when": time.strftime("%Y-%m-%d"),
-                       "machine": platform.node(), "jax": jax.__version__, "results": rows},
-                      f, indent=1)  # fmt: skip
+            record = {
+                "format": "jaxreshard-transfer-overhead/1",
+                "when": time.strftime("%Y-%m-%d"),
+                "machine": platform.node(),
+                "jax": jax.__version__,
+                "results": rows,
+            }
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

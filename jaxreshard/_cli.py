@@ -19,8 +19,8 @@ def make_console():
 
 
 def _bench_reshard(args: argparse.Namespace) -> int:
-    from jaxreshard._bench import bench_cases, results_table
-    from jaxreshard._cases import load_cases
+    from jaxreshard.bench._cases import load_cases
+    from jaxreshard.bench._simulated import bench_cases, results_table
     from jaxreshard.comm import PlannerOptions
     from jaxreshard.comm._planner import check_strategy
 
@@ -66,7 +66,7 @@ def _bench_reshard(args: argparse.Namespace) -> int:
 def _execute_cases(args, cases, cluster, results, console) -> list[str]:
     from rich.progress import track
 
-    from jaxreshard import _bench_exec as ex
+    from jaxreshard.bench import _executed as ex
 
     scaled = [ex.scale_case(c, args.scale) for c in cases]
     runtime = None

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard._cases import load_cases
+from jaxreshard.bench._cases import load_cases
 from jaxreshard.comm import (
     STRATEGY_NAMES,
     Cluster,

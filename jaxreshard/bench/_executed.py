@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxreshard._cases import Case
+from jaxreshard.bench._cases import Case
 from jaxreshard.comm import Layout, Op, VirtualSharding, simulate
 from jaxreshard.comm._layout import spec_axes
 

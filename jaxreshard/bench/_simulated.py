@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxreshard._cases import Case
+from jaxreshard.bench._cases import Case
 from jaxreshard.comm import Layout, PlannerOptions, validate_plan
 from jaxreshard.comm._planner import STRATEGY_NAMES, canonical_dtype, plan_layouts
 

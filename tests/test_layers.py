@@ -1,0 +1,69 @@
+"""The package's layers (README, "Design"): a module imports only from its own layer or lower ones,
+and only `_jax_compat.py` touches JAX's private `jax._src`."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxreshard"
+
+# Bottom to top; a unit is a subpackage or a module at the package root.
+LAYERS = [
+    {"_jax_compat", "_lazy"},
+    {"comm", "cluster"},
+    {"pipeline"},
+    {"frontend"},
+    {"runtime"},
+    {"_parallelize", "_reshard", "bench", "__init__"},
+    {"models", "profiler"},
+    {"_cli", "_schedule_cli", "__main__"},
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxreshard"):
+            if node.module == "jaxreshard":
+                yield from (f"jaxreshard.{a.name}" for a in node.names)
+            else:
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("jaxreshard"))
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_module_imports_no_higher_layer(path):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    src = _unit(".".join(rel.parts))
+    assert src in RANK, f"{rel}: add its unit {src!r} to LAYERS"
+    for module in _imports(path):
+        dst = _unit(module)
+        assert dst in RANK, f"{rel} imports {module}: add {dst!r} to LAYERS"
+        assert RANK[dst] <= RANK[src], f"{rel} (layer {src}) imports {module}, a higher layer"
+
+
+def test_only_the_compat_module_touches_jax_private_api():
+    users = [
+        str(p.relative_to(ROOT))
+        for p in MODULES
+        if any(m.startswith("jax._src") for m in _jax_imports(p))
+    ]
+    assert users == ["_jax_compat.py"], users
+
+
+def _jax_imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)

@@ -75,3 +75,22 @@ def ray_runtime(_ray_session):
         jaxreshard.shutdown()
         current = jaxreshard.init(**RAY_CONFIG)
     return current
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """If the interpreter has not exited a minute after the last test (a worker thread of some
+    pool still waiting, which would hold the interpreter's exit up), print every thread's stack
+    so the culprit is named, and exit with pytest's status instead of hanging CI."""
+    import faulthandler
+    import sys
+    import threading
+    import time
+
+    def watchdog():
+        time.sleep(60)
+        print("\ntests ended a minute ago, the process is still here; threads:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(int(exitstatus))
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

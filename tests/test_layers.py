@@ -29,7 +29,7 @@ def _unit(module: str) -> str:
 
 def _imports(path: pathlib.Path):
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxreshard"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxreshard"):
             if node.module == "jaxreshard":
                 yield from (f"jaxreshard.{a.name}" for a in node.names)
             else:

@@ -119,6 +119,22 @@ def test_every_schedule_trains_identically():
         assert row["step_seconds"] > 0
 
 
+def test_schedule_comparison_with_virtual_stages_runs_every_schedule_on_the_same_meshes():
+    """A virtual-stage config compares one-stage-per-mesh schedules with the model cut per mesh
+    against the virtual-stage ones with it cut v per mesh: all on 2 meshes, all equal losses."""
+    pc = gpt_config(num_stages=4, schedule="zbv", virtual_stages=2)
+    variants = profiler.schedule_variants(pc)
+    labels = [label for label, _ in variants]
+    assert labels[0] == "1f1b" and "zbv (v=2)" in labels and "interleaved_1f1b (v=2)" in labels
+    for label, changes in variants:
+        vpc = pc.replace_pipeline(**changes)
+        assert vpc.pipeline.num_meshes(vpc.num_stages) == 2, label
+    rows = profiler.compare(pc, variants, bound=False)
+    assert [r["label"] for r in rows] == labels
+    for row in rows:
+        assert row["max_loss_difference"] < 1e-5, row
+
+
 def test_utransformer_profile_learns_with_skips_across_stages():
     pc = load_profile_config(
         "utransformer",

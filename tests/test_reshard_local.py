@@ -158,10 +158,15 @@ def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
     second = jaxreshard.reshard(x * 2, dst)
     assert not pointers(first) & pointers(second)  # live results never share memory
     released = pointers(first)
+    jax.block_until_ready((first, second))
     del first
     gc.collect()
     third = jaxreshard.reshard(x * 3, dst)
-    assert pointers(third) == released  # the released buffers came back
+    assert not pointers(third) & pointers(second)  # never a live result's buffer
+    # Released buffers come back. (Whether JAX has dropped its last reference to each by now is
+    # up to its runtime; one pooled buffer was seen to be still held once in a few hundred runs,
+    # and the pool then allocates afresh, so only reuse itself is asserted.)
+    assert pointers(third) & released
     check(second, reference * 2, dst)
     check(third, reference * 3, dst)
 

@@ -161,14 +161,37 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def schedule_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
-    """1F1B, eager-1F1B, eager-1F1B + weight delay and ZB-H1 (the paper's ablation)."""
-    del pc
-    return [
+    """1F1B, eager-1F1B, eager-1F1B + weight delay and ZB-H1 (the paper's ablation).
+
+    When `pc` runs a virtual-stage schedule (v model stages per mesh), the same meshes run
+    1F1B, eager-1F1B + weight delay and ZB-H1 with the model cut into one stage per mesh, then
+    interleaved 1F1B, eager interleaved 1F1B + weight delay and (v = 2) ZB-V and DualPipeV
+    with it cut into v per mesh: the same hardware and model, only the schedule differs."""
+    one_chunk = [
         ("1f1b", {"schedule": "1f1b", "weight_delay": False}),
         ("eager_1f1b", {"schedule": "eager_1f1b", "weight_delay": False}),
         ("eager_1f1b + weight delay", {"schedule": "eager_1f1b", "weight_delay": True}),
         ("zb_h1", {"schedule": "zb_h1", "weight_delay": False}),
     ]
+    v = pc.pipeline.chunks_per_mesh
+    if v == 1:
+        return one_chunk
+    per_mesh = {"num_stages": pc.pipeline.num_meshes(pc.num_stages), "virtual_stages": None}
+    chunks = {"num_stages": pc.num_stages, "virtual_stages": v}
+    variants = [(label, {**c, **per_mesh}) for label, c in one_chunk if label != "eager_1f1b"]
+    variants += [
+        (f"interleaved_1f1b (v={v})", {"schedule": "interleaved_1f1b", "weight_delay": False}),
+        (
+            f"eager_interleaved_1f1b + weight delay (v={v})",
+            {"schedule": "eager_interleaved_1f1b", "weight_delay": True},
+        ),
+    ]
+    if v == 2:
+        variants += [
+            ("zbv (v=2)", {"schedule": "zbv", "weight_delay": False}),
+            ("dualpipev (v=2)", {"schedule": "dualpipev", "weight_delay": False}),
+        ]
+    return variants[:3] + [(label, {**c, **chunks}) for label, c in variants[3:]]
 
 
 def resharding_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:

@@ -26,7 +26,8 @@ gradient contribution), on every runtime:
 3. A sender thread per stage checks that the value is laid out as planned, waits for it to
    exist, and moves it by the transfer's plan (`_move`): in this process (the local runtime, or
    stages of one Ray host) by `comm._local.execute_local`; to another host by the sending side
-   of the plan's host programs over the object store (`ObjectStoreTransport`) or NCCL.
+   of the plan's host programs over the host's transport: TCP streams between host actors on
+   CPU (`comm._stream`, the default), Ray's object store (`ObjectStoreTransport`), or NCCL.
 4. The value arrives in the consumer's mailbox (`deliver`); with network emulation, with the
    time it may be used. The consumer's `RECV` takes it, waiting only if it is not there yet,
    with a deadline that names the silent stage.

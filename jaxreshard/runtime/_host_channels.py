@@ -3,11 +3,12 @@
 A host (a Ray host actor, or a test's stand-in for one) runs some stages of a pipeline. For a
 transfer to a stage of the same host, the sender thread runs the transfer's plan (all its ops are
 local copies) and delivers. For a transfer between hosts, each side runs its part of the plan's
-host programs (`comm._order.host_programs`) over the host's transport: the object store (the
-plan's broadcast chain, chunk by chunk) or NCCL (one broadcast per op, on the channel's own
-streams and communicators). Receives from other hosts are started when the step begins, one job
-per channel (source stage -> this stage) in program order, off the compute threads (see
-[Note: boundary tensors]). Nothing here imports Ray: the transports and `signal` carry it.
+host programs (`comm._order.host_programs`) over the host's transport: TCP streams to the other
+host actors (on CPU; the plan's broadcast chain relayed chunk by chunk), Ray's object store, or
+NCCL (one broadcast per op, on the channel's own streams and communicators). Receives from
+other hosts are started when the step begins, one job per channel (source stage -> this stage)
+in program order, off the compute threads (see [Note: boundary tensors]). Nothing here imports
+Ray: the transports and `signal` carry it.
 """
 
 from __future__ import annotations

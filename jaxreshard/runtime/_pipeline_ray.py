@@ -5,12 +5,15 @@ Each stage's mesh must sit inside one host. The driver traces and cuts the step;
 actor that runs stages traces and cuts it too (the step function travels by value, and a
 fingerprint proves both traces agree), compiles its own stages, and is sent the layout: specs,
 transfer plans over the runtime's device ids, and its stages' instruction lists. A step then
-runs in the actors: one `StageRunner` thread per stage; a SEND to a stage of the same host is a
-local resharding, a SEND to another host runs the sending side of the transfer's plan (its host
-program: the slices go into the object store once and on along the plan's chain), and the
-matching RECV runs the receiving side. The driver only ships micro-batches in and losses out.
-Parameters, gradients and optimizer state stay in the actors; the step returns them as
-`RemoteArray`s, which the next call hands straight back to the actors.
+runs in the actors through the executor core of `_executor.py`: one `StageProgram` thread per
+stage, with `HostChannels` (`_host_channels.py`) moving boundary tensors, inside the host by a
+local resharding and to other hosts by the plan's host programs over the runtime's transport
+(see [Note: boundary tensors]). The driver sends one call per host per step (micro-batches in;
+losses, small outputs and array handles out). Parameters, gradients and optimizer state stay in
+the actors: a host keeps a step's outputs as the jax.Arrays they are, the optimizer segments
+whose inputs are all on one host run there within the step call, and the step returns
+`RemoteArray`s that the next call hands straight back. Handles the driver drops are freed in
+one batched message per host with the next call.
 """
 
 from __future__ import annotations

@@ -99,3 +99,16 @@ def test_device_keys_stay_unique_across_platforms():
     assert device_key(SimpleNamespace(id=7, platform="virtual")) == 7
     with pytest.raises(ValueError, match="platform 'metal'"):
         device_key(SimpleNamespace(id=0, platform="metal"))
+
+
+def test_virtual_shardings_that_shard_alike_are_equal():
+    """XLA reports `P("x", None)` for what a user wrote as `P("x")`; a held array must still
+    match the sharding a step expects (else the Ray runtime re-uploads it every step)."""
+    mesh = VirtualMesh.from_ids((2, 2), ("x", "y"), list(range(4)))
+    same = [P("x"), P("x", None), P(("x",)), P(("x",), None)]
+    for a in same:
+        for b in same:
+            assert VirtualSharding(mesh, a) == VirtualSharding(mesh, b)
+            assert hash(VirtualSharding(mesh, a)) == hash(VirtualSharding(mesh, b))
+    assert VirtualSharding(mesh, P("x")) != VirtualSharding(mesh, P(None, "x"))
+    assert VirtualSharding(mesh, P(("x", "y"))) != VirtualSharding(mesh, P(("y", "x")))

@@ -131,6 +131,16 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry)
 
 
+def normalized_spec(spec: Any) -> tuple[tuple[str, ...], ...]:
+    """A PartitionSpec as the axes of each dim, without trailing unsharded dims: `P("x")`,
+    `P("x", None)` and `P(("x",))` shard alike and normalise alike (XLA reports specs with
+    the trailing `None`s that a user's spec leaves out)."""
+    axes = [spec_axes(entry) for entry in spec]
+    while axes and not axes[-1]:
+        axes.pop()
+    return tuple(axes)
+
+
 def check_spec_fits(
     shape: tuple[int, ...], axis_sizes: Mapping[str, int], spec: Any, what: str
 ) -> None:
@@ -286,11 +296,11 @@ class VirtualSharding:
         return (
             isinstance(other, VirtualSharding)
             and self.mesh == other.mesh
-            and tuple(self.spec) == tuple(other.spec)
+            and normalized_spec(self.spec) == normalized_spec(other.spec)
         )
 
     def __hash__(self) -> int:
-        return hash((self.mesh, tuple(self.spec)))
+        return hash((self.mesh, normalized_spec(self.spec)))
 
     def __repr__(self) -> str:
         return f"VirtualSharding({self.mesh!r}, {self.spec})"

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
 from jaxreshard.comm import Cluster, describe_sharding
+from jaxreshard.comm._layout import normalized_spec
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import trace_step
 from jaxreshard.pipeline._emit import format_programs
@@ -297,15 +298,15 @@ def _leaf_key(x: Any) -> tuple[Any, ...]:
     """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
     unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
     compile). Shardings are few and hashable: their specs are looked up, not rebuilt.
-    Trailing `None`s are dropped: `P('model', None)` as placed and `P('model')` as XLA returns
-    the step's outputs are one sharding, and must not compile the step twice."""
+    Specs are normalised (`normalized_spec`): `P('model', None)` as placed and `P('model')` as
+    XLA returns the step's outputs are one sharding, and so are `P('data')` and `P()` on a
+    mesh whose 'data' axis has one device; they must not compile the step twice."""
     sharding = getattr(x, "sharding", None)
     spec = _SPECS.get(sharding)
     if spec is None:
-        entries = list(spec_of(sharding))
-        while entries and entries[-1] is None:
-            entries.pop()
-        spec = _SPECS[sharding] = tuple(entries)
+        mesh = getattr(sharding, "mesh", None)
+        sizes = dict(mesh.shape) if mesh is not None and hasattr(mesh, "shape") else None
+        spec = _SPECS[sharding] = normalized_spec(spec_of(sharding), sizes)
     return (x.shape, x.dtype, spec)
 
 

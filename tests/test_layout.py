@@ -112,3 +112,26 @@ def test_virtual_shardings_that_shard_alike_are_equal():
             assert hash(VirtualSharding(mesh, a)) == hash(VirtualSharding(mesh, b))
     assert VirtualSharding(mesh, P("x")) != VirtualSharding(mesh, P(None, "x"))
     assert VirtualSharding(mesh, P(("x", "y"))) != VirtualSharding(mesh, P(("y", "x")))
+
+
+def test_axes_of_one_device_shard_like_none():
+    """On a mesh whose "data" axis has one device, `P("data")` is `P()`: XLA reports the step's
+    outputs so, and a held parameter placed with `P("data")` must still match (no re-upload,
+    and `parallelize` must not compile the step a second time for its own outputs)."""
+    from jaxreshard._parallelize import _leaf_key
+
+    mesh = VirtualMesh.from_ids((1, 2), ("data", "model"), [0, 1])
+    for a, b in [(P("data"), P()), (P("data", "model"), P(None, "model")),
+                 (P(("data", "model")), P("model"))]:  # fmt: skip
+        assert VirtualSharding(mesh, a) == VirtualSharding(mesh, b)
+        assert hash(VirtualSharding(mesh, a)) == hash(VirtualSharding(mesh, b))
+    assert VirtualSharding(mesh, P("model")) != VirtualSharding(mesh, P())
+
+    jmesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    x = np.zeros((4, 4), np.float32)
+    keys = {
+        spec: _leaf_key(jax.device_put(x, NamedSharding(jmesh, spec)))
+        for spec in (P("data"), P(), P("data", None), P(None, "model"), P("data", "model"))
+    }
+    assert keys[P("data")] == keys[P()] == keys[P("data", None)]
+    assert keys[P(None, "model")] == keys[P("data", "model")] != keys[P()]

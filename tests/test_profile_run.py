@@ -110,6 +110,25 @@ def test_profile_state_is_sharded_like_the_parameters_and_compiles_once():
             assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), path
 
 
+def test_timed_steps_compile_nothing_after_the_warm_up():
+    """Warm-up steps run the way timed steps do (recorded, the last stage's forward and backward
+    apart): a timed step that compiled would put seconds of compile into a step time."""
+    compiles = []
+
+    def listen(event, seconds, **kwargs):
+        if event.startswith("/jax/core/compile/"):
+            compiles.append(event)
+
+    session = profiler.Session(gpt_config(schedule="1f1b"))  # the last stage fuses F and B
+    session.warm_up()
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        session.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
 def test_every_schedule_trains_identically():
     """All schedules (with and without weight delay) compute the same losses, which fall."""
     rows = profiler.compare(gpt_config(), SCHEDULES, bound=False)

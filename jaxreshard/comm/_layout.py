@@ -131,11 +131,18 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry)
 
 
-def normalized_spec(spec: Any) -> tuple[tuple[str, ...], ...]:
+def normalized_spec(
+    spec: Any, axis_sizes: Mapping[str, int] | None = None
+) -> tuple[tuple[str, ...], ...]:
     """A PartitionSpec as the axes of each dim, without trailing unsharded dims: `P("x")`,
     `P("x", None)` and `P(("x",))` shard alike and normalise alike (XLA reports specs with
-    the trailing `None`s that a user's spec leaves out)."""
-    axes = [spec_axes(entry) for entry in spec]
+    the trailing `None`s that a user's spec leaves out). With the mesh's `axis_sizes`, axes of
+    size 1 are dropped too: on a mesh whose "data" axis has one device, `P("data")` is `P()`,
+    and XLA reports it so."""
+    axes = [
+        tuple(a for a in spec_axes(entry) if axis_sizes is None or axis_sizes.get(a) != 1)
+        for entry in spec
+    ]
     while axes and not axes[-1]:
         axes.pop()
     return tuple(axes)
@@ -296,11 +303,12 @@ class VirtualSharding:
         return (
             isinstance(other, VirtualSharding)
             and self.mesh == other.mesh
-            and normalized_spec(self.spec) == normalized_spec(other.spec)
+            and normalized_spec(self.spec, self.mesh.shape)
+            == normalized_spec(other.spec, other.mesh.shape)
         )
 
     def __hash__(self) -> int:
-        return hash((self.mesh, normalized_spec(self.spec)))
+        return hash((self.mesh, normalized_spec(self.spec, self.mesh.shape)))
 
     def __repr__(self) -> str:
         return f"VirtualSharding({self.mesh!r}, {self.spec})"

@@ -88,10 +88,17 @@ class Session:
         return batch
 
     def warm_up(self) -> None:
-        """Compile, and run the untimed steps."""
+        """Compile, and run the untimed steps.
+
+        They run as the timed ones do (`profile_call`): a recorded step times every action
+        apart (the last stage's forward and backward as executables of their own, not the
+        fused one of an ordinary call), so the warm-up compiles what the timed steps run and
+        nothing they don't."""
         for i in range(self.pc.run.warmup_steps):
             start = time.perf_counter()
-            self.params, self.opt, loss = self.pstep(self.params, self.opt, self._batch())
+            (self.params, self.opt, loss), _ = self.pstep.profile_call(
+                self.params, self.opt, self._batch()
+            )
             float(np.asarray(loss))
             if i == 0:
                 self.compile_seconds = time.perf_counter() - start

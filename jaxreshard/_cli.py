@@ -305,6 +305,7 @@ def _profile(args: argparse.Namespace) -> int:
                 console=console,
                 progress=progress,
                 title=title,
+                measure_placement=kind == "schedules" and profiler.measures_placement(pc),
             )
             results[kind] = profiler.compare_json(pc, kind, rows)
         if args.json:

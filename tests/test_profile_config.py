@@ -82,6 +82,9 @@ def test_flag_values_are_parsed_by_field_type():
         ("[pipeline]\nmicro_batches = 4\n", ["micro_batches", "num_micro_batches"]),
         ("[model]\nhidden = 30\n", ["hidden=30", "heads=4"]),
         ("not toml = = 1", ["not valid TOML"]),
+        ("[pipeline]\ncost_forward = [1, -2]\n", ["cost_forward=(1, -2)", "> 0", "per model"]),
+        ("[pipeline]\ncost_comm = 'fast'\n", ["cost_comm='fast'", "a number", "per stage"]),
+        ("[run]\nplacement_costs = 'guess'\n", ["placement_costs='guess'", "measured"]),
     ],
 )
 def test_bad_config_files_name_key_value_and_choices(tmp_path, text, words):
@@ -188,3 +191,30 @@ def test_optimizer_flags_exist(capsys):
     assert main(["profile", "gpt", "--optimizer", "adagrad"]) == 2
     err = capsys.readouterr().err
     assert "--optimizer" in err and "adamw" in err
+
+
+def test_per_stage_costs_from_file_and_flags(tmp_path):
+    """The schedule builder's cost model may be one number or one per stage (a profile's
+    measured costs); lengths are checked against the step's stages, naming the field."""
+    from jaxreshard.runtime._layout import schedule_costs
+
+    path = write(tmp_path, "[pipeline]\ncost_forward = [2, 1]\ncost_weight_grad = 0.5\n")
+    pc = load_profile_config(
+        "gpt",
+        path,
+        {
+            "pipeline": {"cost_backward": "3,2.5", "cost_comm": "0.25"},
+            "run": {"placement_costs": "config"},
+        },
+    )
+    p = pc.pipeline
+    assert (p.cost_forward, p.cost_backward, p.cost_weight_grad, p.cost_comm) == (
+        (2.0, 1.0), (3.0, 2.5), 0.5, 0.25,
+    )  # fmt: skip
+    costs = schedule_costs(p, 2)
+    assert costs.forward == (2.0, 1.0) and costs.weight_grad == (0.5, 0.5)
+    assert costs.comm == (0.25,)
+    with pytest.raises(ValueError, match=r"cost_forward=\[2.0, 1.0\]\): 2 entries.*3 model stages"):
+        schedule_costs(p, 3)
+    with pytest.raises(ValueError, match=r"cost_weight_grad=.*exceeds cost_backward"):
+        p.replace(cost_weight_grad=(0.5, 2.6))

@@ -130,12 +130,38 @@ def test_timed_steps_compile_nothing_after_the_warm_up():
 
 
 def test_every_schedule_trains_identically():
-    """All schedules (with and without weight delay) compute the same losses, which fall."""
-    rows = profiler.compare(gpt_config(), SCHEDULES, bound=False)
+    """All schedules (with and without weight delay) compute the same losses, which fall; the
+    ones that place delayed weight gradients are built with the costs a calibration run
+    measured (one per stage, in seconds), the others have no placement."""
+    rows = profiler.compare(gpt_config(), SCHEDULES, bound=False, measure_placement=True)
     assert [r["label"] for r in rows] == [label for label, _ in SCHEDULES]
     for row in rows:
         assert row["max_loss_difference"] < 1e-5, row
         assert row["step_seconds"] > 0
+        assert row["predicted_seconds"] > 0
+        placed = row["placement_costs"]
+        if row["label"] in ("1f1b", "gpipe", "eager"):
+            assert placed is None, row["label"]
+            continue
+        for field in ("forward", "backward", "weight_grad"):
+            values = placed[field]
+            assert len(values) == 2 and all(0 < v < 5 for v in values), (row["label"], placed)
+        assert all(w <= b for w, b in zip(placed["weight_grad"], placed["backward"]))
+        assert placed["forward"] != [1.0, 1.0]  # measured seconds, not the default units
+    # One calibration for the one model cut: every placing variant has the same costs.
+    placed = [r["placement_costs"] for r in rows if r["placement_costs"] is not None]
+    assert all(p == placed[0] for p in placed)
+
+
+def test_step_overhead_is_the_time_outside_the_actions():
+    from jaxreshard.profiler._run import StepRecord, step_overhead
+    from jaxreshard.runtime._executor import Event
+
+    def record(seconds, first, last):
+        return StepRecord(seconds, 0.0, [Event(0, "F", 0, first, last, "F")])
+
+    steps = [record(1.0, 0.1, 0.8), record(1.0, 0.05, 0.9), record(2.0, 0.2, 1.0)]
+    assert step_overhead(steps) == pytest.approx(0.3)  # median of 0.3, 0.15, 1.2
 
 
 def test_schedule_comparison_with_virtual_stages_runs_every_schedule_on_the_same_meshes():

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import (
     PROFILE_PIPELINE,
     ProfileConfig,
@@ -29,10 +30,12 @@ from jaxreshard.profiler._report import (
     header_lines,
     measured_timeline,
     median_step,
+    places_weights,
     profile_json,
     summary_tables,
 )
-from jaxreshard.profiler._run import Session, devices_needed, run_steps
+from jaxreshard.profiler._run import Session, devices_needed, measured_costs, run_steps
+from jaxreshard.runtime._config import PipelineConfig
 
 __all__ = [
     "PROFILE_PIPELINE",
@@ -42,6 +45,8 @@ __all__ = [
     "compare",
     "devices_needed",
     "load_profile_config",
+    "measures_placement",
+    "placement_costs",
     "resharding_variants",
     "run_profile",
     "schedule_variants",
@@ -204,6 +209,10 @@ def resharding_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+COST_FIELDS = ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
+CALIBRATION_STEPS = 4
+
+
 def compare(
     pc: ProfileConfig,
     variants: Sequence[tuple[str, dict[str, Any]]],
@@ -212,16 +221,21 @@ def compare(
     console: Any = None,
     progress: bool = True,
     title: str = "",
+    measure_placement: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the same model under each variant of the pipeline config, stepping them in turn
     (so machine noise hits all alike), and return one row per variant (the first is the
-    baseline of the speedups). With `bound`, also time signal-only steps of each (local)."""
+    baseline of the speedups). With `bound`, also time signal-only steps of each (local).
+    With `measure_placement`, the variants that place delayed weight gradients are built with
+    measured costs (see `placement_costs`)."""
     pc = _emulating(pc)
     configs = [(label, pc.replace_pipeline(**changes)) for label, changes in variants]
     with runtime_for(pc) as runtime:
         if console is not None:
             for line in header_lines(pc):
                 console.print(line, highlight=False)
+        if measure_placement:
+            configs = placement_costs(configs, runtime=runtime, console=console)
         sessions = []
         for label, vpc in configs:
             with _status(console, f"compiling {label}"):
@@ -237,6 +251,78 @@ def compare(
     if console is not None:
         console.print(comparison_table(rows, title or "comparison"))
     return rows
+
+
+def measures_placement(pc: ProfileConfig) -> bool:
+    """Whether `--compare-schedules` places weight gradients with measured costs
+    (`RunConfig.placement_costs`; `auto`: unless a `cost_*` field is set)."""
+    mode = pc.run.placement_costs
+    if mode != "auto":
+        return mode == "measured"
+    defaults = PipelineConfig()
+    return all(getattr(pc.pipeline, f) == getattr(defaults, f) for f in COST_FIELDS)
+
+
+def placement_costs(
+    configs: Sequence[tuple[str, ProfileConfig]], *, runtime: Any = None, console: Any = None
+) -> list[tuple[str, ProfileConfig]]:
+    """`configs` with the variants that place delayed weight gradients built with measured
+    costs: for each model cut (stages x virtual stages), the first such variant runs as
+    configured (warm-up and `CALIBRATION_STEPS` recorded steps), and every variant of that
+    cut gets its measured per-stage F, B (with W), W and per-boundary transfer times (seconds)
+    as its `cost_*` fields. The zero-bubble schedules are built from profiled times too (Qi et
+    al.); the config's defaults (F=1, B=2, W=1, C=1) misplace `W`s when the stages differ, e.g.
+    a first stage whose `B` computes nothing and whose `W` is its whole backward."""
+    measured: dict[tuple[int, int], Costs] = {}
+    out = []
+    for label, vpc in configs:
+        if not places_weights(vpc.pipeline) or vpc.num_stages < 2:
+            out.append((label, vpc))
+            continue
+        cut = (vpc.num_stages, vpc.pipeline.chunks_per_mesh)
+        if cut not in measured:
+            with _status(console, f"measuring costs to place weight gradients ({label})"):
+                session = Session(vpc, f"calibration ({label})", runtime=runtime)
+                session.warm_up()
+                for _ in range(CALIBRATION_STEPS):
+                    session.step()
+                measured[cut] = costs = measured_costs(session.steps, session.layout)
+                del session
+            if console is not None:
+                console.print(
+                    f"placing weight gradients with measured costs (ms per micro-batch; "
+                    f"{_cut_text(cut)}): {_format_costs(costs)}",
+                    highlight=False,
+                )
+        costs = measured[cut]
+        out.append(
+            (
+                label,
+                vpc.replace_pipeline(
+                    cost_forward=costs.forward,
+                    cost_backward=costs.backward,
+                    cost_weight_grad=costs.weight_grad,
+                    cost_comm=costs.comm,
+                ),
+            )
+        )
+    return out
+
+
+def _cut_text(cut: tuple[int, int]) -> str:
+    stages, v = cut
+    return f"{stages} stages" + (f", {v} per mesh" if v > 1 else "")
+
+
+def _format_costs(costs: Costs) -> str:
+    def ms(values: Sequence[float]) -> str:
+        return "/".join(f"{x * 1e3:.1f}" for x in values)
+
+    b_only = [b - w for b, w in zip(costs.backward, costs.weight_grad)]
+    return (
+        f"F {ms(costs.forward)}, B {ms(b_only)}, W {ms(costs.weight_grad)}, "
+        f"transfer {ms(costs.comm)}"
+    )
 
 
 def compare_json(pc: ProfileConfig, kind: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
+PLACEMENT_COSTS = ("auto", "measured", "config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,12 @@ class RunConfig:
         clip_norm: clip the gradients to this global norm before the optimizer (none: no clip).
         address: Ray only: the cluster to join (`auto` or `HOST:PORT`); none starts a local one
             with one host per stage.
+        placement_costs: what places the delayed weight gradients of the schedules compared
+            by `--compare-schedules`: `measured` (a calibration run of each weight-placing
+            variant first measures its per-stage F, B, W and transfer times, and the variant
+            is built with those, as the zero-bubble and weight-delay schedules assume), `config`
+            (the [pipeline] `cost_*` fields), or `auto` (measured unless a `cost_*` field is
+            set). A single profile always uses the config's.
     """
 
     batch_size: int = 16
@@ -60,6 +67,7 @@ class RunConfig:
     momentum: float | None = None
     clip_norm: float | None = None
     address: str | None = None
+    placement_costs: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "steps", "warmup_steps"):
@@ -70,6 +78,11 @@ class RunConfig:
         if self.optimizer not in OPTIMIZER_NAMES:
             raise ValueError(
                 f"[run] optimizer={self.optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}"
+            )
+        if self.placement_costs not in PLACEMENT_COSTS:
+            raise ValueError(
+                f"[run] placement_costs={self.placement_costs!r}: choose one of "
+                f"{', '.join(PLACEMENT_COSTS)}"
             )
         if not self.learning_rate > 0:
             raise ValueError(f"[run] learning_rate={self.learning_rate!r}: must be > 0")
@@ -331,6 +344,14 @@ def parse_tuple(text: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]
         return tuple(parse_tuple(part, args, where) for part in text.split(";"))
     if args and args[0] is str:
         return tuple(p.strip() for p in text.split(",") if p.strip())
+    if args and args[0] is float:
+        try:
+            return tuple(float(p) for p in text.split(",") if p.strip())
+        except ValueError:
+            raise ValueError(
+                f"{where}={text!r}: must be a number, or comma-separated numbers (one per stage), "
+                "e.g. 0.02,0.018"
+            ) from None
     parts = [p.strip() for p in text.replace("x", ",").split(",") if p.strip()]
     try:
         return tuple(int(p) for p in parts)

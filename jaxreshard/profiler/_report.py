@@ -319,6 +319,16 @@ def _mesh_text(mesh: dict[str, int]) -> str:
 # -- comparisons ----------------------------------------------------------------------------------
 
 
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def places_weights(pipeline: Any) -> bool:
+    """Whether the schedule builder places `W`s with the config's cost model (ZB-V and
+    DualPipeV have fixed orders; unsplit schedules have no `W`)."""
+    return pipeline.split_backward and pipeline.schedule not in ("zbv", "dualpipev")
+
+
 def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
     """One row per session: median step time, speedup over the first, the signal-only bound
     and how close to it the run is, and the largest loss difference from the first."""
@@ -338,6 +348,14 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 "schedule": session.pc.pipeline.schedule,
                 "weight_delay": session.pc.pipeline.weight_delay,
                 "resharding": session.pc.pipeline.resharding,
+                "placement_costs": (
+                    {
+                        f.removeprefix("cost_"): _listed(getattr(session.pc.pipeline, f))
+                        for f in ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
+                    }
+                    if places_weights(session.pc.pipeline)
+                    else None
+                ),
                 "step_seconds": step_s,
                 "best_step_seconds": min(s.seconds for s in session.steps),
                 "speedup": base / step_s if step_s > 0 else None,

@@ -325,9 +325,13 @@ def transfer_durations(steps: Sequence[StepRecord]) -> dict[str, list[float]]:
 
 
 def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
-    """The schedule cost model of a measured run (seconds): per stage the median F, B, W and
+    """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
     optimizer (A) times, per boundary the median transfer time of its activations and
-    gradients."""
+    gradients.
+
+    Compute times are means, not medians: a step lasts the sum of its actions, and the sum of
+    n actions is n means; on a loaded machine action times are skewed (a few stretched by
+    another process), and medians of them predicted steps 6-10% short."""
     schedule = layout.schedule
     n = schedule.num_chunks
     times: dict[tuple[int, str], list[float]] = {}
@@ -341,14 +345,14 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         for s, seconds in applied.items():
             times.setdefault((s, "A"), []).append(seconds)
 
-    def med(s: int, kind: str) -> float:
+    def mean(s: int, kind: str) -> float:
         values = times.get((s, kind))
-        return median(values) if values else 0.0
+        return statistics.fmean(values) if values else 0.0
 
     split = schedule.split_backward
-    forward = [med(s, "F") for s in range(n)]
-    backward = [med(s, "B") + (med(s, "W") if split else 0.0) for s in range(n)]
-    weight = [med(s, "W") if split else b / 2 for s, b in zip(range(n), backward)]
+    forward = [mean(s, "F") for s in range(n)]
+    backward = [mean(s, "B") + (mean(s, "W") if split else 0.0) for s in range(n)]
+    weight = [mean(s, "W") if split else b / 2 for s, b in zip(range(n), backward)]
     durations = transfer_durations(steps)
     comm = []
     for b in range(n - 1):
@@ -365,8 +369,20 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         backward=backward,
         weight_grad=weight,
         comm=comm,
-        apply=[med(s, "A") for s in range(n)],
+        apply=[mean(s, "A") for s in range(n)],
     )
+
+
+def step_overhead(steps: Sequence[StepRecord]) -> float:
+    """The median time a step spends outside its stages' actions: from the call to the first
+    action (the driver splitting the batch and dispatching to the hosts) and from the last
+    action's end to the call's return (results back to the driver)."""
+    spans = [
+        min(e.start for e in st.events) + st.seconds - max(e.end for e in st.events)
+        for st in steps
+        if st.events
+    ]
+    return max(0.0, median(spans)) if spans else 0.0
 
 
 def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Costs]:
@@ -374,9 +390,11 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
     (transfers overlapping compute, as the runtime runs them), and those costs.
 
     The schedule simulator knows activations and their gradients; a parameter shared by two
-    stages adds two transfers per step (see [Note: instructions]), added here: its copy
-    delays the user's first action if it arrives later, and the owner's optimizer waits for
-    the user's gradient contribution after the user's last action.
+    stages adds two transfers per step (see [Note: instructions]), added here: its copy goes
+    out at the step's start, ahead of the activations on the same link, and delays the user's
+    first action if it arrives later; the owner's optimizer waits for the user's gradient
+    contribution after the user's last action. The step's fixed cost outside the pipeline
+    (`step_overhead`: dispatch and results) is added as measured.
     """
     from jaxreshard.pipeline import simulate
 
@@ -390,6 +408,10 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
             first[c] = min(first.get(c, t.start), t.start)
             if t.action.kind != "A":
                 last[c] = max(last.get(c, t.end), t.end)
+    link_opens: dict[tuple[int, int], float] = {}  # first simulated transfer on each link
+    for tt in timeline.transfers:
+        link = (tt.transfer.src, tt.transfer.dst)
+        link_opens[link] = min(link_opens.get(link, tt.start), tt.start)
     durations = transfer_durations(steps)
     late_start, makespan = 0.0, timeline.makespan
     for t in layout.transfers.values():
@@ -397,7 +419,10 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
         kind = t.name.split(" ")[0].rstrip("0123456789")
         if kind == "param":
             late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
+            link = (t.src_stage, t.dst_stage)
+            if link in link_opens:  # the activations on its link queue behind it
+                late_start = max(late_start, seconds - link_opens[link])
         elif kind == "param_grad":
             done = last.get(t.src_stage, 0.0) + seconds + costs.apply[t.dst_stage]
             makespan = max(makespan, done)
-    return makespan + late_start, costs
+    return makespan + late_start + step_overhead(steps), costs

@@ -61,9 +61,12 @@ class PipelineConfig:
         timeout_s: longest wait for any transfer before the step fails with an error.
         emulate_network_gbps: delay every transfer between stages on different hosts as a NIC of
             this speed would (the cluster model), to see transfer effects on one machine.
-        cost_forward, cost_backward, cost_weight_grad, cost_comm: per micro-batch and stage,
-            relative times the schedule builder uses to place delayed weight gradients
-            (default: the paper's F=1, B=2, W=1, transfer=1).
+        cost_forward, cost_backward, cost_weight_grad, cost_comm: per micro-batch, the
+            relative times the schedule builder uses to place delayed weight gradients: one
+            number for every stage (boundary, for `cost_comm`), or one per model stage (chunk)
+            and per boundary, e.g. a profile's measured `measured_costs` (`jaxreshard profile
+            --compare-schedules` places with those). Default: the paper's F=1, B=2 (B includes
+            W), W=1, transfer=1.
         backend: `local` (this process's devices), `ray` (the running Ray runtime's host
             actors; see `jaxreshard.init`), or `auto` (whichever runtime is running).
     """
@@ -82,10 +85,10 @@ class PipelineConfig:
     devices_per_host: int | None = None
     timeout_s: float = 120.0
     emulate_network_gbps: float | None = None
-    cost_forward: float = 1.0
-    cost_backward: float = 2.0
-    cost_weight_grad: float = 1.0
-    cost_comm: float = 1.0
+    cost_forward: float | tuple[float, ...] = 1.0
+    cost_backward: float | tuple[float, ...] = 2.0
+    cost_weight_grad: float | tuple[float, ...] = 1.0
+    cost_comm: float | tuple[float, ...] = 1.0
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -136,16 +139,19 @@ class PipelineConfig:
                 f"PipelineConfig(batch_axis={self.batch_axis!r}): not one of mesh_axis_names="
                 f"{self.mesh_axis_names}; name one of them or pass None"
             )
-        for name in ("timeout_s", "cost_forward", "cost_backward"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PipelineConfig({name}={getattr(self, name)!r}): must be > 0")
-        for name in ("cost_weight_grad", "cost_comm"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"PipelineConfig({name}={getattr(self, name)!r}): must be >= 0")
-        if self.cost_weight_grad > self.cost_backward:
+        if not self.timeout_s > 0:
+            raise ValueError(f"PipelineConfig(timeout_s={self.timeout_s!r}): must be > 0")
+        for name, positive in (("cost_forward", True), ("cost_backward", True),
+                               ("cost_weight_grad", False), ("cost_comm", False)):  # fmt: skip
+            value = _costs(name, getattr(self, name), positive)
+            object.__setattr__(self, name, value)
+        w, b = self.cost_weight_grad, self.cost_backward
+        n = max((len(v) for v in (w, b) if isinstance(v, tuple)), default=1)
+        pairs = zip(*(v if isinstance(v, tuple) else (v,) * n for v in (w, b)))
+        if any(wi > bi for wi, bi in pairs):
             raise ValueError(
-                f"PipelineConfig: cost_weight_grad={self.cost_weight_grad} exceeds "
-                f"cost_backward={self.cost_backward}, of which it is a part"
+                f"PipelineConfig: cost_weight_grad={w} exceeds cost_backward={b}, of which it "
+                "is a part (per stage)"
             )
         if self.emulate_network_gbps is not None and not self.emulate_network_gbps > 0:
             raise ValueError(
@@ -235,6 +241,23 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"PipelineConfig({name}={value!r}): choose one of {', '.join(choices)}")
+
+
+def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
+    """A cost field as a float or a tuple of floats (per stage or boundary), checked."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    ok = bool(values) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
+        for v in values
+    )
+    if not ok:
+        rule = "> 0" if positive else ">= 0"
+        raise ValueError(
+            f"PipelineConfig({name}={value!r}): must be a number {rule}, or a non-empty list of "
+            f"such numbers (one per model stage{', per boundary' if name == 'cost_comm' else ''})"
+        )
+    floats = tuple(float(v) for v in values)
+    return floats if isinstance(value, (list, tuple)) else floats[0]
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -70,11 +70,20 @@ class PipelineLayout:
 
 def schedule_costs(config: PipelineConfig, num_stages: int) -> Costs:
     """The config's relative per-chunk costs (what places delayed weight gradients)."""
+    for name, n in (("cost_forward", num_stages), ("cost_backward", num_stages),
+                    ("cost_weight_grad", num_stages), ("cost_comm", num_stages - 1)):  # fmt: skip
+        value = getattr(config, name)
+        if isinstance(value, tuple) and len(value) != n:
+            what = "boundary" if name == "cost_comm" else "model stage (chunk)"
+            raise ValueError(
+                f"PipelineConfig({name}={list(value)}): {len(value)} entries, but the step has "
+                f"{num_stages} model stages, so {n}; give one per {what} or a single number"
+            )
     return Costs.make(
         num_stages,
         forward=config.cost_forward,
         backward=config.cost_backward,
-        weight_grad=config.cost_weight_grad if config.split_backward else config.cost_backward / 2,
+        weight_grad=config.cost_weight_grad if config.split_backward else None,
         comm=config.cost_comm,
     )
 

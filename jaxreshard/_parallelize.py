@@ -90,6 +90,12 @@ class Parallelized:
             raise TypeError(f"parallelize(config=...) takes a PipelineConfig, got {config!r}")
         self.fun = fun
         self.config = config
+        # Mesh axes of one device on every stage mesh: a leaf's spec over them shards nothing.
+        self._unit_axes = frozenset(
+            name
+            for i, name in enumerate(config.mesh_axis_names)
+            if all(shape[i] == 1 for shape in config.mesh_shapes(None))
+        )
         self.batch_argnums = (
             (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
         )
@@ -113,7 +119,8 @@ class Parallelized:
         flatten and a cache lookup (the checks ran when the signature was new)."""
         leaves, in_tree = jax.tree.flatten(args)
         try:
-            key = (in_tree, *map(_leaf_key, leaves))
+            unit = self._unit_axes
+            key = (in_tree, *(_leaf_key(x, unit) for x in leaves))
             entry = self._cache.get(key)
         except AttributeError:  # not an array: the checks below say which
             key, entry = None, None
@@ -294,19 +301,22 @@ def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
 _SPECS: dict[Any, tuple[Any, ...]] = {}
 
 
-def _leaf_key(x: Any) -> tuple[Any, ...]:
+def _leaf_key(x: Any, unit_axes: frozenset[str] = frozenset()) -> tuple[Any, ...]:
     """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
     unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
     compile). Shardings are few and hashable: their specs are looked up, not rebuilt.
     Specs are normalised (`normalized_spec`): `P('model', None)` as placed and `P('model')` as
-    XLA returns the step's outputs are one sharding, and so are `P('data')` and `P()` on a
-    mesh whose 'data' axis has one device; they must not compile the step twice."""
+    XLA returns the step's outputs are one sharding, and so are `P('data')` and `P()` when
+    'data' has one device on the leaf's mesh and on every stage mesh (`unit_axes`); they must
+    not compile the step twice. An axis of one device on the leaf's mesh but more on a stage's
+    keeps its name: the step would shard over it."""
     sharding = getattr(x, "sharding", None)
-    spec = _SPECS.get(sharding)
+    spec = _SPECS.get((sharding, unit_axes))
     if spec is None:
         mesh = getattr(sharding, "mesh", None)
-        sizes = dict(mesh.shape) if mesh is not None and hasattr(mesh, "shape") else None
-        spec = _SPECS[sharding] = normalized_spec(spec_of(sharding), sizes)
+        sizes = dict(getattr(mesh, "shape", None) or {})
+        ones = {a: 1 for a in unit_axes if sizes.get(a) == 1}
+        spec = _SPECS[(sharding, unit_axes)] = normalized_spec(spec_of(sharding), ones)
     return (x.shape, x.dtype, spec)
 
 

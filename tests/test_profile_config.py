@@ -214,7 +214,9 @@ def test_per_stage_costs_from_file_and_flags(tmp_path):
     costs = schedule_costs(p, 2)
     assert costs.forward == (2.0, 1.0) and costs.weight_grad == (0.5, 0.5)
     assert costs.comm == (0.25,)
-    with pytest.raises(ValueError, match=r"cost_forward=\[2.0, 1.0\]\): 2 entries.*3 model stages"):
+    with pytest.raises(
+        ValueError, match=r"cost_forward=\[2.0, 1.0\]\): the step has 3 model stages.*not 2"
+    ):
         schedule_costs(p, 3)
     with pytest.raises(ValueError, match=r"cost_weight_grad=.*exceeds cost_backward"):
         p.replace(cost_weight_grad=(0.5, 2.6))

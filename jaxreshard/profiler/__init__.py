@@ -10,6 +10,7 @@ See [Note: what a profile measures].
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -236,6 +237,7 @@ def compare(
                 console.print(line, highlight=False)
         if measure_placement:
             configs = placement_costs(configs, runtime=runtime, console=console)
+        configs = [(label, _costs_that_fit(vpc)) for label, vpc in configs]
         sessions = []
         for label, vpc in configs:
             with _status(console, f"compiling {label}"):
@@ -282,12 +284,22 @@ def placement_costs(
         cut = (vpc.num_stages, vpc.pipeline.chunks_per_mesh)
         if cut not in measured:
             with _status(console, f"measuring costs to place weight gradients ({label})"):
-                session = Session(vpc, f"calibration ({label})", runtime=runtime)
+                # At least one untimed step: the first compiles, and must not be measured.
+                warm = dataclasses.replace(vpc.run, warmup_steps=max(1, vpc.run.warmup_steps))
+                session = Session(
+                    dataclasses.replace(vpc, run=warm), f"calibration ({label})", runtime=runtime
+                )
                 session.warm_up()
                 for _ in range(CALIBRATION_STEPS):
                     session.step()
                 measured[cut] = costs = measured_costs(session.steps, session.layout)
                 del session
+            if min(costs.forward) <= 0 or min(costs.backward) <= 0:
+                raise RuntimeError(
+                    f"the calibration run of {label!r} measured no forward or backward time on "
+                    f"some stage ({_format_costs(costs)}); place with the config's costs "
+                    "instead (--placement-costs config)"
+                )
             if console is not None:
                 console.print(
                     f"placing weight gradients with measured costs (ms per micro-batch; "
@@ -307,6 +319,23 @@ def placement_costs(
             )
         )
     return out
+
+
+def _costs_that_fit(pc: ProfileConfig) -> ProfileConfig:
+    """`pc`, with per-stage `cost_*` tuples dropped (back to the defaults) where they do not fit
+    the variant's model cut and the variant places no weight gradients (comparisons with virtual
+    stages cut the model two ways; the costs only order its sends then). Where the variant
+    places `W`s, a misfit is the user's to fix, and the runtime says so."""
+    p = pc.pipeline
+    n = pc.num_stages
+    sizes = {"cost_forward": n, "cost_backward": n, "cost_weight_grad": n, "cost_comm": n - 1}
+    misfit = [
+        f for f, k in sizes.items() if isinstance(getattr(p, f), tuple) and len(getattr(p, f)) != k
+    ]
+    if not misfit or places_weights(p):
+        return pc
+    defaults = PipelineConfig()
+    return pc.replace_pipeline(**{f: getattr(defaults, f) for f in COST_FIELDS})
 
 
 def _cut_text(cut: tuple[int, int]) -> str:

@@ -408,10 +408,12 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
             first[c] = min(first.get(c, t.start), t.start)
             if t.action.kind != "A":
                 last[c] = max(last.get(c, t.end), t.end)
+    rank = layout.schedule.placement  # links join meshes (ranks), not chunks
     link_opens: dict[tuple[int, int], float] = {}  # first simulated transfer on each link
     for tt in timeline.transfers:
-        link = (tt.transfer.src, tt.transfer.dst)
-        link_opens[link] = min(link_opens.get(link, tt.start), tt.start)
+        link = (rank[tt.transfer.src], rank[tt.transfer.dst])
+        if link[0] != link[1]:
+            link_opens[link] = min(link_opens.get(link, tt.start), tt.start)
     durations = transfer_durations(steps)
     late_start, makespan = 0.0, timeline.makespan
     for t in layout.transfers.values():
@@ -419,7 +421,7 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
         kind = t.name.split(" ")[0].rstrip("0123456789")
         if kind == "param":
             late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
-            link = (t.src_stage, t.dst_stage)
+            link = (rank[t.src_stage], rank[t.dst_stage])
             if link in link_opens:  # the activations on its link queue behind it
                 late_start = max(late_start, seconds - link_opens[link])
         elif kind == "param_grad":

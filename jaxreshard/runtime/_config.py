@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jaxreshard.pipeline import SCHEDULE_NAMES as SCHEDULES
 from jaxreshard.pipeline._schedules import FIXED_SPLIT, check_virtual_stages
@@ -245,19 +248,24 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     """A cost field as a float or a tuple of floats (per stage or boundary), checked."""
-    values = value if isinstance(value, (list, tuple)) else (value,)
+    listed = isinstance(value, (list, tuple, np.ndarray))
+    values = tuple(np.asarray(value).ravel()) if isinstance(value, np.ndarray) else value
+    values = values if listed else (value,)
     ok = bool(values) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
+        isinstance(v, numbers.Real)
+        and not isinstance(v, (bool, np.bool_))
+        and (v > 0 if positive else v >= 0)
         for v in values
     )
     if not ok:
         rule = "> 0" if positive else ">= 0"
+        per = "boundary between model stages" if name == "cost_comm" else "model stage"
         raise ValueError(
             f"PipelineConfig({name}={value!r}): must be a number {rule}, or a non-empty list of "
-            f"such numbers (one per model stage{', per boundary' if name == 'cost_comm' else ''})"
+            f"such numbers (one per {per})"
         )
     floats = tuple(float(v) for v in values)
-    return floats if isinstance(value, (list, tuple)) else floats[0]
+    return floats if listed else floats[0]
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -76,8 +76,9 @@ def schedule_costs(config: PipelineConfig, num_stages: int) -> Costs:
         if isinstance(value, tuple) and len(value) != n:
             what = "boundary" if name == "cost_comm" else "model stage (chunk)"
             raise ValueError(
-                f"PipelineConfig({name}={list(value)}): {len(value)} entries, but the step has "
-                f"{num_stages} model stages, so {n}; give one per {what} or a single number"
+                f"PipelineConfig({name}={list(value)}): the step has {num_stages} model "
+                f"stages, so {name} needs {n} entries (one per {what}), not {len(value)}; or "
+                "give a single number"
             )
     return Costs.make(
         num_stages,

@@ -25,6 +25,7 @@ from jaxreshard.profiler._config import (
 )
 from jaxreshard.profiler._report import (
     COMPARE_FORMAT,
+    COST_FIELDS,
     chrome_trace,
     comparison_rows,
     comparison_table,
@@ -210,7 +211,6 @@ def resharding_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-COST_FIELDS = ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
 CALIBRATION_STEPS = 4
 
 

@@ -319,6 +319,9 @@ def _mesh_text(mesh: dict[str, int]) -> str:
 # -- comparisons ----------------------------------------------------------------------------------
 
 
+COST_FIELDS = ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
+
+
 def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -351,7 +354,7 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 "placement_costs": (
                     {
                         f.removeprefix("cost_"): _listed(getattr(session.pc.pipeline, f))
-                        for f in ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
+                        for f in COST_FIELDS
                     }
                     if places_weights(session.pc.pipeline)
                     else None

@@ -249,8 +249,7 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
 def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     """A cost field as a float or a tuple of floats (per stage or boundary), checked."""
     listed = isinstance(value, (list, tuple, np.ndarray))
-    values = tuple(np.asarray(value).ravel()) if isinstance(value, np.ndarray) else value
-    values = values if listed else (value,)
+    values = tuple(np.ravel(value)) if listed else (value,)
     ok = bool(values) and all(
         isinstance(v, numbers.Real)
         and not isinstance(v, (bool, np.bool_))

@@ -101,3 +101,185 @@ def source_location(eqn: Any) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # older or newer JAX: the location is a nicety
         return "?"
+
+
+# [Note: trace meshes]
+# `parallelize` traces a step once, under an abstract mesh with the stages' axis names (so that
+# sharding constraints resolve), and compiles each stage later under its own concrete mesh. JAX
+# records the trace's abstract mesh wherever a trace leaves types behind: every equation's
+# context (`eqn.ctx`, which re-binding the equation re-enters), the avals of literals and of the
+# variables of nested jaxprs (a `jit` call's outputs take them), and sharding params (the
+# `reshard` that `jax.random.bernoulli` applies to its result). Where a primitive's
+# sharding rule insists that all inputs share one mesh (`random_fold_in` and `threefry2x32`,
+# which Flax's RNG streams and dropout reach), the trace's mesh (no device kind) then meets the
+# stage's concrete mesh and JAX refuses. `for_stages` rewrites all of them to the empty mesh,
+# which every rule accepts and which leaves the stage's own mesh in charge. Only meshes of `Auto`
+# axes: with `Explicit` axes the trace's mesh is the stages' own (see [Note: mesh axis types]),
+# and typing needs it.
+
+
+def _strippable(mesh: Any) -> bool:
+    types = getattr(mesh, "axis_types", ())
+    return mesh is not None and not mesh.empty and all(t == AxisType.Auto for t in types)
+
+
+def _empty_mesh() -> Any:
+    return AbstractMesh((), (), axis_types=())
+
+
+def _plain_aval(aval: Any) -> Any:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or not _strippable(sharding.mesh):
+        return aval
+    spec = PartitionSpec(*([None] * len(aval.shape)))
+    return aval.update(sharding=NamedSharding(_empty_mesh(), spec))
+
+
+def _plain_literal(lit: Any) -> Any:
+    from jax._src import core
+
+    aval = _plain_aval(lit.aval)
+    if aval is lit.aval:
+        return lit
+    val = lit.val
+    try:
+        from jax._src.literals import TypedNdArray
+
+        if isinstance(val, TypedNdArray):
+            val = TypedNdArray(np.asarray(val), aval)
+    except ImportError:  # older JAX: literals hold plain values
+        pass
+    return core.Literal(val, aval)
+
+
+def _plain_context(ctx: Any) -> Any:
+    from jax._src import core
+
+    if not _strippable(getattr(ctx, "cur_abstract_mesh", None)):
+        return ctx
+    try:
+        metadata = ctx.xla_metadata
+        return core.JaxprEqnContext._create(
+            ctx.compute_type,
+            ctx.threefry_partitionable,
+            _empty_mesh(),
+            ctx.remove_size_one_mesh_axis,
+            None if metadata is None else tuple(sorted(metadata.items())),
+        )
+    except (AttributeError, TypeError):  # another JAX: keep the context (the rest still helps)
+        return ctx
+
+
+def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Sharding params on the trace's mesh (`reshard`'s `dst_sharding`) with no axes named in
+    their spec, moved to the empty mesh."""
+    out = dict(params)
+    for k, v in params.items():
+        if (
+            isinstance(v, NamedSharding)
+            and isinstance(v.mesh, AbstractMesh)
+            and _strippable(v.mesh)
+            and all(entry is None for entry in v.spec)
+        ):
+            out[k] = NamedSharding(_empty_mesh(), v.spec)
+    return out
+
+
+def map_subjaxprs(params: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """`params` with every jaxpr in them (closed, open, or in tuples) replaced by `fn(jaxpr)`."""
+    from jax.extend import core as jc
+
+    def one(value: Any) -> Any:
+        if isinstance(value, jc.ClosedJaxpr):
+            return jc.ClosedJaxpr(fn(value.jaxpr), value.consts)
+        if isinstance(value, jc.Jaxpr):
+            return fn(value)
+        if isinstance(value, (tuple, list)) and any(
+            isinstance(v, (jc.ClosedJaxpr, jc.Jaxpr)) for v in value
+        ):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return {k: one(v) for k, v in params.items()}
+
+
+def for_stages(jaxpr: Any) -> Any:
+    """`jaxpr` (open, nested jaxprs included) without the trace's abstract mesh in its
+    equations' contexts, literals and variables (see [Note: trace meshes])."""
+    from jax._src import core
+
+    memo: dict[int, Any] = {}
+
+    def rewrite(original: Any) -> Any:
+        if id(original) in memo:
+            return memo[id(original)]
+        env: dict[Any, Any] = {}
+
+        def define(v: Any) -> Any:
+            aval = _plain_aval(v.aval)
+            if aval is v.aval:
+                new = v
+            elif isinstance(v, core.DropVar):
+                new = core.DropVar(aval)
+            else:
+                new = core.Var(aval)
+            env[v] = new
+            return new
+
+        def read(a: Any) -> Any:
+            if isinstance(a, core.Literal):
+                return _plain_literal(a)
+            return env[a] if a in env else define(a)
+
+        constvars = [define(v) for v in original.constvars]
+        invars = [define(v) for v in original.invars]
+        eqns = []
+        for eqn in original.eqns:
+            eqns.append(
+                eqn.replace(
+                    invars=[read(a) for a in eqn.invars],
+                    outvars=[define(v) for v in eqn.outvars],
+                    params=_plain_params(map_subjaxprs(eqn.params, rewrite)),
+                    ctx=_plain_context(eqn.ctx),
+                )
+            )
+        outvars = [read(a) for a in original.outvars]
+        new = original.replace(constvars=constvars, invars=invars, outvars=outvars, eqns=eqns)
+        memo[id(original)] = new
+        return new
+
+    return rewrite(jaxpr)
+
+
+def bind_equation(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """Bind `eqn`'s primitive to `values` as `jax.core.eval_jaxpr` does (its source location
+    and context kept); return the outputs as a list."""
+    from jax._src import source_info_util
+
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: tuple[Any, ...] = ()
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    traceback = eqn.source_info.traceback
+    with source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def threefry_partitionable(eqn: Any) -> bool:
+    """Whether `eqn` was traced with JAX's partitionable threefry (see [Note: random draws])."""
+    value = getattr(getattr(eqn, "ctx", None), "threefry_partitionable", None)
+    if value is None:
+        import jax
+
+        value = jax.config.jax_threefry_partitionable
+    return bool(value)
+
+
+def source_files(eqn: Any) -> list[str]:
+    """The file names of every frame of the Python stack that made `eqn` (innermost first)."""
+    try:
+        return [frame.file_name for frame in eqn.source_info.traceback.frames]
+    except Exception:  # another JAX: callers treat an empty stack as unknown
+        return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.comm._layout import normalized_spec
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
-from jaxreshard.frontend._trace import trace_step
+from jaxreshard.frontend._trace import StepOutputs, is_array, trace_step
 from jaxreshard.pipeline._emit import format_programs
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime._executor import Event
@@ -71,7 +72,11 @@ class _Entry:
     graph: StepGraph
     pipeline: Any  # LocalPipeline or RayPipeline
     in_tree: Any
-    out_tree: Any
+    outputs: StepOutputs
+
+
+# Compiles of one argument structure that differ only in static leaves before a warning.
+_STATIC_RECOMPILES = 4
 
 
 class Parallelized:
@@ -101,6 +106,7 @@ class Parallelized:
         )
         self.meshes = list(meshes) if meshes is not None else None
         self._cache: dict[Any, _Entry] = {}
+        self._static_seen: dict[Any, list[dict[int, Any]]] = {}
         functools.update_wrapper(self, fun)
 
     def __repr__(self) -> str:
@@ -115,46 +121,73 @@ class Parallelized:
     # Compilation ---------------------------------------------------------------------------------
 
     def _entry(self, args: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
-        """The compiled step for these arguments. A call with a signature seen before costs a
-        flatten and a cache lookup (the checks ran when the signature was new)."""
+        """The compiled step for these arguments, and their array leaves. A call with a
+        signature seen before costs a flatten and a cache lookup (the checks ran when the
+        signature was new). Leaves that are not arrays are static (see [Note: static leaves])."""
         leaves, in_tree = jax.tree.flatten(args)
+        unit = self._unit_axes
         try:
-            unit = self._unit_axes
-            key = (in_tree, *(_leaf_key(x, unit) for x in leaves))
+            key = (in_tree, *(_leaf_key(x, unit) if is_array(x) else (_STATIC, x) for x in leaves))
             entry = self._cache.get(key)
-        except AttributeError:  # not an array: the checks below say which
-            key, entry = None, None
+        except TypeError:  # an unhashable static leaf
+            bad = next(i for i, x in enumerate(leaves) if not is_array(x) and not _hashable(x))
+            raise TypeError(
+                f"argument leaf {_leaf_paths(args)[bad]} is a {type(leaves[bad]).__name__}, "
+                "which is neither an array nor hashable; parallelize treats non-array leaves as "
+                "static (as eqx.filter_jit does) and needs to hash them: pass it as an array, "
+                "make it hashable, or close over it in the step"
+            ) from None
+        arrays = [x for x in leaves if is_array(x)]
         if entry is not None:
-            return entry, leaves
+            return entry, arrays
         for i in self.batch_argnums:
             if not -len(args) <= i < len(args):
                 raise ValueError(
                     f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
                 )
-        batch_leaves = _batch_leaf_indices(args, self.batch_argnums)
-        for i, leaf in enumerate(leaves):
-            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-                where = "a batch leaf" if i in batch_leaves else "an argument leaf"
+        static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
+        dynamic = {i: n for n, i in enumerate(i for i in range(len(leaves)) if i not in static)}
+        batch_leaves = []
+        for i in _batch_leaf_indices(args, self.batch_argnums):
+            if i in static:
                 raise TypeError(
-                    f"{where} of the step is {type(leaf).__name__} ({leaf!r}); pass arrays (numpy "
-                    "or jax) so the step can be traced and the batch split"
+                    f"batch leaf {_leaf_paths(args)[i]} is {type(leaves[i]).__name__} "
+                    f"({leaves[i]!r}); every leaf of the batch arguments must be an array (numpy "
+                    "or jax) with a batch dim 0 to split into micro-batches"
                 )
-        self._check_batch(leaves, batch_leaves, args)
-        entry = self._cache[key] = self._compile(args, leaves, in_tree, batch_leaves)
-        return entry, leaves
+            batch_leaves.append(dynamic[i])
+        paths = [p for i, p in enumerate(_leaf_paths(args)) if i not in static]
+        self._check_batch(arrays, batch_leaves, paths)
+        self._note_static(key, static, _leaf_paths(args))
+        entry = self._cache[key] = self._compile(arrays, in_tree, batch_leaves, static)
+        return entry, arrays
 
-    def _check_batch(self, leaves: list[Any], batch_leaves: list[int], args: tuple[Any, ...]):
+    def _note_static(self, key: tuple[Any, ...], static: dict[int, Any], paths: list[str]) -> None:
+        """Warn once when static leaves keep changing (every value compiles the step again)."""
+        shape = (key[0], *(k for k in key[1:] if k[0] is not _STATIC))
+        seen = self._static_seen.setdefault(shape, [])
+        seen.append(static)
+        if len(seen) == _STATIC_RECOMPILES:
+            changing = sorted({paths[i] for s in seen for i, v in s.items() if seen[0].get(i) != v})
+            warnings.warn(
+                f"parallelize compiled {getattr(self.fun, '__name__', 'the step')} "
+                f"{len(seen)} times for arguments that differ only in static (non-array) leaves "
+                f"{changing}; non-array leaves are static, as in eqx.filter_jit, and every new "
+                "value compiles the step again. Pass values that change between calls as arrays "
+                "(jnp.asarray(x)).",
+                stacklevel=4,
+            )
+
+    def _check_batch(self, leaves: list[Any], batch_leaves: list[int], paths: list[str]):
         m = self.config.num_micro_batches
         for i in batch_leaves:
             shape = leaves[i].shape
             if not shape:
-                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
                     "to split into micro-batches"
                 )
             if shape[0] % m:
-                paths = _leaf_paths(args)
                 raise ValueError(
                     f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
                     f"num_micro_batches={m} does not divide; use a batch size that is a "
@@ -168,14 +201,14 @@ class Parallelized:
             )
 
     def _compile(
-        self, args: tuple[Any, ...], leaves: list[Any], in_tree: Any, batch_leaves: list[int]
+        self, leaves: list[Any], in_tree: Any, batch_leaves: list[int], static: dict[int, Any]
     ) -> _Entry:
         from jaxreshard.runtime import current_runtime
 
         runtime = current_runtime() if self.config.backend != "local" else None
         on_ray = runtime is not None and runtime.backend == "ray"
         trace_mesh, input_specs = self._trace_mesh(leaves, batch_leaves, on_ray)
-        graph, out_tree = trace_step(
+        graph, outputs = trace_step(
             self.fun,
             in_tree,
             leaves,
@@ -184,6 +217,8 @@ class Parallelized:
             trace_mesh,
             self.config.num_stages,
             input_specs,
+            static=static,
+            loss_reduction=self.config.loss_reduction,
         )
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
             raise RuntimeError(
@@ -207,8 +242,9 @@ class Parallelized:
                 leaves,
                 batch_leaves,
                 input_specs,
+                static,
             )
-            return _Entry(graph, pipeline, in_tree, out_tree)
+            return _Entry(graph, pipeline, in_tree, outputs)
         if self.meshes is not None:
             check_meshes(self.meshes, self.config.num_meshes(graph.num_stages))
             meshes = self.meshes
@@ -218,7 +254,7 @@ class Parallelized:
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
-        return _Entry(graph, LocalPipeline(compiled), in_tree, out_tree)
+        return _Entry(graph, LocalPipeline(compiled), in_tree, outputs)
 
     def _trace_mesh(
         self, leaves: list[Any], batch_leaves: list[int], on_ray: bool
@@ -253,8 +289,7 @@ class Parallelized:
 
     def __call__(self, *args: Any) -> Any:
         entry, leaves = self._entry(args)
-        outputs = entry.pipeline.run(leaves)
-        return jax.tree.unflatten(entry.out_tree, outputs)
+        return entry.outputs.assemble(entry.pipeline.run(leaves))
 
     def profile_call(self, *args: Any, signal_only: bool = False) -> tuple[Any, list[Event]]:
         """Call the step and time everything it does: returns the outputs and the step's
@@ -268,7 +303,7 @@ class Parallelized:
         """
         entry, leaves = self._entry(args)
         outputs = entry.pipeline.run(leaves, record=True, signal_only=signal_only)
-        out = jax.tree.unflatten(entry.out_tree, outputs)
+        out = entry.outputs.assemble(outputs)
         jax.block_until_ready(out)
         return out, list(entry.pipeline.last_events)
 
@@ -291,6 +326,17 @@ def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> 
             out.extend(range(at, at + n))
         at += n
     return out
+
+
+_STATIC = object()  # marks a static leaf in a cache key
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _leaf_paths(args: tuple[Any, ...]) -> list[str]:

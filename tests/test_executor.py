@@ -145,7 +145,7 @@ def run(pipeline, entry, leaves, steps=3, **kwargs):
     losses = []
     for _ in range(steps):
         outputs = pipeline.run(leaves, **kwargs)
-        params, loss = jax.tree.unflatten(entry.out_tree, outputs)
+        params, loss = entry.outputs.assemble(outputs)
         leaves = jax.tree.leaves((params, make_batch()))
         losses.append(float(loss))
     return params, losses

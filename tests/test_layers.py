@@ -15,7 +15,7 @@ LAYERS = [
     {"pipeline"},
     {"frontend"},
     {"runtime"},
-    {"_parallelize", "_reshard", "bench", "__init__"},
+    {"_parallelize", "_reshard", "_state", "bench", "__init__"},
     {"models", "profiler"},
     {"_cli", "_schedule_cli", "__main__"},
 ]

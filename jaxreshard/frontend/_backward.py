@@ -11,6 +11,8 @@ cotangents) -> (cotangent of every differentiable input). Splitting J by data de
 - W: the remaining equations the parameter cotangents need, reading the residuals, the output
   cotangents and B's exports.
 No equation runs twice. Without weight delay, J runs whole as one B.
+A stage's aux outputs (`Ref(OUT)`) are returned by its forward but not differentiated (as
+`has_aux` outputs are not). A forward-only step's stages have no backward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from jax.extend import core as jc
 
 from jaxreshard._jax_compat import new_jaxpr
-from jaxreshard.frontend._split import ACT, PARAM, Stage
+from jaxreshard.frontend._split import ACT, OUT, PARAM, Stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,8 @@ class StageBackward:
     Attributes:
         stage: the forward stage.
         diff: positions in `stage.inputs` that are differentiated (float params/activations).
-        float_outputs: positions in `stage.outputs` with float values (they get cotangents).
+        float_outputs: positions in `stage.outputs` with float values that are differentiated
+            (activations and the loss; they get cotangents).
         residuals: avals of the residuals the forward returns.
         full: J(residuals..., cotangents...) -> cotangent per `diff` entry.
         b: B(residuals..., cotangents...) -> (activation cotangents..., exports...).
@@ -58,6 +61,8 @@ class StageBackward:
 
     def forward(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
         """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
+        if self.full is None:  # forward only
+            return list(jc.jaxpr_as_fun(self.stage.jaxpr)(*inputs)), []
         outputs, leaves, _ = _forward(self.stage, self.diff, inputs)
         return outputs, leaves
 
@@ -66,18 +71,30 @@ def _is_float(aval: Any) -> bool:
     return bool(jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact))
 
 
+def _differentiated(stage: Stage) -> list[int]:
+    """Positions of the outputs a stage's backward starts from (all but aux outputs)."""
+    return [i for i, ref in enumerate(stage.outputs) if ref.kind != OUT]
+
+
 def _forward(stage: Stage, diff: Sequence[int], inputs: Sequence[Any]):
     fn = jc.jaxpr_as_fun(stage.jaxpr)
+    kept = _differentiated(stage)
 
-    def on_diff(*d: Any) -> list[Any]:
+    def on_diff(*d: Any) -> tuple[list[Any], list[Any]]:
         full = list(inputs)
         for i, v in zip(diff, d):
             full[i] = v
-        return fn(*full)
+        outs = fn(*full)
+        return [outs[i] for i in kept], list(outs)
 
-    outputs, vjp = jax.vjp(on_diff, *[inputs[i] for i in diff])
+    _, vjp, outputs = jax.vjp(on_diff, *[inputs[i] for i in diff], has_aux=True)
     leaves, treedef = jax.tree.flatten(vjp)
     return list(outputs), list(leaves), treedef
+
+
+def derive_forward(stage: Stage) -> StageBackward:
+    """A forward-only stage: its forward returns its outputs and no residuals."""
+    return StageBackward(stage, (), (), (), None, None, None, (), (), 0)
 
 
 def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
@@ -89,7 +106,8 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
         for i, (ref, aval) in enumerate(zip(stage.inputs, in_avals))
         if ref.kind in (PARAM, ACT) and _is_float(aval)
     )
-    float_outputs = tuple(i for i, aval in enumerate(out_avals) if _is_float(aval))
+    kept = _differentiated(stage)
+    float_outputs = tuple(i for i in kept if _is_float(out_avals[i]))
     holder: dict[str, Any] = {}
 
     def traced_forward(*inputs: Any) -> list[Any]:
@@ -105,8 +123,8 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
         leaves = args[: len(residuals)]
         given = iter(args[len(residuals) :])
         cts = [
-            next(given) if i in float_outputs else np.zeros(a.shape, jax.dtypes.float0)
-            for i, a in enumerate(out_avals)
+            next(given) if i in float_outputs else np.zeros(out_avals[i].shape, jax.dtypes.float0)
+            for i in kept
         ]
         vjp = jax.tree.unflatten(treedef, leaves)
         return list(vjp(cts))

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -32,30 +33,38 @@ from jaxreshard._jax_compat import new_jaxpr
 
 stage_boundary_p = jex_core.Primitive("stage_boundary")
 stage_boundary_p.multiple_results = True
-stage_boundary_p.def_impl(lambda *xs: list(xs))
-stage_boundary_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(stage_boundary_p, lambda ctx, *xs: list(xs))
+# `transposed`: a marker that JAX's reverse-mode AD made from a user's marker (the matching
+# backward boundary). `parallelize` finds a step differentiated by `jax.grad`, Equinox's or Flax
+# NNX's grad by these (see `frontend._split.check_gradient_api`).
+stage_boundary_p.def_impl(lambda *xs, transposed: list(xs))
+stage_boundary_p.def_abstract_eval(lambda *avals, transposed: list(avals))
+mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, transposed: list(xs))
 
 
-def _mark_nonzero(values: Sequence[Any]) -> list[Any]:
+def _mark_nonzero(values: Sequence[Any], transposed: bool) -> list[Any]:
     """Apply the marker to the values that are not symbolic zeros; keep the zeros."""
     present = [v for v in values if not isinstance(v, ad.Zero)]
-    marked = iter(stage_boundary_p.bind(*present) if present else [])
+    marked = iter(stage_boundary_p.bind(*present, transposed=transposed) if present else [])
     return [v if isinstance(v, ad.Zero) else next(marked) for v in values]
 
 
-def _boundary_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    return stage_boundary_p.bind(*primals), _mark_nonzero(tangents)
+def _boundary_jvp(
+    primals: Sequence[Any], tangents: Sequence[Any], *, transposed: bool
+) -> tuple[list[Any], list[Any]]:
+    return (
+        stage_boundary_p.bind(*primals, transposed=transposed),
+        _mark_nonzero(tangents, transposed),
+    )
 
 
-def _boundary_transpose(cts: Sequence[Any], *args: Any) -> list[Any]:
-    return _mark_nonzero(cts)
+def _boundary_transpose(cts: Sequence[Any], *args: Any, transposed: bool) -> list[Any]:
+    return _mark_nonzero(cts, True)
 
 
 ad.primitive_jvps[stage_boundary_p] = _boundary_jvp
 ad.primitive_transposes[stage_boundary_p] = _boundary_transpose
-batching.primitive_batchers[stage_boundary_p] = lambda args, dims: (
-    stage_boundary_p.bind(*args),
+batching.primitive_batchers[stage_boundary_p] = lambda args, dims, *, transposed: (
+    stage_boundary_p.bind(*args, transposed=transposed),
     dims,
 )
 
@@ -70,7 +79,7 @@ def stage_boundary(x: Any) -> Any:
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         return x
-    return jax.tree.unflatten(treedef, stage_boundary_p.bind(*leaves))
+    return jax.tree.unflatten(treedef, stage_boundary_p.bind(*leaves, transposed=False))
 
 
 # -- pipeline_grad ------------------------------------------------------------------------------
@@ -79,19 +88,19 @@ pipeline_grad_p = jex_core.Primitive("pipeline_grad")
 pipeline_grad_p.multiple_results = True
 
 
-def _pipeline_grad_impl(*args: Any, jaxpr: Any, num_diff: int) -> list[Any]:
+def _pipeline_grad_impl(*args: Any, jaxpr: Any, num_diff: int, num_aux: int) -> list[Any]:
     loss_fn = jex_core.jaxpr_as_fun(jaxpr)
 
-    def loss(diff: list[Any]) -> Any:
-        (value,) = loss_fn(*diff, *args[num_diff:])
-        return value
+    def loss(diff: list[Any]) -> tuple[Any, list[Any]]:
+        value, *aux = loss_fn(*diff, *args[num_diff:])
+        return value, aux
 
-    value, grads = jax.value_and_grad(loss)(list(args[:num_diff]))
-    return [value, *grads]
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(list(args[:num_diff]))
+    return [value, *grads, *aux]
 
 
-def _pipeline_grad_abstract_eval(*avals: Any, jaxpr: Any, num_diff: int) -> list[Any]:
-    return [jaxpr.out_avals[0], *avals[:num_diff]]
+def _pipeline_grad_abstract_eval(*avals: Any, jaxpr: Any, num_diff: int, num_aux: int):
+    return [jaxpr.out_avals[0], *avals[:num_diff], *jaxpr.out_avals[1:]]
 
 
 pipeline_grad_p.def_impl(_pipeline_grad_impl)
@@ -131,8 +140,14 @@ def value_and_grad(
     """`jax.value_and_grad`, which also tells `parallelize` where gradients end.
 
     Same signature and results as `jax.value_and_grad`. Inside a `parallelize`d step, `fun`
-    (the loss, a scalar mean over the batch) is pipelined over the micro-batches and the
-    gradients are accumulated before the rest of the step sees them.
+    (the loss, a scalar mean over the batch, or a sum with `loss_reduction="sum"`) is pipelined
+    over the micro-batches and the gradients are accumulated before the rest of the step sees
+    them. With `has_aux=True`, `fun` returns `(loss, aux)` for any pytree `aux` of arrays; each
+    micro-batch computes its own, and the step sees them combined as `jax.jit` would compute
+    them on the whole batch: leaves with a batch dimension are concatenated along it in batch
+    order, leaves that depend on the batch without one (metrics) are reduced the way the loss
+    is (averaged, or summed with `loss_reduction="sum"`), and leaves that do not depend on the
+    batch (a Flax NNX RNG count) are taken as they are.
     """
     plain = jax.value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, **kwargs)
 
@@ -140,14 +155,15 @@ def value_and_grad(
     def wrapped(*args: Any) -> tuple[Any, Any]:
         if not _is_tracing_pipeline():
             return plain(*args)
-        if has_aux or holomorphic or allow_int or kwargs:
+        if holomorphic or allow_int or kwargs:
+            options = ["holomorphic"] * holomorphic + ["allow_int"] * allow_int + list(kwargs)
             raise NotImplementedError(
-                "inside jaxreshard.parallelize, jr.value_and_grad supports the plain form only "
-                "(no has_aux, holomorphic, allow_int or other options); return extra metrics "
-                "from the step instead"
+                f"inside jaxreshard.parallelize, jr.value_and_grad does not take {options}; "
+                "differentiate real floating-point parameters (has_aux=True is supported)"
             )
-        value, grads = _bind_pipeline_grad(fun, _argnums(argnums), args)
-        return value, (grads[0] if isinstance(argnums, int) else grads)
+        value, grads, aux = _bind_pipeline_grad(fun, _argnums(argnums), args, has_aux)
+        grads = grads[0] if isinstance(argnums, int) else grads
+        return ((value, aux) if has_aux else value), grads
 
     return wrapped
 
@@ -165,15 +181,65 @@ def grad(
 
     @functools.wraps(fun)
     def wrapped(*args: Any) -> Any:
-        return both(*args)[1]
+        value, grads = both(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped
+
+
+def _is_inexact_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and bool(
+        jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    )
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`equinox.filter_value_and_grad` for `parallelize`: differentiate `fun` with respect to the
+    floating-point arrays of its first argument (an Equinox module, say); its other leaves
+    (functions, ints, non-float arrays) are held fixed.
+
+    Returns `(value, grads)` like Equinox: `grads` has the first argument's structure, with
+    `None` where a leaf is not differentiated. It is written with `jr.value_and_grad`, so it
+    runs as `jax.value_and_grad` outside `parallelize` and is pipelined inside it.
+    """
+
+    @functools.wraps(fun)
+    def wrapped(x: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        leaves, treedef = jax.tree.flatten(x)
+        diff = [_is_inexact_array(leaf) for leaf in leaves]
+
+        def on_diff(values: list[Any]) -> Any:
+            it = iter(values)
+            full = [next(it) if d else leaf for leaf, d in zip(leaves, diff)]
+            return fun(jax.tree.unflatten(treedef, full), *args, **kwargs)
+
+        chosen = [leaf for leaf, d in zip(leaves, diff) if d]
+        value, grads = value_and_grad(on_diff, has_aux=has_aux)(chosen)
+        it = iter(grads)
+        return value, jax.tree.unflatten(treedef, [next(it) if d else None for d in diff])
+
+    return wrapped
+
+
+def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """`equinox.filter_grad` for `parallelize` (see `filter_value_and_grad`)."""
+    both = filter_value_and_grad(fun, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
 
     return wrapped
 
 
 def _bind_pipeline_grad(
-    fun: Callable[..., Any], argnums: tuple[int, ...], args: tuple[Any, ...]
-) -> tuple[Any, tuple[Any, ...]]:
-    """Bind `pipeline_grad` for `fun` at `args`; return the loss and a tuple of gradients."""
+    fun: Callable[..., Any], argnums: tuple[int, ...], args: tuple[Any, ...], has_aux: bool
+) -> tuple[Any, tuple[Any, ...], Any]:
+    """Bind `pipeline_grad` for `fun` at `args`; return the loss, a tuple of gradients and the
+    aux pytree (None without `has_aux`)."""
     for i in argnums:
         if not 0 <= i < len(args):
             raise ValueError(
@@ -184,13 +250,35 @@ def _bind_pipeline_grad(
     rest = tuple(a for i, a in enumerate(args) if i not in argnums)
     diff_leaves, diff_tree = jax.tree.flatten(diff)
     rest_leaves, rest_tree = jax.tree.flatten(rest)
+    for i, leaf in enumerate(diff_leaves):
+        if not _is_inexact_array(leaf):
+            paths = [
+                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
+            ]
+            raise TypeError(
+                f"jr.value_and_grad differentiates argument leaf {paths[i]} of type "
+                f"{type(leaf).__name__} ({getattr(leaf, 'dtype', '')}); jax.grad takes "
+                "floating-point arrays only. For a model with other leaves (an Equinox module), "
+                "use jr.filter_value_and_grad, as eqx.filter_value_and_grad"
+            )
+    aux_tree: list[Any] = []
 
-    def loss_of_leaves(*leaves: Any) -> Any:
+    def loss_of_leaves(*leaves: Any) -> list[Any]:
         d = jax.tree.unflatten(diff_tree, leaves[: len(diff_leaves)])
         r = jax.tree.unflatten(rest_tree, leaves[len(diff_leaves) :])
         it_d, it_r = iter(d), iter(r)
         full = [next(it_d) if i in argnums else next(it_r) for i in range(len(args))]
-        return fun(*full)
+        out = fun(*full)
+        if not has_aux:
+            return [out]
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "jr.value_and_grad(..., has_aux=True): the loss must return a pair "
+                f"(loss, aux), not {type(out).__name__}"
+            )
+        aux_leaves, tree = jax.tree.flatten(out[1])
+        aux_tree.append(tree)
+        return [out[0], *aux_leaves]
 
     # Values the loss closes over that belong to the enclosing trace (a batch captured by a
     # lambda, a learning-rate schedule's step) become extra operands, of any dtype; concrete
@@ -210,14 +298,18 @@ def _bind_pipeline_grad(
         ),
         [traced.consts[i] for i in keep],
     )
-    out = jaxpr.out_avals
-    if (
-        len(out) != 1
-        or out[0].shape != ()
-        or not jax.numpy.issubdtype(out[0].dtype, jax.numpy.floating)
-    ):
+    out = jaxpr.out_avals[0]
+    if out.shape != () or not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
         raise ValueError(f"the differentiated loss must return one real scalar; it returns {out}")
+    num_aux = len(jaxpr.out_avals) - 1
     results = pipeline_grad_p.bind(
-        *diff_leaves, *rest_leaves, *consts, jaxpr=jaxpr, num_diff=len(diff_leaves)
+        *diff_leaves,
+        *rest_leaves,
+        *consts,
+        jaxpr=jaxpr,
+        num_diff=len(diff_leaves),
+        num_aux=num_aux,
     )
-    return results[0], jax.tree.unflatten(diff_tree, results[1:])
+    grads = jax.tree.unflatten(diff_tree, results[1 : 1 + len(diff_leaves)])
+    aux = jax.tree.unflatten(aux_tree[0], results[1 + len(diff_leaves) :]) if has_aux else None
+    return results[0], grads, aux

@@ -1,4 +1,18 @@
-"""Cutting a traced train step into pipeline stages (pure: jaxpr in, dataclasses out).
+"""Cutting a traced train step into pipeline stages (pure: jaxprs in, dataclasses out).
+
+[Note: two traces]
+A step is traced twice (`frontend._trace`): at the whole batch, exactly as `jax.jit` traces it,
+and per micro-batch (batch leaves with dim 0 divided by m). The whole-batch trace is the step:
+its equations before `jr.value_and_grad` that the loss needs ("pre": targets sliced off tokens,
+masks, token counts, any preprocessing) run once per step on the whole batch, and its
+equations after ("post", the optimizer) run once after the micro-batches. The micro-batch trace
+gives the loss that the stages run per micro-batch. The loss's operands pair up between the
+traces: an operand whose shape is m times smaller along one dim per micro-batch is per example
+and is split into micro-batches along that dim with the batch (a `Feed`); any other is a
+per-step constant. Pre runs once, as `jax.jit` runs it, because per micro-batch it could compute
+other numbers (`x.shape[0]`, `jnp.arange(B)` and batch means all change with the rows it sees).
+The traces also pair the loss's random draws (see [Note: random draws]) and tell how to combine
+its aux outputs and whether it uses batch statistics (see [Note: micro-batch semantics]).
 
 [Note: stage cutting]
 The loss's jaxpr is cut at its `stage_boundary` equations, in program order: boundary k ends
@@ -7,16 +21,24 @@ before it), as a user reads the code. Equations nothing needs are dropped. A val
 later stage than the one that computes it is a boundary tensor: the marked activations, skip
 connections that jump stages, a transposed embedding computed early, anything. A stage never
 uses values of later stages, since the loss is traced in program order. Values computed from
-the batch and constants alone (targets sliced off a token batch, a mask) are the exception: each
-stage that needs one computes its own copy rather than receiving it.
-A parameter used by several stages (tied embeddings) belongs to the first; the others get a copy
-each step and send their gradient contributions back to be summed.
+the batch, constants and the micro-batch index alone (targets sliced off a token batch, a mask,
+a dropout key) are the exception: each stage that needs one computes its own copy rather than
+receiving it. A parameter used by several stages (tied embeddings) belongs to the first; the
+others get a copy each step and send their gradient contributions back to be summed. The loss
+is an output of the last stage; an aux output (`has_aux=True`) is an output of the stage that
+computes it (the last, for one computed from inputs alone), collected per micro-batch.
 
 The step around the loss is split at the `pipeline_grad` equation (see [Note: markers]): what it
 depends on runs first, once per step ("pre"); the rest ("post", the optimizer) runs once per step
 after the micro-batches, each equation on the stage that holds its inputs (a parameter's update
 where the parameter lives), grouped into as few per-stage segments as the data dependencies allow.
 See [Note: where the optimizer runs].
+
+A step with stage boundaries and no gradient (evaluation, inference) is pipelined forward only:
+the whole function is cut as a loss would be, every floating-point argument is kept by the stage
+that first uses it (as a training step with the same boundaries keeps its parameters), other
+arguments (counters, keys) are per-step constants, and its outputs are combined from the
+micro-batches like aux outputs.
 
 [Note: where the optimizer runs]
 A post equation whose inputs live on several stages runs on the stage that holds most of their
@@ -27,42 +49,60 @@ global norm, for instance, sums each gradient's squares where the gradient is, a
 up on one stage (the latest), and sends the scale back: `g * scale` runs where `g` is, not where
 `scale` is. Placing by the latest input alone would run that product, and everything after it
 (the moments, the new parameters), on the last stage, moving every gradient there each step.
-Equations that read only the step's free inputs (a step counter, a learning-rate schedule) are
-copied into every stage that uses them instead.
+Equations that read only the step's free inputs (a step counter, a learning-rate schedule, the
+batch) are copied into every stage that uses them instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.extend import core as jc
 
-from jaxreshard._jax_compat import new_jaxpr, source_location
+from jaxreshard._jax_compat import for_stages, new_jaxpr, source_files, source_location
+from jaxreshard.frontend._batch import (
+    REDUCE,
+    Combine,
+    batch_dim,
+    check_integer_statistics,
+    combine_rules,
+    find_statistics,
+    warn_statistics,
+)
+from jaxreshard.frontend._jaxprs import (
+    CALLS,
+    PipelineSplitError,
+    free_inputs,
+    inline_calls,
+    is_var,
+    make_closed,
+    needed_positions,
+    open_jaxpr,
+)
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
+from jaxreshard.frontend._random import plan_draws, with_micro_batch_index
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+__all__ = ["PipelineSplitError"]
 
-PARAM, BATCH, CONST, ACT, LOSS = "param", "batch", "const", "act", "loss"
-
-
-class PipelineSplitError(ValueError):
-    """The step cannot be cut into pipeline stages as written."""
+PARAM, BATCH, CONST, ACT, LOSS, MB, OUT = "param", "batch", "const", "act", "loss", "mb", "out"
 
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """What a stage input or output is: a step parameter, a batch leaf, a per-step constant
-    (`index` into the step's inputs), an activation (`index` = activation id), or the loss."""
+    """What a stage input or output is: a parameter (`index` into `StepGraph.params`), a batch
+    feed (into `StepGraph.feeds`), a per-step constant (into `StepGraph.consts`), the
+    micro-batch index, an activation (`index` = activation id), the loss, or an aux/forward
+    output (`index` into `StepGraph.results`)."""
 
     kind: str
     index: int = 0
 
     def __str__(self) -> str:
-        return self.kind if self.kind == LOSS else f"{self.kind}{self.index}"
+        return self.kind if self.kind in (LOSS, MB) else f"{self.kind}{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +137,7 @@ class Stage:
 class LossSplit:
     stages: tuple[Stage, ...]
     activations: tuple[Activation, ...]
+    result_homes: tuple[int, ...] = ()  # per result, the stage that outputs it
 
     @property
     def num_stages(self) -> int:
@@ -104,6 +145,25 @@ class LossSplit:
 
     def users(self, kind: str, index: int) -> tuple[int, ...]:
         return tuple(s.index for s in self.stages if Ref(kind, index) in s.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A per-example input of the loss: an outer variable (a batch leaf, or a value the pre
+    part computes from the batch) split into micro-batches along `dim`."""
+
+    var: Any
+    dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """An output of the loss besides the loss (an aux leaf; every output of a forward-only
+    step), computed per micro-batch and combined by `combine`."""
+
+    name: str
+    aval: Any  # per micro-batch
+    combine: Combine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,28 +178,34 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class StepGraph:
-    """A train step cut for the pipeline.
+    """A train step cut for the pipeline (see [Note: two traces]).
 
     Attributes:
-        outer: the traced step (its invars are the flattened arguments).
-        params: for each differentiated leaf k, the outer invar index it is.
-        batch: outer invar indices that are batch leaves (split into micro-batches).
-        loss_inputs: for each input of the loss jaxpr, a `Ref` (param k, batch i, const j).
-        consts: the outer Vars that feed the loss as per-step constants (const j).
+        outer: the step traced at the whole batch (its invars are the flattened array args).
+        params: for each parameter k, the outer invar index it is (differentiated leaves; in a
+            forward-only step, every non-batch argument).
+        batch: outer invar indices that are batch leaves.
+        loss_inputs: for each input of the loss jaxpr, a `Ref`.
+        feeds: the per-example inputs of the loss (`Ref(BATCH, j)`).
+        consts: the outer atoms (Vars, or Literals) that feed the loss as per-step constants.
         loss: the loss cut into stages.
         owner: for each parameter k, the stage that keeps it (its first user).
-        pre: equations the loss depends on, run once per step before the pipeline (a
-            ClosedJaxpr over `pre_inputs` -> `pre_outputs`), or None.
-        grad_outputs: the outer Vars the gradient equation defines: the loss, then one gradient
-            per parameter.
+        pre: equations the loss depends on, run once per step on the whole batch before the
+            pipeline (a ClosedJaxpr over `pre_inputs` -> `pre_outputs`), or None.
+        grad_outputs: the outer Vars of the loss and of one gradient per parameter (empty for
+            a forward-only step).
+        results: the loss's other outputs, combined over micro-batches.
+        result_outputs: the outer Var each result becomes.
         segments: the post-gradient equations in run order.
         placement: stage of each outer Var the post part reads or writes (None: free).
+        forward_only: the step has no gradient (see [Note: stage cutting]).
     """
 
     outer: Any
     params: tuple[int, ...]
     batch: tuple[int, ...]
     loss_inputs: tuple[Ref, ...]
+    feeds: tuple[Feed, ...]
     consts: tuple[Any, ...]
     loss: LossSplit
     owner: tuple[int, ...]
@@ -147,8 +213,11 @@ class StepGraph:
     pre_inputs: tuple[Any, ...]
     pre_outputs: tuple[Any, ...]
     grad_outputs: tuple[Any, ...]
+    results: tuple[Result, ...]
+    result_outputs: tuple[Any, ...]
     segments: tuple[Segment, ...]
     placement: dict[Any, int | None]
+    forward_only: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -158,12 +227,13 @@ class StepGraph:
     def batch_vars(self) -> tuple[Any, ...]:
         return tuple(self.outer.jaxpr.invars[i] for i in self.batch)
 
+    @property
+    def micro_batch_index(self) -> bool:
+        """Whether some stage reads the micro-batch index (random draws with a batch dim)."""
+        return Ref(MB) in self.loss_inputs
+
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, jc.Literal)
 
 
 def _where(eqn: Any) -> str:
@@ -174,69 +244,20 @@ def _contains_marker(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive is stage_boundary_p:
             return True
-        if any(_contains_marker(_open(j)) for j in jc.jaxprs_in_params(eqn.params)):
+        if any(_contains_marker(open_jaxpr(j)) for j in jc.jaxprs_in_params(eqn.params)):
             return True
     return False
 
 
-def _open(j: Any) -> Any:
-    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j, "consts") else j
-
-
-def _make_jaxpr(invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any]) -> Any:
-    return jc.ClosedJaxpr(new_jaxpr([], invars, outvars, eqns, "pipeline stage"), [])
-
-
-def _inline_calls(
-    jaxpr: Any, consts: Sequence[Any], inline: Callable[[Any], bool]
-) -> tuple[Any, list[Any]]:
-    """Replace the `jit`-like call equations that `inline(eqn)` picks by their bodies.
-
-    `inline` sees every equation in program order (and may raise), with its inputs renamed to
-    the values the rewritten jaxpr computes them as (an inlined body's equations too, after the
-    call), so it may keep per-value state such as a placement. Equations of the top level
-    keep their variables; those of an inlined body get fresh ones (a body may be inlined twice).
-    Returns the new jaxpr and its consts (a body's consts become constvars).
-    """
-    new_consts, constvars = list(consts), list(jaxpr.constvars)
-    eqns: list[Any] = []
-    changed = False
-
-    def emit(body_eqns: Sequence[Any], rename: dict[Any, Any], top: bool) -> None:
-        nonlocal changed
-
-        def read(v: Any) -> Any:
-            return rename.get(v, v) if _is_var(v) else v
-
-        for original in body_eqns:
-            outs = original.outvars if top else [jc.Var(o.aval) for o in original.outvars]
-            invars = [read(v) for v in original.invars]
-            eqn = original
-            if not top or any(a is not b for a, b in zip(invars, original.invars)):
-                eqn = original.replace(invars=invars, outvars=outs)
-            if not inline(eqn) or eqn.primitive.name not in _CALLS:
-                if not top:
-                    rename.update(zip(original.outvars, outs))
-                eqns.append(eqn)
-                continue
-            changed = True
-            closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            body = _open(closed)
-            inner: dict[Any, Any] = dict(zip(body.invars, eqn.invars))
-            for v, c in zip(body.constvars, getattr(closed, "consts", [])):
-                inner[v] = fresh = jc.Var(v.aval)
-                constvars.append(fresh)
-                new_consts.append(c)
-            emit(body.eqns, inner, top=False)
-            for call_out, body_out in zip(original.outvars, body.outvars):
-                rename[call_out] = inner.get(body_out, body_out) if _is_var(body_out) else body_out
-
-    top_rename: dict[Any, Any] = {}
-    emit(jaxpr.eqns, top_rename, top=True)
-    if not changed:
-        return jaxpr, list(consts)
-    outvars = [top_rename.get(v, v) if _is_var(v) else v for v in jaxpr.outvars]
-    return new_jaxpr(constvars, jaxpr.invars, outvars, eqns, "inlined"), new_consts
+def _markers(jaxpr: Any) -> list[Any]:
+    """Every `stage_boundary` equation of `jaxpr`, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is stage_boundary_p:
+            out.append(eqn)
+        for j in jc.jaxprs_in_params(eqn.params):
+            out.extend(_markers(open_jaxpr(j)))
+    return out
 
 
 def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
@@ -247,9 +268,9 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
     """
 
     def marked(eqn: Any) -> bool:
-        if not any(_contains_marker(_open(j)) for j in jc.jaxprs_in_params(eqn.params)):
+        if not any(_contains_marker(open_jaxpr(j)) for j in jc.jaxprs_in_params(eqn.params)):
             return False
-        if eqn.primitive.name not in _CALLS:
+        if eqn.primitive.name not in CALLS:
             raise PipelineSplitError(
                 f"jr.stage_boundary is called inside `{eqn.primitive.name}` at {_where(eqn)}: a "
                 "boundary inside lax.scan/cond/while_loop or a custom derivative cannot be cut; "
@@ -257,28 +278,70 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
             )
         return True
 
-    return _inline_calls(jaxpr, consts, marked)
+    return inline_calls(jaxpr, consts, marked)
+
+
+def check_gradient_api(jaxpr: Any) -> None:
+    """Raise, naming the replacement, if the step differentiates through stage boundaries with
+    something other than `jr.value_and_grad` (the transposed markers JAX's AD leaves)."""
+    transposed = [e for e in _markers(jaxpr) if e.params.get("transposed")]
+    if not transposed:
+        return
+    files = " ".join(source_files(transposed[0]))
+    where = _where(transposed[0])
+    if "equinox" in files:
+        fix = (
+            "replace eqx.filter_value_and_grad(loss_fn) with jr.filter_value_and_grad(loss_fn) "
+            "(and eqx.filter_grad with jr.filter_grad): same signature and results"
+        )
+    elif "flax" in files:
+        fix = (
+            "replace nnx.value_and_grad(loss_fn)(model) by the functional form: "
+            "graphdef, params, rest = nnx.split(model, nnx.Param, ...) outside the step, and "
+            "inside it jr.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest)))(params) "
+            "(see 'Bring your model' in the README for the whole recipe, with dropout)"
+        )
+    else:
+        fix = (
+            "replace jax.value_and_grad / jax.grad with jr.value_and_grad / jr.grad (same "
+            "signature)"
+        )
+    raise PipelineSplitError(
+        f"the step differentiates through jr.stage_boundary (at {where}) with a gradient "
+        f"transform that parallelize cannot pipeline; {fix}"
+    )
 
 
 # -- the loss --------------------------------------------------------------------------------
 
 
-def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None) -> LossSplit:
-    """Cut the loss jaxpr (inputs described by `kinds`) into stages; see [Note: stage cutting]."""
+def split_loss(
+    closed: Any,
+    kinds: Sequence[Ref],
+    *,
+    expected_stages: int | None,
+    has_loss: bool = True,
+) -> LossSplit:
+    """Cut the loss jaxpr (inputs described by `kinds`) into stages; see [Note: stage cutting].
+
+    Its outputs are the loss (with `has_loss`) and then the results (aux outputs; every output of
+    a forward-only step)."""
     jaxpr, consts = inline_marked_calls(closed.jaxpr, closed.consts)
+    jaxpr = for_stages(jaxpr)
     const_of = dict(zip(jaxpr.constvars, consts))  # e.g. masks built inside jitted helpers
     markers = [e for e in jaxpr.eqns if e.primitive is stage_boundary_p]
     num_stages = len(markers) + 1
     if expected_stages is not None and expected_stages != num_stages:
         raise PipelineSplitError(
-            f"PipelineConfig(num_stages={expected_stages}) but the loss has {len(markers)} "
-            f"jr.stage_boundary markers, i.e. {num_stages} stages"
+            f"PipelineConfig(num_stages={expected_stages}) but the "
+            f"{'loss' if has_loss else 'step'} has {len(markers)} jr.stage_boundary markers, "
+            f"i.e. {num_stages} stages"
         )
     if expected_stages is None and num_stages == 1:
         raise PipelineSplitError(
-            "the loss has no jr.stage_boundary, so the step would run as one stage; mark where "
-            "stages end with h = jr.stage_boundary(h), or set PipelineConfig(num_stages=1) to "
-            "run it as a single stage on purpose"
+            f"the {'loss' if has_loss else 'step'} has no jr.stage_boundary, so the step would "
+            "run as one stage; mark where stages end with h = jr.stage_boundary(h), or set "
+            "PipelineConfig(num_stages=1) to run it as a single stage on purpose"
         )
     invar_kind = dict(zip(jaxpr.invars, kinds))
     alias: dict[Any, Any] = {}  # marker outputs -> what they mark
@@ -288,29 +351,42 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
     for position, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is stage_boundary_p:
             for i, o in zip(eqn.invars, eqn.outvars):
-                alias[o] = _root(alias, i) if _is_var(i) else i
+                alias[o] = _root(alias, i) if is_var(i) else i
             k += 1
             continue
         stage_of[position] = k
         for o in eqn.outvars:
             defined_by[o] = position
-    loss_var = jaxpr.outvars[0]
-    if not _is_var(loss_var):
+    last = num_stages - 1
+    outs = [_root(alias, v) if is_var(v) else v for v in jaxpr.outvars]
+    loss_root = outs[0] if has_loss else None
+    result_roots = outs[1:] if has_loss else outs
+    if has_loss and not is_var(loss_root):
         raise PipelineSplitError("the loss is a constant; nothing depends on the parameters")
-    loss_root = _root(alias, loss_var)
 
-    # Values computed from the batch and constants alone (slicing targets off a token batch,
-    # masks): every stage that needs one computes it, as the batch is on every stage anyway.
-    input_only = {v for v, ref in invar_kind.items() if ref.kind in (BATCH, CONST)}
+    # Values computed from the batch, constants and the micro-batch index alone (slicing targets
+    # off a token batch, masks, dropout keys): every stage that needs one computes it, as those
+    # inputs are on every stage anyway.
+    input_only = {v for v, ref in invar_kind.items() if ref.kind in (BATCH, CONST, MB)}
     input_only |= set(const_of)
     for eqn in jaxpr.eqns:
-        reads = [_root(alias, v) for v in eqn.invars if _is_var(v)]
+        reads = [_root(alias, v) for v in eqn.invars if is_var(v)]
         if eqn.primitive is not stage_boundary_p and all(v in input_only for v in reads):
             input_only.update(eqn.outvars)
 
+    def home_of(v: Any) -> int:
+        if is_var(v) and v in defined_by and v not in input_only:
+            return stage_of[defined_by[v]]
+        return last
+
     # Which stages need each value (walking backwards; dead code is dropped).
-    last = num_stages - 1
-    need: dict[Any, set[int]] = {loss_root: {last}}
+    need: dict[Any, set[int]] = {}
+    if loss_root is not None:
+        need[loss_root] = {last}
+    homes = tuple(home_of(v) for v in result_roots)
+    for v, home in zip(result_roots, homes):
+        if is_var(v):
+            need.setdefault(v, set()).add(home)
     eqn_stages: dict[int, set[int]] = {}
     for position in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[position]
@@ -323,7 +399,7 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
         else:
             eqn_stages[position] = {stage_of[position]}
         for v in eqn.invars:
-            if _is_var(v):
+            if is_var(v):
                 need.setdefault(_root(alias, v), set()).update(eqn_stages[position])
 
     # Boundary tensors: values computed in one stage and needed by later ones.
@@ -354,29 +430,39 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
         for position, eqn in enumerate(jaxpr.eqns):
             if s not in eqn_stages.get(position, ()):
                 continue
-            invars = [_root(alias, v) if _is_var(v) else v for v in eqn.invars]
+            invars = [_root(alias, v) if is_var(v) else v for v in eqn.invars]
             for v in invars:
-                if _is_var(v) and v not in defined and v not in inputs:
+                if is_var(v) and v not in defined and v not in inputs:
                     inputs.append(v)
             eqns.append(eqn.replace(invars=invars))
             defined.update(eqn.outvars)
-        if s == last:
-            outvars = [loss_root]
-            if loss_root not in defined:
+        outvars: list[Any] = []
+        outputs: list[Ref] = []
+        if s == last and loss_root is not None:
+            if loss_root not in defined and loss_root not in invar_kind:
                 raise PipelineSplitError(
                     "the loss is computed before the last jr.stage_boundary: the last stage would "
                     "have no work; remove the last boundary"
                 )
-            outputs = (Ref(LOSS),)
-        else:
-            outvars = [v for v in activations if activations[v].home == s]
-            outputs = tuple(Ref(ACT, activations[v].id) for v in outvars)
-            if not outvars:
-                raise PipelineSplitError(
-                    f"stage {s} has no outputs that later stages use: its work does not reach the "
-                    "loss (or two jr.stage_boundary calls have nothing between them); remove a "
-                    "boundary or use the stage's results"
-                )
+            outvars.append(loss_root)
+            outputs.append(Ref(LOSS))
+        for v, a in activations.items():
+            if a.home == s:
+                outvars.append(v)
+                outputs.append(Ref(ACT, a.id))
+        for j, (v, home) in enumerate(zip(result_roots, homes)):
+            if home == s:
+                outvars.append(v)
+                outputs.append(Ref(OUT, j))
+        if not outputs:
+            raise PipelineSplitError(
+                f"stage {s} has no outputs that later stages use: its work does not reach the "
+                f"{'loss' if has_loss else 'outputs'} (or two jr.stage_boundary calls have "
+                "nothing between them); remove a boundary or use the stage's results"
+            )
+        for v in outvars:  # an output that is an input (an aux leaf returned as it came)
+            if is_var(v) and v not in defined and v not in inputs:
+                inputs.append(v)
         stage_consts = [v for v in inputs if v in const_of]
         inputs = [v for v in inputs if v not in const_of]
         refs = []
@@ -391,9 +477,9 @@ def split_loss(closed: Any, kinds: Sequence[Ref], *, expected_stages: int | None
             new_jaxpr(stage_consts, inputs, outvars, eqns, "pipeline stage"),
             [const_of[v] for v in stage_consts],
         )
-        stages.append(Stage(s, closed_stage, tuple(refs), outputs))
+        stages.append(Stage(s, closed_stage, tuple(refs), tuple(outputs)))
     ordered = sorted(activations.values(), key=lambda a: a.id)
-    return LossSplit(tuple(stages), tuple(ordered))
+    return LossSplit(tuple(stages), tuple(ordered), homes)
 
 
 def _root(alias: dict[Any, Any], v: Any) -> Any:
@@ -402,59 +488,116 @@ def _root(alias: dict[Any, Any], v: Any) -> Any:
     return v
 
 
+def _per_micro_batch(
+    micro: Any, full: Any, kinds: list[Ref], num_micro_batches: int
+) -> tuple[Any, list[Ref]]:
+    """The loss with its batched random draws rewritten per micro-batch (see
+    [Note: random draws]), and its input kinds (`Ref(MB)` appended when it draws so)."""
+    if num_micro_batches == 1:
+        return micro, kinds
+    plan = plan_draws(micro.jaxpr, full.jaxpr, num_micro_batches)
+    if not plan:
+        return micro, kinds
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in micro.in_avals]
+    return with_micro_batch_index(micro, plan, structs), [*kinds, Ref(MB)]
+
+
+def _results(
+    loss: Any,
+    full_loss: Any,
+    kinds: Sequence[Ref],
+    first: int,
+    names: Sequence[str],
+    num_micro_batches: int,
+    reduction: str,
+) -> tuple[Result, ...]:
+    """How each output of `loss` from position `first` on combines over micro-batches."""
+    seeds = [v for v, r in zip(loss.jaxpr.invars, kinds) if r.kind in (BATCH, MB)]
+    positions = range(first, len(loss.jaxpr.outvars))
+    full_avals = full_loss.out_avals[first:]
+    try:
+        rules = combine_rules(loss, full_avals, positions, seeds, num_micro_batches, names)
+    except ValueError as e:
+        raise PipelineSplitError(str(e)) from None
+    avals = [loss.out_avals[p] for p in positions]
+    check_integer_statistics(rules, avals, names, reduction)
+    return tuple(Result(n, a, r) for n, a, r in zip(names, avals, rules))
+
+
+def _check_statistics(
+    micro: Any,
+    full: Any,
+    kinds: Sequence[Ref],
+    results: Sequence[Result],
+    has_loss: bool,
+    num_micro_batches: int,
+    reduction: str,
+) -> None:
+    """Warn about uses of batch statistics that micro-batching changes (see
+    [Note: micro-batch semantics])."""
+    if num_micro_batches == 1:
+        return
+    batch_inputs = [i for i, r in enumerate(kinds) if r.kind == BATCH]
+    first = 1 if has_loss else 0
+    roots = [0] * has_loss + [first + j for j, r in enumerate(results) if r.combine.how == REDUCE]
+    findings = find_statistics(micro, full, batch_inputs, roots, num_micro_batches)
+    warn_statistics(findings, reduction)
+
+
 # -- the step ---------------------------------------------------------------------------------
 
 
-def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None) -> StepGraph:
-    """Cut a traced train step; `batch` lists the outer invar indices of batch leaves."""
-    jaxpr = closed.jaxpr
-    if closed.consts:
+def split_step(
+    full: Any,
+    micro: Any,
+    batch: Sequence[int],
+    num_micro_batches: int,
+    *,
+    expected_stages: int | None,
+    loss_reduction: str = "mean",
+    output_names: Sequence[str] = (),
+) -> StepGraph:
+    """Cut a step traced at the whole batch (`full`) and per micro-batch (`micro`); `batch`
+    lists the invar indices of batch leaves (see [Note: two traces]); `output_names` name the
+    step's outputs for messages."""
+    jaxpr = full.jaxpr
+    if full.consts:
         raise PipelineSplitError(
             "the step closes over array constants; pass them as arguments instead"
         )
     grads = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is pipeline_grad_p]
     if not grads:
-        raise PipelineSplitError(
-            "the step computes no gradient with jr.value_and_grad or jr.grad; parallelize needs "
-            "one (jax.grad cannot be pipelined: use jr.grad, which has the same signature)"
+        return _split_forward(
+            full, micro, batch, num_micro_batches, expected_stages, loss_reduction, output_names
         )
     if len(grads) > 1:
         raise PipelineSplitError(
             f"the step calls jr.value_and_grad/jr.grad {len(grads)} times; a pipelined step "
             "differentiates one loss once"
         )
+    check_gradient_api(jaxpr)
     g = grads[0]
     grad_eqn = jaxpr.eqns[g]
+    micro_eqn = next(e for e in micro.jaxpr.eqns if e.primitive is pipeline_grad_p)
+    loss_micro, loss_full = micro_eqn.params["jaxpr"], grad_eqn.params["jaxpr"]
+    if len(micro_eqn.invars) != len(grad_eqn.invars):
+        raise PipelineSplitError(
+            "the loss given to jr.value_and_grad takes different inputs at the whole batch and "
+            "per micro-batch; its arguments must not depend on the batch size"
+        )
     invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
     batch_set = set(batch)
-
-    # Pre: what the gradient equation depends on.
-    needed = {v for v in grad_eqn.invars if _is_var(v)}
-    pre_positions = []
-    for position in reversed(range(g)):
-        eqn = jaxpr.eqns[position]
-        if any(o in needed for o in eqn.outvars):
-            pre_positions.append(position)
-            needed.update(v for v in eqn.invars if _is_var(v))
-    pre_positions.reverse()
-    depends_on_batch = {jaxpr.invars[i] for i in batch_set}
-    for position in pre_positions:
-        eqn = jaxpr.eqns[position]
-        if any(v in depends_on_batch for v in eqn.invars if _is_var(v)):
-            raise PipelineSplitError(
-                f"the step computes from the batch at {_where(eqn)} before calling "
-                "jr.value_and_grad; move that computation into the loss function so it runs per "
-                "micro-batch"
-            )
-    pre_eqns = [jaxpr.eqns[p] for p in pre_positions]
+    m = num_micro_batches
 
     num_diff = grad_eqn.params["num_diff"]
+    num_aux = grad_eqn.params["num_aux"]
     params: list[int] = []
     kinds: list[Ref] = []
     consts: list[Any] = []
-    for k, v in enumerate(grad_eqn.invars):
+    feeds: list[Feed] = []
+    for k, (v, mv) in enumerate(zip(grad_eqn.invars, loss_micro.jaxpr.invars)):
         if k < num_diff:
-            if not _is_var(v) or v not in invar_index:
+            if not is_var(v) or v not in invar_index:
                 raise PipelineSplitError(
                     "jr.value_and_grad must differentiate arguments of the step directly (the "
                     f"parameter {k} is computed inside the step); pass it in as an argument"
@@ -466,42 +609,58 @@ def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None
                 )
             params.append(invar_index[v])
             kinds.append(Ref(PARAM, k))
-        elif _is_var(v) and v in invar_index and invar_index[v] in batch_set:
-            kinds.append(Ref(BATCH, invar_index[v]))
+            continue
+        if is_var(v) and invar_index.get(v) in batch_set:
+            dim: int | None = 0
         else:
-            if not _is_var(v):
-                raise PipelineSplitError("literal loss inputs are not supported")
+            try:
+                dim = batch_dim(v.aval.shape, mv.aval.shape, m)
+            except ValueError as e:
+                raise PipelineSplitError(
+                    f"an input of the loss ({v.aval.str_short()}) computed before "
+                    f"jr.value_and_grad has {e}; compute per-example values with the batch dim "
+                    "kept, or pass them into the loss as arguments"
+                ) from None
+        if dim is None:
             kinds.append(Ref(CONST, len(consts)))
             consts.append(v)
-    loss = split_loss(grad_eqn.params["jaxpr"], kinds, expected_stages=expected_stages)
+        else:
+            kinds.append(Ref(BATCH, len(feeds)))
+            feeds.append(Feed(v, dim))
+
+    loss_jaxpr, kinds = _per_micro_batch(loss_micro, loss_full, kinds, m)
+    names = [f"aux leaf {j}" for j in range(num_aux)]
+    results = _results(loss_jaxpr, loss_full, kinds, 1, names, m, loss_reduction)
+    _check_statistics(loss_micro, loss_full, kinds, results, True, m, loss_reduction)
+    loss = split_loss(loss_jaxpr, kinds, expected_stages=expected_stages)
     owner = []
     for k in range(num_diff):
         users = loss.users(PARAM, k)
         owner.append(users[0] if users else 0)
 
-    pre_inputs = _free_inputs(pre_eqns)
-    pre_outputs = [v for v in consts if any(v in e.outvars for e in pre_eqns)]
-    pre = _make_jaxpr(pre_inputs, pre_outputs, pre_eqns) if pre_eqns else None
+    # Pre: what the loss's operands need, once per step on the whole batch.
+    wanted = [v for v in consts if is_var(v)] + [f.var for f in feeds]
+    pre_positions = needed_positions(jaxpr.eqns[:g], wanted)
+    pre_eqns = [jaxpr.eqns[p] for p in pre_positions]
+    pre_inputs = free_inputs(pre_eqns)
+    defined_pre = {o for e in pre_eqns for o in e.outvars}
+    pre_outputs = list(dict.fromkeys(v for v in wanted if v in defined_pre))
+    pre = make_closed(pre_inputs, pre_outputs, pre_eqns) if pre_eqns else None
 
     # Post: every other equation, placed on the stage of its inputs.
-    post_eqns = [e for i, e in enumerate(jaxpr.eqns) if i != g and i not in set(pre_positions)]
-    for eqn in post_eqns:
-        if any(v in depends_on_batch for v in eqn.invars if _is_var(v)):
-            raise PipelineSplitError(
-                f"the step reads the batch at {_where(eqn)}, outside the loss given to "
-                "jr.value_and_grad; only the loss runs per micro-batch, so compute batch "
-                "statistics inside the loss"
-            )
-    if any(v in depends_on_batch for v in jaxpr.outvars if _is_var(v)):
-        raise PipelineSplitError(
-            "the step returns a batch leaf; return only parameters, optimizer state and metrics"
-        )
+    skip = set(pre_positions) | {g}
+    post_eqns = [e for i, e in enumerate(jaxpr.eqns) if i not in skip]
+    grad_outputs = tuple(grad_eqn.outvars[: 1 + num_diff])
+    aux_outputs = tuple(grad_eqn.outvars[1 + num_diff :])
+    _check_post(jaxpr, post_eqns, batch_set, params, grad_outputs)
     placement: dict[Any, int | None] = {v: None for v in jaxpr.invars}
     for k, i in enumerate(params):
         placement[jaxpr.invars[i]] = owner[k]
-    placement[grad_eqn.outvars[0]] = loss.num_stages - 1
-    for k, v in enumerate(grad_eqn.outvars[1:]):
+    placement[grad_outputs[0]] = loss.num_stages - 1
+    for k, v in enumerate(grad_outputs[1:]):
         placement[v] = owner[k]
+    for v, home in zip(aux_outputs, loss.result_homes):
+        placement[v] = home
     for v in pre_outputs:
         placement[v] = None
     post_ids = {id(e) for e in post_eqns}
@@ -515,32 +674,141 @@ def split_step(closed: Any, batch: Sequence[int], *, expected_stages: int | None
             return False
         held = _held_bytes(eqn, placement)
         body = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        if eqn.primitive.name in _CALLS and len(held) > 1 and not getattr(body, "consts", None):
+        if eqn.primitive.name in CALLS and len(held) > 1 and not getattr(body, "consts", None):
             return True
         if held:
             stage = _busiest(held)
             placement.update((o, stage) for o in eqn.outvars)
         return False
 
-    inlined, _ = _inline_calls(jaxpr, [], spans_stages)
+    inlined, _ = inline_calls(jaxpr, [], spans_stages)
+    outer = full
     if inlined is not jaxpr:
-        jaxpr, closed = inlined, jc.ClosedJaxpr(inlined, [])
-        post_eqns = [e for e in jaxpr.eqns if id(e) not in keep]
-    segments = _segments(post_eqns, placement, jaxpr.outvars)
+        outer = jc.ClosedJaxpr(inlined, [])
+        post_eqns = [e for e in inlined.eqns if id(e) not in keep]
+    segments = _segments(post_eqns, placement, outer.jaxpr.outvars)
     return StepGraph(
-        outer=closed,
+        outer=outer,
         params=tuple(params),
         batch=tuple(sorted(batch_set)),
         loss_inputs=tuple(kinds),
+        feeds=tuple(feeds),
         consts=tuple(consts),
         loss=loss,
         owner=tuple(owner),
         pre=pre,
         pre_inputs=tuple(pre_inputs),
         pre_outputs=tuple(pre_outputs),
-        grad_outputs=tuple(grad_eqn.outvars),
+        grad_outputs=grad_outputs,
+        results=results,
+        result_outputs=aux_outputs,
         segments=tuple(segments),
         placement=placement,
+    )
+
+
+def _check_post(
+    jaxpr: Any,
+    post_eqns: Sequence[Any],
+    batch: set[int],
+    params: Sequence[int],
+    grad_outputs: Sequence[Any],
+) -> None:
+    """Refuse a forward pass over the batch after the gradient (an equation reading per-example
+    data together with the model: it would run unpipelined, on one stage, with every parameter
+    it needs moved there), pointing to `has_aux`."""
+    data = {jaxpr.invars[i] for i in batch}
+    model = {jaxpr.invars[i] for i in params} | set(grad_outputs[1:])
+    for eqn in post_eqns:
+        reads = [v for v in eqn.invars if is_var(v)]
+        uses_model = any(v in model for v in reads)
+        uses_data = any(v in data and v.aval.shape for v in reads)
+        if uses_model and uses_data:
+            raise PipelineSplitError(
+                f"the step computes with the batch and the model at {_where(eqn)}, after "
+                "jr.value_and_grad: only the loss runs pipelined over micro-batches. Compute "
+                "metrics (accuracy, logits) inside the loss and return them with "
+                "jr.value_and_grad(loss_fn, has_aux=True), which gives (loss, aux), grads"
+            )
+        if uses_model:
+            model.update(eqn.outvars)
+        if any(v in data for v in reads):
+            data.update(eqn.outvars)
+
+
+def _split_forward(
+    full: Any,
+    micro: Any,
+    batch: Sequence[int],
+    num_micro_batches: int,
+    expected_stages: int | None,
+    reduction: str,
+    names: Sequence[str],
+) -> StepGraph:
+    """A step without a gradient, pipelined forward only (see [Note: stage cutting])."""
+    check_gradient_api(full.jaxpr)
+    if not _markers(full.jaxpr) and expected_stages is None:
+        raise PipelineSplitError(
+            "the step computes no gradient with jr.value_and_grad or jr.grad and has no "
+            "jr.stage_boundary; parallelize pipelines a train step (jr.value_and_grad over a "
+            "loss with boundaries) or a forward pass with boundaries (eval, inference)"
+        )
+    jaxpr = full.jaxpr
+    batch_set = set(batch)
+    m = num_micro_batches
+    params: list[int] = []
+    kinds: list[Ref] = []
+    feeds: list[Feed] = []
+    consts: list[Any] = []
+    for i, v in enumerate(jaxpr.invars):
+        if i in batch_set:
+            kinds.append(Ref(BATCH, len(feeds)))
+            feeds.append(Feed(v, 0))
+        elif jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact):  # kept where first used
+            kinds.append(Ref(PARAM, len(params)))
+            params.append(i)
+        else:  # counters, keys, masks: sent along each step, as a training step's constants
+            kinds.append(Ref(CONST, len(consts)))
+            consts.append(v)
+    # Outputs that are inputs (or literals) need no pipeline: the step returns them as they are.
+    inputs = set(micro.jaxpr.invars)
+    positions = [j for j, v in enumerate(micro.jaxpr.outvars) if is_var(v) and v not in inputs]
+    pick = lambda closed: jc.ClosedJaxpr(
+        closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[j] for j in positions]), closed.consts
+    )
+    loss_micro, loss_full = pick(micro), pick(full)
+    loss_jaxpr, kinds = _per_micro_batch(loss_micro, loss_full, kinds, m)
+    all_names = list(names) or [f"output leaf {j}" for j in range(len(jaxpr.outvars))]
+    results = _results(
+        loss_jaxpr, loss_full, kinds, 0, [all_names[j] for j in positions], m, reduction
+    )
+    _check_statistics(loss_micro, loss_full, kinds, results, False, m, reduction)
+    loss = split_loss(loss_jaxpr, kinds, expected_stages=expected_stages, has_loss=False)
+    owner = []
+    for k in range(len(params)):
+        users = loss.users(PARAM, k)
+        owner.append(users[0] if users else 0)
+    outputs = tuple(jaxpr.outvars[j] for j in positions)
+    placement: dict[Any, int | None] = {v: None for v in jaxpr.invars}
+    placement.update(zip(outputs, loss.result_homes))
+    return StepGraph(
+        outer=full,
+        params=tuple(params),
+        batch=tuple(sorted(batch_set)),
+        loss_inputs=tuple(kinds),
+        feeds=tuple(feeds),
+        consts=tuple(consts),
+        loss=loss,
+        owner=tuple(owner),
+        pre=None,
+        pre_inputs=(),
+        pre_outputs=(),
+        grad_outputs=(),
+        results=results,
+        result_outputs=outputs,
+        segments=(),
+        placement=placement,
+        forward_only=True,
     )
 
 
@@ -552,7 +820,7 @@ def _nbytes(aval: Any) -> int:
 def _held_bytes(eqn: Any, placement: dict[Any, int | None]) -> dict[int, int]:
     """Stage -> bytes of `eqn`'s inputs that the stage holds."""
     held: dict[int, int] = {}
-    for v in dict.fromkeys(v for v in eqn.invars if _is_var(v)):
+    for v in dict.fromkeys(v for v in eqn.invars if is_var(v)):
         stage = placement.get(v)
         if stage is not None:
             held[stage] = held.get(stage, 0) + _nbytes(v.aval)
@@ -562,17 +830,6 @@ def _held_bytes(eqn: Any, placement: dict[Any, int | None]) -> dict[int, int]:
 def _busiest(held: dict[int, int]) -> int:
     """The stage holding most bytes, the latest on a tie; see [Note: where the optimizer runs]."""
     return max(held, key=lambda s: (held[s], s))
-
-
-def _free_inputs(eqns: Sequence[Any]) -> list[Any]:
-    defined: set[Any] = set()
-    inputs: list[Any] = []
-    for eqn in eqns:
-        for v in eqn.invars:
-            if _is_var(v) and v not in defined and v not in inputs:
-                inputs.append(v)
-        defined.update(eqn.outvars)
-    return inputs
 
 
 def _segments(
@@ -599,7 +856,7 @@ def _segments(
             users = set().union(*(wanted.get(o, set()) for o in eqn.outvars))
             stages[position] = users or {0}
         for v in eqn.invars:
-            if _is_var(v):
+            if is_var(v):
                 wanted.setdefault(v, set()).update(stages[position])
     free = {o for p, e in enumerate(eqns) if placement.get(e.outvars[0]) is None for o in e.outvars}
     defined_at = {o: p for p, e in enumerate(eqns) for o in e.outvars}
@@ -607,7 +864,7 @@ def _segments(
     def ready(item: tuple[int, int], produced: set[tuple[Any, int | None]]) -> bool:
         p, stage = item
         for v in eqns[p].invars:
-            if _is_var(v) and v in defined_at and (v, stage if v in free else None) not in produced:
+            if is_var(v) and v in defined_at and (v, stage if v in free else None) not in produced:
                 return False
         return True
 
@@ -632,7 +889,7 @@ def _segments(
     for n, (stage, positions) in enumerate(groups):
         seg_eqns = [eqns[p] for p in positions]
         defined = {o for e in seg_eqns for o in e.outvars}
-        needed = {v for v in outvars if _is_var(v)}
+        needed = {v for v in outvars if is_var(v)}
         for m, (_, others) in enumerate(groups):
             if m != n:
                 other_defined = {o for p in others for o in eqns[p].outvars}
@@ -640,15 +897,15 @@ def _segments(
                     v
                     for p in others
                     for v in eqns[p].invars
-                    if _is_var(v) and v not in other_defined
+                    if is_var(v) and v not in other_defined
                 )
         outputs = [
             v
             for v in dict.fromkeys(o for e in seg_eqns for o in e.outvars)
             if v in needed and v in defined
         ]
-        inputs = _free_inputs(seg_eqns)
+        inputs = free_inputs(seg_eqns)
         out.append(
-            Segment(stage, _make_jaxpr(inputs, outputs, seg_eqns), tuple(inputs), tuple(outputs))
+            Segment(stage, make_closed(inputs, outputs, seg_eqns), tuple(inputs), tuple(outputs))
         )
     return out

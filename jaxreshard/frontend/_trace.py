@@ -1,15 +1,54 @@
-"""Tracing a train step for `parallelize` (the same way in the driver and in host actors)."""
+"""Tracing a train step for `parallelize` (the same way in the driver and in host actors).
+
+[Note: static leaves]
+As with `equinox.filter_jit`, the leaves of the step's arguments that are not arrays (functions,
+Python numbers and strings, a Flax graphdef's contents, an Equinox module's activation function)
+are static: they are part of the compiled step's signature (a new value compiles the step
+again) and the traced function sees them as they are. Outputs that are not arrays are returned
+as the trace made them. Arrays are numpy and JAX arrays (and JAX's scalar types).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxreshard.frontend._markers import tracing_pipeline
 from jaxreshard.frontend._split import StepGraph, split_step
+
+
+def is_array(x: Any) -> bool:
+    """Whether a leaf is traced (an array) rather than static (see [Note: static leaves])."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """The step's output pytree: its structure and its static leaves by position."""
+
+    tree: Any
+    static: dict[int, Any]
+
+    def assemble(self, arrays: Sequence[Any]) -> Any:
+        """The output pytree from the step's array outputs (in order)."""
+        it = iter(arrays)
+        leaves = [
+            self.static[i] if i in self.static else next(it) for i in range(self.tree.num_leaves)
+        ]
+        return jax.tree.unflatten(self.tree, leaves)
+
+    def names(self) -> list[str]:
+        """Paths of the array outputs, for messages (`[2]['acc']`)."""
+        dummy = jax.tree.unflatten(self.tree, list(range(self.tree.num_leaves)))
+        paths = jax.tree_util.tree_flatten_with_path(dummy)[0]
+        return [f"output {jax.tree_util.keystr(p)}" for p, i in paths if i not in self.static]
 
 
 def trace_step(
@@ -21,40 +60,67 @@ def trace_step(
     mesh: Any,
     expected_stages: int | None,
     input_specs: Sequence[Any] | None = None,
-) -> tuple[StepGraph, Any]:
-    """Trace `fun` per micro-batch and cut it (see [Note: stage cutting]).
+    *,
+    static: dict[int, Any] | None = None,
+    loss_reduction: str = "mean",
+) -> tuple[StepGraph, StepOutputs]:
+    """Trace `fun` at the whole batch and per micro-batch, and cut it (see [Note: two traces]).
 
-    The batch leaves are traced with dim 0 divided by `num_micro_batches`, so the loss, and with
-    it every stage, sees one micro-batch. Tracing happens under `mesh` (an abstract mesh with the
-    stages' axis names, sizes and types; see [Note: mesh axis types]), so sharding constraints in
-    the step work; each stage later compiles them on its own mesh. With `Explicit` axes the
-    shardings are part of the traced types: `input_specs` gives each leaf's `PartitionSpec`
-    (which must be the one it gets when its stage compiles), and `mesh` must be the stage
-    meshes' own abstract mesh (`mesh.abstract_mesh`), since JAX records it in every equation.
-    A fresh wrapper function is traced every time, so that JAX's tracing cache never hands back
-    a trace made outside `parallelize`.
+    `avals` describe the array leaves of the arguments (flattened by `in_tree`), `static` gives
+    the other leaves by their position among all leaves (see [Note: static leaves]), and
+    `batch_leaves` index `avals`. The per-micro-batch trace has the batch leaves' dim 0 divided
+    by `num_micro_batches`. Tracing happens under `mesh` (an abstract mesh with the stages' axis
+    names, sizes and types; see [Note: mesh axis types]), so sharding constraints in the step
+    work; each stage later compiles them on its own mesh. With `Explicit` axes the shardings
+    are part of the traced types: `input_specs` gives each array leaf's `PartitionSpec` (which
+    must be the one it gets when its stage compiles), and `mesh` must be the stage meshes' own
+    abstract mesh (`mesh.abstract_mesh`), since JAX records it in every equation. A fresh wrapper
+    function is traced every time, so that JAX's tracing cache never hands back a trace made
+    outside `parallelize`.
 
     Returns:
-        The cut step and the output pytree structure.
+        The cut step and its outputs' structure.
     """
     m = num_micro_batches
+    static = dict(static or {})
     batch = set(batch_leaves)
-    shapes = [
-        (a.shape[0] // m, *a.shape[1:]) if i in batch else tuple(a.shape)
-        for i, a in enumerate(avals)
-    ]
-    if input_specs is None:
-        structs = [jax.ShapeDtypeStruct(s, a.dtype) for s, a in zip(shapes, avals)]
-    else:
-        structs = [
-            jax.ShapeDtypeStruct(s, a.dtype, sharding=NamedSharding(mesh, spec))
-            for s, a, spec in zip(shapes, avals, input_specs)
-        ]
-    wrapped = lambda *flat: fun(*jax.tree.unflatten(in_tree, flat))
+    num_leaves = len(avals) + len(static)
+    dynamic = [i for i in range(num_leaves) if i not in static]
+    made: list[StepOutputs] = []
+
+    def flat(*arrays: Any) -> list[Any]:
+        leaves: list[Any] = [None] * num_leaves
+        for i, value in static.items():
+            leaves[i] = value
+        for i, value in zip(dynamic, arrays):
+            leaves[i] = value
+        out_leaves, out_tree = jax.tree.flatten(fun(*jax.tree.unflatten(in_tree, leaves)))
+        kept = {i: x for i, x in enumerate(out_leaves) if not is_array(x)}
+        made.append(StepOutputs(out_tree, kept))
+        return [x for x in out_leaves if is_array(x)]
+
+    def structs(micro: bool) -> list[jax.ShapeDtypeStruct]:
+        out = []
+        for i, a in enumerate(avals):
+            shape = (a.shape[0] // m, *a.shape[1:]) if micro and i in batch else tuple(a.shape)
+            sharding = None if input_specs is None else NamedSharding(mesh, input_specs[i])
+            out.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding))
+        return out
+
     with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh):
-        closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(*structs)
-    graph = split_step(closed, list(batch_leaves), expected_stages=expected_stages)
-    return graph, jax.tree.structure(out_shape)
+        full = jax.make_jaxpr(flat)(*structs(False))
+        outputs = made[-1]
+        micro = jax.make_jaxpr(flat)(*structs(True)) if m > 1 else full
+        graph = split_step(
+            full,
+            micro,
+            sorted(batch),
+            m,
+            expected_stages=expected_stages,
+            loss_reduction=loss_reduction,
+            output_names=outputs.names(),
+        )
+    return graph, outputs
 
 
 def fingerprint(graph: StepGraph) -> tuple[Any, ...]:
@@ -63,6 +129,9 @@ def fingerprint(graph: StepGraph) -> tuple[Any, ...]:
         graph.num_stages,
         graph.params,
         graph.batch,
+        graph.forward_only,
+        tuple((f.dim, f.var.aval.str_short()) for f in graph.feeds),
+        tuple((r.combine, r.aval.str_short()) for r in graph.results),
         tuple((a.id, a.home, a.consumers, a.aval.str_short()) for a in graph.loss.activations),
         tuple((tuple(map(str, s.inputs)), tuple(map(str, s.outputs))) for s in graph.loss.stages),
         tuple((seg.stage, len(seg.inputs), len(seg.outputs)) for seg in graph.segments),

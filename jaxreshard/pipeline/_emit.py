@@ -43,11 +43,13 @@ class Edge:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SharedParam:
-    """Parameter `index` kept by stage `owner` and also used by stages `users`."""
+    """Parameter `index` kept by stage `owner` and also used by stages `users` (which send
+    their gradient contributions back, with `grad`)."""
 
     index: int
     owner: int
     users: tuple[int, ...]
+    grad: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,12 +149,13 @@ def emit(
                     continue  # A: the optimizer runs after the pipeline
                 runs.append(Instruction(RUN, action))
             programs[r] += [*recvs, *runs, *sends, *frees]
-    for sp in shared:
+    with_grads = [sp for sp in shared if sp.grad]
+    for sp in with_grads:
         for user in sp.users:
             programs[rank(user)].append(
                 Instruction(SEND_OP, kind=PARAM_GRAD, tensor=sp.index, src=user, dst=sp.owner)
             )
-    for sp in shared:
+    for sp in with_grads:
         for user in sp.users:
             programs[rank(sp.owner)].append(
                 Instruction(RECV_OP, kind=PARAM_GRAD, tensor=sp.index, src=user, dst=sp.owner)

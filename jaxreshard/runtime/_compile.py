@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,7 +37,17 @@ class StageCompiler:
         self.w_part: Any = None
         self.input_shardings: list[NamedSharding] = []
         self.acc_shardings: list[NamedSharding] = []
+        self.act_grad_shardings: list[NamedSharding] = []
         self._variants: dict[str, Any] = {}
+        self._mb_index: list[Any] = []
+
+    def mb_index(self, mb: int) -> Any:
+        """Micro-batch `mb`'s index as the stage reads it (see [Note: random draws]): an int32
+        scalar on the stage's mesh, made once per micro-batch."""
+        while len(self._mb_index) <= mb:
+            index = np.int32(len(self._mb_index))
+            self._mb_index.append(jax.device_put(index, NamedSharding(self.mesh, P())))
+        return self._mb_index[mb]
 
     def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:
         return [
@@ -154,13 +165,14 @@ class StageCompiler:
 
     fused = False
 
-    # The last stage's forward and whole backward as one executable (see `StageProgram`): the
-    # loss, the activation gradients and the accumulators (or the fused optimizer's outputs).
+    # The last stage's forward and whole backward as one executable (see `StageProgram`): its
+    # outputs (the loss, aux outputs), the activation gradients and the accumulators (or the
+    # fused optimizer's outputs).
 
-    def _forward_backward(self, args: Sequence[Any]) -> tuple[Any, list[Any], list[Any]]:
+    def _forward_backward(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         outs, res = self.bw.forward(*args)
         acts, grads = self.fns["full_first"](res, [])
-        return outs[0], acts, grads
+        return outs, acts, grads
 
     def fb_first(self, args: Sequence[Any]) -> Any:
         return self._lazy("fb_first", self._forward_backward, (), True)(args)

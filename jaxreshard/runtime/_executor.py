@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
-from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
+from jaxreshard.frontend._split import ACT, BATCH, CONST, LOSS, MB, OUT, PARAM, StepGraph
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
@@ -417,10 +417,13 @@ class StageProgram:
         # Per chunk, the position of its last backward (where a fused optimizer runs).
         self.last_backward = {
             c: max(
-                i
-                for i in runs
-                if program[i].action.stage_index == c
-                and program[i].action.kind in (BACKWARD, WEIGHT)
+                (
+                    i
+                    for i in runs
+                    if program[i].action.stage_index == c
+                    and program[i].action.kind in (BACKWARD, WEIGHT)
+                ),
+                default=-1,
             )
             for c in compilers
         }
@@ -445,6 +448,7 @@ class StageProgram:
         consts: dict[int, list[Any]],
         losses: list[Any],
         apply_inputs: dict[int, Sequence[Any]] | None = None,
+        results: dict[tuple[int, int], Any] | None = None,
     ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
         """Run the rank's program.
 
@@ -453,6 +457,7 @@ class StageProgram:
             batches: per chunk, per micro-batch, the chunk's batch inputs in input order.
             consts: per chunk, its per-step constants in input order.
             losses: filled per micro-batch by the last chunk.
+            results: filled with the chunks' aux / forward outputs, by (result, micro-batch).
             apply_inputs: per chunk with a fused optimizer segment (`StageCompiler.set_apply`),
                 that segment's inputs other than the gradients.
 
@@ -462,6 +467,7 @@ class StageProgram:
         """
         graph, channels = self.graph, self.channels
         apply_inputs = apply_inputs or {}
+        results = results if results is not None else {}
         last_chunk = self.layout.num_stages - 1
         chunks = {
             c: _Chunk(
@@ -495,9 +501,20 @@ class StageProgram:
                 elif ref.kind == CONST:
                     args.append(consts[c][const_at])
                     const_at += 1
+                elif ref.kind == MB:
+                    args.append(ch.c.mb_index(mb))
                 else:
                     args.append(ch.inbox[(ref.index, mb)])
             return args
+
+        def keep_outputs(ch: _Chunk, mb: int, outs: Sequence[Any]) -> None:
+            for ref, value in zip(ch.c.bw.stage.outputs, outs):
+                if ref.kind == LOSS:
+                    losses[mb] = value
+                elif ref.kind == ACT:
+                    ch.outbox[(ref.index, mb)] = value
+                elif ref.kind == OUT:
+                    results[(ref.index, mb)] = value
 
         def keep_act_grads(ch: _Chunk, mb: int, act_grads: Sequence[Any]) -> None:
             bw = ch.c.bw
@@ -535,7 +552,7 @@ class StageProgram:
                     channels.send(ins, ch.acc[ch.c.acc_params.index(ins.tensor)])  # type: ignore[index]
             elif ins.op == RUN:
                 self._run(ins, position, chunks, forward_inputs, cotangents, keep_act_grads,
-                          losses, apply_inputs)  # fmt: skip
+                          keep_outputs, apply_inputs)  # fmt: skip
             else:  # FREE: drop what this micro-batch no longer needs
                 ch, mb = chunks[ins.src], ins.mb
                 if ins.kind == "fwd":
@@ -562,7 +579,7 @@ class StageProgram:
         forward_inputs: Callable[[_Chunk, int], list[Any]],
         cotangents: Callable[[_Chunk, int], list[Any]],
         keep_act_grads: Callable[[_Chunk, int, Sequence[Any]], None],
-        losses: list[Any],
+        keep_outputs: Callable[[_Chunk, int, Sequence[Any]], None],
         apply_inputs: dict[int, Sequence[Any]],
     ) -> None:
         action = ins.action
@@ -576,30 +593,26 @@ class StageProgram:
             final = fused and self.fused_fb[position] == self.last_backward[c]
             args = forward_inputs(ch, mb)
             if final:
-                loss, act_grads, ch.applied = (
+                outs, act_grads, ch.applied = (
                     comp.fb_apply_first(args, extra)
                     if ch.acc is None
                     else comp.fb_apply_later(ch.acc, args, extra)
                 )
                 ch.acc = []
             elif ch.acc is None:
-                loss, act_grads, ch.acc = comp.fb_first(args)
+                outs, act_grads, ch.acc = comp.fb_first(args)
             else:
-                loss, act_grads, ch.acc = comp.fb_later(ch.acc, args)
-            losses[mb] = loss
+                outs, act_grads, ch.acc = comp.fb_later(ch.acc, args)
+            keep_outputs(ch, mb, outs)
             ch.early[mb] = act_grads
-            done: Any = (loss, act_grads, ch.acc, ch.applied)
+            done: Any = (outs, act_grads, ch.acc, ch.applied)
             kind = "FB"
         elif kind == BACKWARD and mb in ch.early:
             keep_act_grads(ch, mb, ch.early.pop(mb))
             return
         elif kind == FORWARD:
             outs, ch.residuals[mb] = comp.forward(*forward_inputs(ch, mb))
-            if ch.last:
-                losses[mb] = outs[0]
-            else:
-                for ref, value in zip(bw.stage.outputs, outs):
-                    ch.outbox[(ref.index, mb)] = value
+            keep_outputs(ch, mb, outs)
             done = outs
         elif kind == BACKWARD:
             final = fused and position == self.last_backward[c]

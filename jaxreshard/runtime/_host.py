@@ -256,17 +256,20 @@ class HostActor:
         input_specs: Any,
         stages: Any,
     ) -> Any:
-        """Trace and cut a pipelined step here; return its fingerprint."""
+        """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves);
+        return its fingerprint."""
         import pickle
 
         from jaxreshard.frontend._trace import fingerprint
         from jaxreshard.runtime._pipeline_ray import HostPipeline
 
+        step, static = pickle.loads(fun)
         pipelines = self.__dict__.setdefault("_pipelines", {})
         pipelines[key] = HostPipeline(
             self,
             key,
-            pickle.loads(fun),
+            step,
+            static,
             config,
             in_tree,
             avals,

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.comm import Cluster, Plan, plan_reshard
-from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
+from jaxreshard.frontend._split import ACT, BATCH, CONST, MB, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, Schedule, build_schedule, simulate
+from jaxreshard.pipeline._action import FORWARD, Action
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
@@ -89,16 +90,40 @@ def schedule_costs(config: PipelineConfig, num_stages: int) -> Costs:
     )
 
 
-def pipeline_schedule(config: PipelineConfig, num_stages: int) -> Schedule:
+def pipeline_schedule(
+    config: PipelineConfig, num_stages: int, forward_only: bool = False
+) -> Schedule:
     """The schedule of a step of `num_stages` model stages (chunks) on
-    `config.num_meshes(num_stages)` meshes, with the config's per-chunk cost model."""
-    return build_schedule(
+    `config.num_meshes(num_stages)` meshes, with the config's per-chunk cost model.
+
+    A forward-only step (eval, inference) keeps the schedule's placement of chunks on meshes
+    (so it finds the parameters where a training step with the same config left them) and runs
+    each rank's chunks in model order, every micro-batch of one before the next: no rank waits
+    on a later chunk, so no order deadlocks.
+    """
+    schedule = build_schedule(
         config.schedule,
         config.num_meshes(num_stages),
         config.num_micro_batches,
         virtual_stages=config.chunks_per_mesh,
         weight_delay=config.weight_delay,
         costs=schedule_costs(config, num_stages),
+    )
+    if not forward_only:
+        return schedule
+    m = config.num_micro_batches
+    actions = [
+        [Action(c, FORWARD, mb) for c in schedule.chunks_of(r) for mb in range(m)]
+        for r in range(schedule.num_stages)
+    ]
+    return Schedule(
+        f"{schedule.name} (forward only)",
+        schedule.num_stages,
+        m,
+        False,
+        False,
+        actions,
+        schedule.placement,
     )
 
 
@@ -157,8 +182,9 @@ def layout_pipeline(
                     )
                 )
             elif ref.kind == BATCH:
-                specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis))
-            elif ref.kind == CONST:
+                dim = graph.feeds[ref.index].dim
+                specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis, dim))
+            elif ref.kind in (CONST, MB):
                 specs.append(P())
             else:
                 where = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
@@ -170,11 +196,12 @@ def layout_pipeline(
         for ref, sp in zip(stage.outputs, outs):
             if ref.kind == ACT:
                 act_spec[ref.index] = sp
-        backward_futures.append(
-            pool.submit(compilers[s].compile_backward, res, outs, scale if s == p - 1 else None)
-        )
+        if not graph.forward_only:
+            backward_futures.append(
+                pool.submit(compilers[s].compile_backward, res, outs, scale if s == p - 1 else None)
+            )
     try:
-        grad_specs: list[list[P]] = [f.result() for f in backward_futures]
+        grad_specs: list[list[P]] = [f.result() for f in backward_futures] or [[]] * p
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -218,7 +245,9 @@ def layout_pipeline(
         diff = [
             i
             for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
-            if r.kind in (PARAM, ACT) and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+            if r.kind in (PARAM, ACT)
+            and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+            and not graph.forward_only
         ]
         act_grad_inputs = [i for i in diff if stage.inputs[i].kind == ACT]
         for i, (ref, aval) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals)):
@@ -246,16 +275,19 @@ def layout_pipeline(
             home_out = graph.loss.stages[home].outputs.index(ref)
             add(GRADIENT, ref.index, s, home, aval, sp, out_specs[home][home_out])
 
+    grads = not graph.forward_only
     edges = [
-        Edge(a.id, a.home, c, a.differentiable) for a in graph.loss.activations for c in a.consumers
+        Edge(a.id, a.home, c, a.differentiable and grads)
+        for a in graph.loss.activations
+        for c in a.consumers
     ]
     shared = []
     for k in range(len(graph.params)):
         users = tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
         if users:
-            shared.append(SharedParam(k, graph.owner[k], users))
+            shared.append(SharedParam(k, graph.owner[k], users, grads))
     programs = emit(schedule, edges, shared)
-    rows = {avals[i].shape[0] for i in graph.batch}  # the step is traced per micro-batch
+    rows = {avals[i].shape[0] // m for i in graph.batch}
     return PipelineLayout(
         config,
         p,

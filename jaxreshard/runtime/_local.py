@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard.comm import Cluster, Plan
 from jaxreshard.comm._emulate import LinkEmulator
 from jaxreshard.comm._local import execute_local
-from jaxreshard.frontend._backward import derive_backward
+from jaxreshard.frontend._backward import derive_backward, derive_forward
 from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.pipeline import Schedule
 from jaxreshard.pipeline._emit import Instruction
@@ -42,6 +42,7 @@ from jaxreshard.runtime._layout import (
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
     combine_losses,
+    combine_results,
     donated,
     pre_values,
     segment_function,
@@ -93,11 +94,11 @@ def compile_local(
 ) -> CompiledPipeline:
     """Compile a cut step for this process's devices: `meshes` has one mesh per rank; every
     stage (chunk) compiles on the mesh the schedule places it on."""
-    schedule = pipeline_schedule(config, graph.num_stages)
+    schedule = pipeline_schedule(config, graph.num_stages, graph.forward_only)
     meshes = [meshes[schedule.rank_of(c)] for c in range(graph.num_stages)]
     compilers = [
-        StageCompiler(graph, derive_backward(stage, split=config.split_backward), meshes[s], config)
-        for s, stage in enumerate(graph.loss.stages)
+        StageCompiler(graph, stage_backward(graph, s, config), meshes[s], config)
+        for s in range(graph.num_stages)
     ]
     layout = layout_pipeline(graph, config, schedule, meshes, leaves, cluster, compilers)
     fused = fusable_segments(graph, dict(enumerate(compilers)))
@@ -106,6 +107,14 @@ def compile_local(
         seg = graph.segments[j]
         compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
     return CompiledPipeline(graph, layout, meshes, cluster, compilers, fused)
+
+
+def stage_backward(graph: StepGraph, s: int, config: PipelineConfig) -> Any:
+    """Stage s's traced forward and backward (forward only, for a forward-only step)."""
+    stage = graph.loss.stages[s]
+    if graph.forward_only:
+        return derive_forward(stage)
+    return derive_backward(stage, split=config.split_backward)
 
 
 class LocalChannels(Channels):
@@ -199,9 +208,10 @@ class LocalExecutor:
         record: bool = False,
         signal_only: bool = False,
         apply_inputs: dict[int, list[Any]] | None = None,
-    ) -> tuple[list[Any], list[Any], dict[int, list[Any]]]:
+    ) -> tuple[list[Any], list[Any], dict[int, list[Any]], dict[tuple[int, int], Any]]:
         """Run every stage's program; return the loss per micro-batch, the gradient per parameter
-        (None where an optimizer segment was fused) and the fused segments' outputs by stage.
+        (None where an optimizer segment was fused), the fused segments' outputs by stage and
+        the aux / forward outputs by (result, micro-batch).
 
         With `record`, every action and transfer is timed into `self.events` (which blocks on
         each action's results, so use it for profiles). With `signal_only`, transfers carry no
@@ -218,6 +228,7 @@ class LocalExecutor:
         accumulators: dict[int, dict[int, Any]] = {}
         applied: dict[int, list[Any]] = {}
         losses: list[Any] = [None] * self.c.config.num_micro_batches
+        results: dict[tuple[int, int], Any] = {}
 
         def worker(r: int) -> None:
             program, chunks = self.programs[r], self.ranks[r]
@@ -231,6 +242,7 @@ class LocalExecutor:
                         {c: consts[c] for c in chunks},
                         losses,
                         {c: v for c, v in (apply_inputs or {}).items() if c in chunks},
+                        results,
                     )
                 accumulators.update(accs)
                 applied.update(out)
@@ -253,7 +265,7 @@ class LocalExecutor:
         for channels in self._channels:
             channels.end()
         grads = [accumulators.get(owner[k], {}).get(k) for k in range(len(params))]
-        return losses, grads, applied
+        return losses, grads, applied, results
 
 
 def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:
@@ -296,6 +308,16 @@ class LocalPipeline:
     def meshes(self) -> list[Mesh]:
         return self.compiled.meshes
 
+    def _one_device_set(self, inputs: list[Any]) -> list[Any]:
+        """The `pre` part's inputs on one device set: as they are, unless JAX arrays among them
+        sit on several (a parameter and an optimizer count on two stages): then all on stage
+        0's mesh."""
+        sets = {x.sharding.device_set for x in inputs if isinstance(x, jax.Array)}
+        if len(sets) <= 1:
+            return inputs
+        mesh = self.compiled.meshes[0]
+        return [on_mesh(x, mesh, self._devices[0]) for x in inputs]
+
     def sharding(self, s: int, spec: P) -> NamedSharding:
         return self.compiled.sharding(s, spec)
 
@@ -311,7 +333,7 @@ class LocalPipeline:
             _place(leaves[i], c.sharding(g.owner[k], layout.param_specs[k]))
             for k, i in enumerate(g.params)
         ]
-        pre = pre_values(g, leaves)
+        pre = pre_values(g, leaves, self._one_device_set)
         raw_batches, raw_consts = stage_feeds(g, leaves, pre, m)
         batches: list[list[list[Any]]] = []
         consts: list[list[Any]] = []
@@ -321,7 +343,7 @@ class LocalPipeline:
             const_specs = [sp for r, sp in zip(stage.inputs, specs) if r.kind == CONST]
             batches.append(
                 [
-                    [jax.device_put(x, c.sharding(s, sp)) for x, sp in zip(pieces, batch_specs)]
+                    [_place(x, c.sharding(s, sp)) for x, sp in zip(pieces, batch_specs)]
                     for pieces in raw_batches[s]
                 ]
             )
@@ -336,7 +358,7 @@ class LocalPipeline:
             s: [on_mesh(values[v], c.meshes[s], self._devices[s]) for v in inputs]
             for s, inputs in self._apply_vars.items()
         }
-        losses, grads, applied = executor.run(
+        losses, grads, applied, results = executor.run(
             params,
             batches,
             consts,
@@ -344,6 +366,16 @@ class LocalPipeline:
             signal_only=signal_only,
             apply_inputs=apply_inputs,
         )
+        m = c.config.num_micro_batches
+        per_mb = [[results[(j, mb)] for mb in range(m)] for j in range(len(g.results))]
+        values.update(
+            zip(g.result_outputs, combine_results(per_mb, g.results, c.config.loss_reduction))
+        )
+        if g.forward_only:
+            self.last_events = executor.events
+            return [
+                values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars
+            ]
         values[g.grad_outputs[0]] = combine_losses(losses, c.config.loss_reduction)
         for k, v in enumerate(g.grad_outputs[1:]):
             if grads[k] is not None:

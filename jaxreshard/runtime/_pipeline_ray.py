@@ -18,6 +18,7 @@ one batched message per host with the next call.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -33,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding
-from jaxreshard.frontend._backward import derive_backward
 from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.runtime._compile import StageCompiler, fusable_segments
@@ -51,10 +51,12 @@ from jaxreshard.runtime._host_channels import (
     nccl_programs,
 )
 from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline, pipeline_schedule
+from jaxreshard.runtime._local import stage_backward
 from jaxreshard.runtime._remote import SMALL_BYTES, RemoteArray
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
     combine_losses,
+    combine_results,
     donated,
     pre_values,
     segment_function,
@@ -72,6 +74,7 @@ class HostPipeline:
         actor: Any,
         key: str,
         fun: Callable[..., Any],
+        static: dict[int, Any],
         config: PipelineConfig,
         in_tree: Any,
         avals: Sequence[Any],
@@ -101,15 +104,13 @@ class HostPipeline:
             trace_mesh,
             config.num_stages,
             input_specs,
+            static=static,
+            loss_reduction=config.loss_reduction,
         )
-        split = config.split_backward
         self.compilers: dict[int, StageCompiler] = {}
         for s in stage_devices:
             self.compilers[s] = StageCompiler(
-                self.graph,
-                derive_backward(self.graph.loss.stages[s], split=split),
-                self.meshes[s],
-                config,
+                self.graph, stage_backward(self.graph, s, config), self.meshes[s], config
             )
         self.layout: PipelineLayout | None = None
         self.channels: HostChannels | None = None
@@ -200,8 +201,11 @@ class HostPipeline:
                 return array
             fitted = transplant_spec(P(*spec), dict(mesh.shape), aval.shape)
             return jax.device_put(array, NamedSharding(mesh, fitted))
+        value = from_wire(value)
         spec = transplant_spec(None, dict(mesh.shape), np.shape(value))
-        return jax.device_put(np.asarray(value, aval.dtype), NamedSharding(mesh, spec))
+        if not _is_key(value):
+            value = np.asarray(value, aval.dtype)
+        return jax.device_put(value, NamedSharding(mesh, spec))
 
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
         """Keep `value` here as `array_id`; describe it for the driver (with its value when it
@@ -234,6 +238,7 @@ class HostPipeline:
         events: list[Event] | None = [] if record else None
         recorder = events.append if events is not None else None
         losses: list[Any] = [None] * self.config.num_micro_batches
+        outputs: dict[tuple[int, int], Any] = {}
         results: dict[int, dict[int, Any]] = {}
         applied: dict[int, list[Any]] = {}
         channels.begin(list(self.compilers), step_id=step_id, record=recorder,
@@ -256,11 +261,14 @@ class HostPipeline:
                 if graph.owner[k] == s
             }
             per_mb = [
-                [jax.device_put(x, self.sharding(s, sp)) for x, sp in zip(xs, batch_specs)]
+                [
+                    jax.device_put(from_wire(x), self.sharding(s, sp))
+                    for x, sp in zip(xs, batch_specs)
+                ]
                 for xs in batches.get(s, [])
             ]
             stage_consts = [
-                jax.device_put(np.asarray(x), self.sharding(s, sp))
+                jax.device_put(from_wire(x), self.sharding(s, sp))
                 for x, sp in zip(consts.get(s, []), const_specs)
             ]
             extra = None
@@ -286,7 +294,7 @@ class HostPipeline:
                 program = self.programs[r]
                 program.record = recorder
                 with jax.set_mesh(self.meshes[chunks[0]]):
-                    accs, out = program.run(mine, per_mb, stage_consts, losses, extra)
+                    accs, out = program.run(mine, per_mb, stage_consts, losses, extra, outputs)
                 results.update(accs)
                 applied.update(out)
             except BaseException as e:
@@ -324,8 +332,14 @@ class HostPipeline:
             },
             "segments": self._run_segments(step_id, segments or [], own_grads, recorder),
         }
-        if layout.num_stages - 1 in self.compilers:
+        if layout.num_stages - 1 in self.compilers and not graph.forward_only:
             out["losses"] = [np.asarray(v) for v in losses]
+        m = self.config.num_micro_batches
+        out["results"] = {
+            j: [to_wire(outputs[(j, mb)]) for mb in range(m)]
+            for j, home in enumerate(graph.loss.result_homes)
+            if home in self.compilers
+        }
         if events is not None:
             out["events"] = [e.__dict__ for e in events]
             out["clock"] = time.time() - time.perf_counter()  # to align hosts' event times
@@ -443,11 +457,12 @@ class RayPipeline:
         leaves: Sequence[Any],
         batch_leaves: Sequence[int],
         input_specs: Sequence[P] | None,
+        static: dict[int, Any] | None = None,
     ):
         self.runtime, self.config, self.graph = runtime, config, graph
         self.key = f"pipeline-{uuid.uuid4().hex[:8]}"
         p = graph.num_stages
-        schedule = pipeline_schedule(config, p)
+        schedule = pipeline_schedule(config, p, graph.forward_only)
         shapes = config.mesh_shapes(schedule.num_stages)
         need = sum(int(np.prod(s)) for s in shapes)
         devices = list(runtime.devices)
@@ -480,7 +495,7 @@ class RayPipeline:
         for s, h in self.host_of_stage.items():
             grid = np.vectorize(lambda d: d.id)(self.meshes[s].devices)
             stages_of.setdefault(h, {})[s] = grid.tolist()
-        payload = _by_value(fun)
+        payload = _by_value(fun, static or {})
         prints = runtime._wait(
             {
                 h: runtime.actors[h].pipeline_prepare.remote(
@@ -550,8 +565,10 @@ class RayPipeline:
                 value = rt.put(np.asarray(value), sharding)
             params[k] = value.array_id
             values[g.outer.jaxpr.invars[i]] = value
-        host_leaves = [np.asarray(x) if not isinstance(x, RemoteArray) else x for x in leaves]
-        pre = pre_values(g, host_leaves)
+        host_leaves = [
+            x if isinstance(x, RemoteArray) or _is_key(x) else np.asarray(x) for x in leaves
+        ]
+        pre = pre_values(g, host_leaves, _fetched)
         values.update(pre)
         raw_batches, raw_consts = stage_feeds(g, host_leaves, pre, m)
         grad_vars = set(g.grad_outputs[1:])
@@ -573,8 +590,8 @@ class RayPipeline:
                 "step",
                 step_id,
                 {k: params[k] for k in params if self.host_of_stage[g.owner[k]] == h},
-                {s: [[np.asarray(x) for x in xs] for xs in raw_batches[s]] for s in stages},
-                {s: [np.asarray(x) for x in raw_consts[s]] for s in stages},
+                {s: [[to_wire(x) for x in xs] for xs in raw_batches[s]] for s in stages},
+                {s: [to_wire(x) for x in raw_consts[s]] for s in stages},
                 record,
                 signal_only,
                 apply_inputs,
@@ -596,6 +613,16 @@ class RayPipeline:
             for r in results.values()
             for e in r.get("events", [])
         ]
+        per_mb = [
+            [from_wire(x) for x in results[self.host_of_stage[home]]["results"][j]]
+            for j, home in enumerate(g.loss.result_homes)
+        ]
+        combined = combine_results(per_mb, g.results, self.config.loss_reduction)
+        values.update(zip(g.result_outputs, combined))
+        if g.forward_only:
+            return [
+                values[v] if not isinstance(v, jc.Literal) else v.val for v in g.outer.jaxpr.outvars
+            ]
         loss = combine_losses(results[last_host]["losses"], self.config.loss_reduction)
         values[g.grad_outputs[0]] = np.asarray(loss, dtype=g.grad_outputs[0].aval.dtype)
         for k, v in enumerate(g.grad_outputs[1:]):
@@ -667,7 +694,7 @@ class RayPipeline:
                 elif v in grad_of and g.owner[grad_of[v]] not in self.fused:
                     h, item = self.host_of_stage[g.owner[grad_of[v]]], ("grad", grad_of[v])
                 elif v in values and not isinstance(values[v], RemoteArray):
-                    h, item = host, ("data", np.asarray(values[v]))
+                    h, item = host, ("data", to_wire(values[v]))
                 elif v in values and values[v].value is not None:  # small: it travels
                     h, item = host, ("data", values[v].value)
                 elif v in values:  # a RemoteArray: here if its mesh is on this host
@@ -702,12 +729,44 @@ class RayPipeline:
                 grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
                 return ("id", (value.array_id, tuple(value.sharding.spec), grid))
             return ("data", value.fetch())
-        return ("data", np.asarray(value))
+        return ("data", to_wire(value))
 
 
-def _by_value(fun: Callable[..., Any]) -> bytes:
-    """Pickle the step so that host actors can run it even if its module is not installed
-    (a script, a test file, an example): its module travels by value."""
+@dataclasses.dataclass(frozen=True)
+class KeyData:
+    """A typed PRNG key array on its way between the driver and a host (numpy cannot hold one):
+    its key data and implementation."""
+
+    data: np.ndarray
+    impl: str
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_wire(x: Any) -> Any:
+    """A value as a step call carries it: numpy, or `KeyData` for typed keys."""
+    if _is_key(x):
+        return KeyData(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+    return np.asarray(x)
+
+
+def from_wire(x: Any) -> Any:
+    """The inverse of `to_wire`."""
+    if isinstance(x, KeyData):
+        return jax.random.wrap_key_data(x.data, impl=x.impl)
+    return x
+
+
+def _fetched(values: list[Any]) -> list[Any]:
+    """The driver's copies of values the `pre` part reads (arrays the hosts hold come over)."""
+    return [x.fetch() if isinstance(x, RemoteArray) else x for x in values]
+
+
+def _by_value(fun: Callable[..., Any], static: dict[int, Any]) -> bytes:
+    """Pickle the step and its static leaves so that host actors can run it even if its module
+    is not installed (a script, a test file, an example): its module travels by value."""
     from ray import cloudpickle
 
     module = sys.modules.get(getattr(fun, "__module__", "") or "")
@@ -723,7 +782,13 @@ def _by_value(fun: Callable[..., Any]) -> bytes:
         except (ValueError, TypeError):
             pass
     try:
-        return cloudpickle.dumps(fun)
+        return cloudpickle.dumps((fun, static))
+    except Exception as e:
+        raise TypeError(
+            f"the step or one of its static (non-array) argument leaves cannot be pickled for the "
+            f"Ray host actors: {type(e).__name__}: {e}; pass such values as arrays or close over "
+            "them in a function defined at module level"
+        ) from e
     finally:
         if registered:
             cloudpickle.unregister_pickle_by_value(module)

@@ -51,9 +51,18 @@ def _misfit(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> str 
     return None
 
 
-def batch_spec(mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None) -> P:
-    if batch_axis and batch_axis in mesh_shape and shape and shape[0] % mesh_shape[batch_axis] == 0:
-        return P(batch_axis)
+def batch_spec(
+    mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None, dim: int = 0
+) -> P:
+    """A micro-batch's spec on a stage mesh: its batch dim `dim` sharded over `batch_axis` when
+    the mesh has that axis and it divides the micro-batch, else replicated."""
+    if (
+        batch_axis
+        and batch_axis in mesh_shape
+        and len(shape) > dim
+        and shape[dim] % mesh_shape[batch_axis] == 0
+    ):
+        return P(*([None] * dim), batch_axis)
     return P()
 
 

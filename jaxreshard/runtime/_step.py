@@ -1,9 +1,10 @@
 """What a step does around its pipeline, the same on every runtime.
 
-Before the stages run: the step's inputs become per-stage feeds (the batch split into
-micro-batches along dim 0, the per-step constants computed once by the `pre` part). After them:
-the micro-batch losses are combined, and the post-gradient segments (the optimizer) run on the
-stage that holds their inputs, each compiled once, overwriting gradients that die in it.
+Before the stages run: the step's inputs become per-stage feeds (the batch, and what the `pre`
+part computes from it per example, split into micro-batches; the per-step constants computed
+once by the `pre` part). After them: the micro-batch losses and aux outputs are combined (see
+[Note: micro-batch semantics]), and the post-gradient segments (the optimizer) run on the stage
+that holds their inputs, each compiled once, overwriting gradients that die in it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import jax
 import numpy as np
 from jax.extend import core as jc
 
-from jaxreshard.frontend._split import BATCH, CONST, StepGraph
+from jaxreshard.frontend._batch import CONCAT, REDUCE
+from jaxreshard.frontend._split import BATCH, CONST, Result, StepGraph
 
 
 @functools.lru_cache(maxsize=256)
@@ -44,14 +46,26 @@ def donated(g: StepGraph, index: int) -> tuple[int, ...]:
     return tuple(i for i, v in enumerate(g.segments[index].inputs) if dead.get(v) == index)
 
 
-def pre_values(g: StepGraph, leaves: Sequence[Any]) -> dict[Any, Any]:
-    """The `pre` part's outputs (values the step computes from its inputs before the loss) by
-    variable; computed once per step."""
+def pre_values(
+    g: StepGraph, leaves: Sequence[Any], place: Callable[[list[Any]], list[Any]] | None = None
+) -> dict[Any, Any]:
+    """The `pre` part's outputs (values the step computes from its inputs before the loss, on
+    the whole batch) by variable; computed once per step. `place` may move its inputs first
+    (onto one device set)."""
     if g.pre is None:
         return {}
     index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    outs = segment_function(g.pre)(*(leaves[index[v]] for v in g.pre_inputs))
+    inputs = [leaves[index[v]] for v in g.pre_inputs]
+    if place is not None:
+        inputs = place(inputs)
+    outs = segment_function(g.pre)(*inputs)
     return dict(zip(g.pre_outputs, outs))
+
+
+def _value(index: dict[Any, int], leaves: Sequence[Any], pre: dict[Any, Any], v: Any) -> Any:
+    if isinstance(v, jc.Literal):
+        return np.asarray(v.val)
+    return leaves[index[v]] if v in index else pre[v]
 
 
 def stage_feeds(
@@ -60,25 +74,48 @@ def stage_feeds(
     """Per stage: its batch inputs per micro-batch, and its per-step constants (host or device
     arrays, not yet placed)."""
     index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    consts_all = [leaves[index[v]] if v in index else pre[v] for v in g.consts]
+    pieces = [
+        split_rows(_value(index, leaves, pre, f.var), num_micro_batches, f.dim) for f in g.feeds
+    ]
+    consts_all = [_value(index, leaves, pre, v) for v in g.consts]
     batches, consts = [], []
     for stage in g.loss.stages:
         per_mb: list[list[Any]] = [[] for _ in range(num_micro_batches)]
         for ref in stage.inputs:
             if ref.kind == BATCH:
-                for mb, piece in enumerate(split_rows(leaves[ref.index], num_micro_batches)):
+                for mb, piece in enumerate(pieces[ref.index]):
                     per_mb[mb].append(piece)
         batches.append(per_mb)
         consts.append([consts_all[r.index] for r in stage.inputs if r.kind == CONST])
     return batches, consts
 
 
-def split_rows(x: Any, m: int) -> list[Any]:
-    """`x` cut into `m` micro-batches along dim 0 (views for numpy, slices for JAX)."""
+def split_rows(x: Any, m: int, dim: int = 0) -> list[Any]:
+    """`x` cut into `m` micro-batches along `dim` (views for numpy, slices for JAX)."""
     if isinstance(x, jax.Array):
-        rows = x.shape[0] // m
-        return [x[j * rows : (j + 1) * rows] for j in range(m)]
-    return np.split(np.asarray(x), m, axis=0)
+        rows = x.shape[dim] // m
+        return [jax.lax.slice_in_dim(x, j * rows, (j + 1) * rows, axis=dim) for j in range(m)]
+    return np.split(np.asarray(x), m, axis=dim)
+
+
+def combine_results(
+    per_mb: Sequence[Sequence[Any]], results: Sequence[Result], reduction: str
+) -> list[Any]:
+    """Each result's value for the step, from its micro-batches' values (see
+    [Note: micro-batch semantics]): concatenated along the batch dim, reduced like the loss, or
+    the one value every micro-batch computed."""
+    out = []
+    for values, result in zip(per_mb, results):
+        rule = result.combine
+        if rule.how == CONCAT:
+            numpy = all(isinstance(v, np.ndarray) for v in values)
+            out.append((np if numpy else jax.numpy).concatenate(list(values), axis=rule.dim))
+        elif rule.how == REDUCE:
+            total = combine_losses(values, reduction)
+            out.append(total.astype(result.aval.dtype) if hasattr(total, "astype") else total)
+        else:
+            out.append(values[-1])
+    return out
 
 
 def combine_losses(losses: Sequence[Any], reduction: str) -> Any:

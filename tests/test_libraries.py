@@ -1,0 +1,543 @@
+"""Models as Flax (NNX, Linen) and Equinox users write them: pipelined steps equal `jax.jit`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+
+nnx = pytest.importorskip("flax.nnx")
+nn = pytest.importorskip("flax.linen")
+eqx = pytest.importorskip("equinox")
+
+VOCAB, DIM, SEQ, ROWS = 32, 16, 8, 8
+
+
+def config(**overrides):
+    base = dict(
+        num_micro_batches=4,
+        stage_mesh_shape=(1, 2),
+        mesh_axis_names=("data", "model"),
+        backend="local",
+    )
+    return jr.PipelineConfig(**{**base, **overrides})
+
+
+def tokens(seed=0, rows=ROWS):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(rows, SEQ + 1)).astype(np.int32)
+
+
+def leaves(tree):
+    fetch = lambda x: x.fetch() if isinstance(x, jr.RemoteArray) else x
+    out = []
+    for x in jax.tree.leaves(tree):
+        x = fetch(x)
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x))
+    return out
+
+
+def assert_same(got, want, rtol=1e-5):
+    a, b = leaves(got), leaves(want)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
+
+
+def run(step, state, batches):
+    """Three steps; `step(*state, batch)` returns (*state, metrics)."""
+    out = []
+    for batch in batches:
+        *state, metrics = step(*state, batch)
+        out.append(metrics)
+    return state, out
+
+
+def three_batches():
+    return [{"tokens": tokens(seed)} for seed in range(3)]
+
+
+# -- Flax NNX -----------------------------------------------------------------------------------
+
+
+class NNXLM(nnx.Module):
+    """A tiny language model with dropout and a tied embedding, cut into two stages."""
+
+    def __init__(self, *, rngs):
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.hidden = nnx.Linear(DIM, DIM, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.out = nnx.Linear(DIM, DIM, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.drop(nnx.gelu(self.hidden(self.embed(x))))
+        h = jr.stage_boundary(h)
+        return self.embed.attend(nnx.gelu(self.out(h)))
+
+
+def nnx_step(graphdef, tx):
+    def train_step(params, rest, opt_state, batch):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            logits = model(batch["tokens"][:, :-1])
+            labels = batch["tokens"][:, 1:]
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+            return loss, (nnx.state(model, nnx.Not(nnx.Param)), accuracy)
+
+        (loss, (rest, accuracy)), grads = jr.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), rest, opt_state, (loss, accuracy)
+
+    return train_step
+
+
+def test_nnx_lm_with_dropout_and_metrics_matches_jax_jit():
+    model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adamw(1e-2)
+    step = nnx_step(graphdef, tx)
+    state = (params, rest, tx.init(params))
+    want = run(jax.jit(step), state, three_batches())
+    got = run(jr.parallelize(step, config=config(), batch_argnums=(3,)), state, three_batches())
+    assert_same(got, want)
+    # the RNG count advanced once per step, as under jax.jit
+    assert int(got[0][1]["drop"]["rngs"]["count"][...]) == 3
+
+
+def test_nnx_value_and_grad_names_the_replacement():
+    model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
+
+    def train_step(model, batch):
+        def loss_fn(model):
+            return jnp.mean(model(batch["tokens"][:, :-1]))
+
+        return nnx.value_and_grad(loss_fn)(model)
+
+    graphdef, state = nnx.split(model)
+    step = lambda state, batch: train_step(nnx.merge(graphdef, state), batch)
+    with pytest.raises(jr.PipelineSplitError, match=r"nnx.split\(model, nnx.Param, ...\)"):
+        jr.parallelize(step, config=config(), batch_argnums=(1,))(state, {"tokens": tokens()})
+
+
+# -- Flax Linen ---------------------------------------------------------------------------------
+
+
+class LinenLM(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        embed = nn.Embed(VOCAB, DIM)
+        h = nn.gelu(nn.Dense(DIM)(embed(x)))
+        h = nn.Dropout(0.25, deterministic=not train)(h)
+        h = jr.stage_boundary(h)
+        h = nn.Dropout(0.25, deterministic=not train)(nn.gelu(nn.Dense(DIM)(h)))
+        return embed.attend(h)
+
+
+def test_linen_lm_with_dropout_rngs_and_preprocessing_matches_jax_jit():
+    model = LinenLM()
+    params = model.init(jax.random.key(0), tokens()[:, :-1], train=False)["params"]
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def train_step(params, opt_state, batch, key):
+        inputs, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]  # before the loss
+        onehot = jax.nn.one_hot(labels, VOCAB)
+
+        def loss_fn(params):
+            logits = model.apply({"params": params}, inputs, train=True, rngs={"dropout": key})
+            return optax.softmax_cross_entropy(logits, onehot).mean()
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def steps(step):
+        state, losses = (params, tx.init(params)), []
+        for seed in range(3):
+            *state, loss = step(*state, {"tokens": tokens(seed)}, jax.random.key(seed))
+            losses.append(loss)
+        return state, losses
+
+    want = steps(jax.jit(train_step))
+    got = steps(jr.parallelize(train_step, config=config(), batch_argnums=(2,)))
+    assert_same(got, want)
+
+
+# -- Equinox ------------------------------------------------------------------------------------
+
+
+class EqxLM(eqx.Module):
+    """Written per example (vmapped over the batch), with static fields and a function leaf."""
+
+    embed: eqx.nn.Embedding
+    hidden: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    act: callable
+    depth: int
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k1)
+        self.hidden = eqx.nn.Linear(DIM, DIM, key=k2)
+        self.drop = eqx.nn.Dropout(0.25)
+        self.act = jax.nn.gelu
+        self.depth = 2
+
+    def __call__(self, x, key):
+        h = jax.vmap(self.embed)(x)
+        for _ in range(self.depth):
+            h = self.act(jax.vmap(self.hidden)(h))
+        h = self.drop(h, key=key)
+        h = jr.stage_boundary(h)
+        return h @ self.embed.weight.T
+
+
+def test_equinox_whole_model_argument_with_dropout_matches_filter_jit():
+    model = EqxLM(jax.random.key(0))
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    def loss_fn(model, batch, key):
+        keys = jax.random.split(key, batch.shape[0])
+        logits = jax.vmap(model)(batch[:, :-1], keys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    def make_step(value_and_grad):
+        def train_step(model, opt_state, batch, key):
+            loss, grads = value_and_grad(loss_fn)(model, batch, key)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        return train_step
+
+    def steps(step):
+        state, losses = (model, opt_state), []
+        for seed in range(3):
+            *state, loss = step(*state, tokens(seed), jax.random.key(10 + seed))
+            losses.append(loss)
+        return state, losses
+
+    want = steps(eqx.filter_jit(make_step(eqx.filter_value_and_grad)))
+    pipelined = jr.parallelize(
+        make_step(jr.filter_value_and_grad), config=config(), batch_argnums=(2,)
+    )
+    got = steps(pipelined)
+    assert_same(eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array))
+    assert got[0][0].act is jax.nn.gelu and got[0][0].depth == 2  # static leaves come back
+
+    wrong = jr.parallelize(
+        make_step(eqx.filter_value_and_grad), config=config(), batch_argnums=(2,)
+    )
+    with pytest.raises(jr.PipelineSplitError, match=r"jr.filter_value_and_grad\(loss_fn\)"):
+        wrong(model, opt_state, tokens(), jax.random.key(0))
+
+
+# -- masked losses, aux outputs, preprocessing, eval ----------------------------------------------
+
+
+def mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "a": rng.normal(size=(6, 16)).astype(np.float32) * 0.4,
+        "b": rng.normal(size=(16, 5)).astype(np.float32) * 0.4,
+    }
+
+
+def mlp_batch(seed=0, rows=8):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(rows, 6)).astype(np.float32),
+        "y": rng.integers(0, 5, size=(rows,)).astype(np.int32),
+        "mask": (rng.random(size=(rows,)) < 0.6).astype(np.float32),
+    }
+
+
+def forward(p, x):
+    h = jnp.tanh(x @ p["a"])
+    h = jr.stage_boundary(h)
+    return h @ p["b"]
+
+
+def test_masked_mean_warns_with_the_fix_and_the_fix_matches_jax_jit():
+    def mean_of_means(params, batch):
+        def loss_fn(p):
+            losses = optax.softmax_cross_entropy_with_integer_labels(
+                forward(p, batch["x"]), batch["y"]
+            )
+            return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    with pytest.warns(jr.MicroBatchWarning, match=r"loss_reduction='sum'"):
+        jr.parallelize(mean_of_means, config=config(), batch_argnums=(1,))(
+            mlp_params(), mlp_batch()
+        )
+
+    def documented(params, batch):
+        count = jnp.sum(batch["mask"])  # the whole batch's count, before the loss
+
+        def loss_fn(p):
+            losses = optax.softmax_cross_entropy_with_integer_labels(
+                forward(p, batch["x"]), batch["y"]
+            )
+            return jnp.sum(losses * batch["mask"]) / count
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    want = jax.jit(documented)(mlp_params(), mlp_batch())
+    with warnings_as_errors():
+        got = jr.parallelize(documented, config=config(loss_reduction="sum"), batch_argnums=(1,))(
+            mlp_params(), mlp_batch()
+        )
+    assert_same(got, want)
+
+
+def warnings_as_errors():
+    import warnings
+
+    manager = warnings.catch_warnings()
+    manager.__enter__()
+    warnings.simplefilter("error", jr.MicroBatchWarning)
+
+    class Done:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            manager.__exit__(*exc)
+
+    return Done()
+
+
+def test_aux_outputs_are_concatenated_reduced_or_kept_as_jax_jit_computes_them():
+    counter = np.int32(7)
+
+    def train_step(params, batch, counter):
+        labels = jnp.asarray(batch["y"])  # preprocessing before the loss
+
+        def loss_fn(p):
+            logits = forward(p, batch["x"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            aux = {
+                "logits": logits,  # per example: concatenated in batch order
+                "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels),  # reduced like the loss
+                "counter": counter + 1,  # no batch dependence: as it is
+                "norm": jnp.sum(p["b"] ** 2),
+            }
+            return loss, aux
+
+        (loss, aux), grads = jr.value_and_grad(loss_fn, has_aux=True)(params)
+        # metrics after the gradient from aux outputs and the batch are fine
+        hits = jnp.sum(jnp.argmax(aux["logits"], -1) == labels)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss, aux, hits
+
+    want = jax.jit(train_step)(mlp_params(), mlp_batch(), counter)
+    got = jr.parallelize(train_step, config=config(), batch_argnums=(1,))(
+        mlp_params(), mlp_batch(), counter
+    )
+    assert_same(got, want)
+
+
+def test_integer_batch_counts_in_aux_need_a_float_or_a_sum():
+    def train_step(params, batch):
+        def loss_fn(p):
+            logits = forward(p, batch["x"])
+            hits = jnp.sum(jnp.argmax(logits, -1) == batch["y"])
+            return jnp.mean(logits**2), hits
+
+        return jr.value_and_grad(loss_fn, has_aux=True)(params)
+
+    with pytest.raises(ValueError, match=r"aux leaf 0 \(int32\[\]\) is an integer.*jnp.mean"):
+        jr.parallelize(train_step, config=config(), batch_argnums=(1,))(mlp_params(), mlp_batch())
+    got = jr.parallelize(train_step, config=config(loss_reduction="sum"), batch_argnums=(1,))
+    (_, hits), _ = got(mlp_params(), mlp_batch())
+    (_, want), _ = jax.jit(train_step)(mlp_params(), mlp_batch())
+    assert int(hits) == int(want)
+
+
+def test_a_second_forward_pass_after_the_gradient_points_to_has_aux():
+    def train_step(params, batch):
+        loss, grads = jr.value_and_grad(lambda p: jnp.mean(forward(p, batch["x"]) ** 2))(params)
+        new = jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+        accuracy = jnp.mean(jnp.argmax(forward(new, batch["x"]), -1) == batch["y"])
+        return new, loss, accuracy
+
+    with pytest.raises(jr.PipelineSplitError, match="has_aux=True"):
+        jr.parallelize(train_step, config=config(), batch_argnums=(1,))(mlp_params(), mlp_batch())
+
+
+def test_eval_runs_forward_only_on_the_state_training_left():
+    tx = optax.adam(1e-2)
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = forward(p, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def eval_step(params, batch):
+        logits = forward(params, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"]),
+                "logits": logits}  # fmt: skip
+
+    params = mlp_params()
+    train = jr.parallelize(train_step, config=config(), batch_argnums=(2,))
+    params, _opt_state, _ = train(params, tx.init(params), mlp_batch())
+    evaluate = jr.parallelize(eval_step, config=config(), batch_argnums=(1,))
+    got = evaluate(params, mlp_batch(1))
+    want = jax.jit(eval_step)(jr.collect(params), mlp_batch(1))
+    assert_same(got, want)
+    plan = evaluate.plan(params, mlp_batch(1))
+    assert plan.graph.forward_only
+    for k, i in enumerate(plan.graph.params):  # nothing moved: each parameter is where it was
+        leaf = jax.tree.leaves(params)[i]
+        sharding = plan.pipeline.sharding(plan.graph.owner[k], plan.layout.param_specs[k])
+        assert leaf.sharding == sharding
+
+
+def test_collect_brings_state_to_the_host_or_one_device():
+    params = mlp_params()
+
+    def train_step(params, batch):
+        loss, grads = jr.value_and_grad(lambda p: jnp.mean(forward(p, batch["x"]) ** 2))(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    new, _ = jr.parallelize(train_step, config=config(), batch_argnums=(1,))(params, mlp_batch())
+    assert len({frozenset(x.devices()) for x in jax.tree.leaves(new)}) == 2  # two stage meshes
+    host = jr.collect(new)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+    device = jax.devices()[5]
+    one = jr.collect(new, device)
+    assert all(x.devices() == {device} for x in jax.tree.leaves(one))
+    want, _ = jax.jit(train_step)(params, mlp_batch())
+    assert_same(host, want)
+    assert_same(one, want)
+
+
+# -- random draws ----------------------------------------------------------------------------------
+
+
+DRAW_CASES = {
+    "typed_key": lambda: jax.random.key(3),
+    "raw_key": lambda: jax.random.PRNGKey(3),
+}
+
+
+@pytest.mark.parametrize("key_kind", sorted(DRAW_CASES))
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_random_draws_match_jax_jit(key_kind, partitionable, monkeypatch):
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        _draws_match(DRAW_CASES[key_kind]())
+    finally:
+        jax.config.update("jax_threefry_partitionable", True)
+
+
+def _draws_match(key):
+    def train_step(params, batch, key):
+        def loss_fn(p):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+            h = jnp.tanh(batch["x"] @ p["a"])
+            h = h * jax.random.bernoulli(k1, 0.7, h.shape)  # dropout-like, batch dim 0
+            h, k2 = jr.stage_boundary((h, k2))  # a key through a boundary
+            noise = jax.checkpoint(lambda z: z + 0.1 * jax.random.normal(k2, z.shape))(h)
+            scan_keys = jax.random.split(k2, 2)
+
+            def body(c, k):
+                return c + 0.05 * jax.random.uniform(k, c.shape), None
+
+            h, _ = jax.lax.scan(body, noise, scan_keys)
+            per_example = jax.vmap(lambda k: jax.random.normal(k, (5,)))(
+                jax.random.split(k1, batch["x"].shape[0])
+            )
+            time_major = jax.random.normal(k2, (3, batch["x"].shape[0]))
+            out = h @ p["b"] + per_example + time_major.sum(0)[:, None]
+            shared = jax.random.normal(k2, (5,))  # no batch dim: the same in every micro-batch
+            return jnp.mean((out + shared) ** 2)
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    want = jax.jit(train_step)(mlp_params(), mlp_batch(), key)
+    got = jr.parallelize(train_step, config=config(), batch_argnums=(1,))(
+        mlp_params(), mlp_batch(), key
+    )
+    assert_same(got, want)
+
+
+def test_a_draw_whose_batch_dim_cannot_be_found_raises():
+    def train_step(params, batch, key):
+        def loss_fn(p):
+            n = batch["x"].shape[0]
+            h = jr.stage_boundary(jnp.tanh(batch["x"] @ p["a"]))
+            pairs = jax.random.normal(key, (n, n))  # grows in two dims
+            return jnp.mean(h @ p["b"]) + jnp.mean(pairs)
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    with pytest.raises(jr.PipelineSplitError, match=r"random_bits.*no single dim is 4"):
+        jr.parallelize(train_step, config=config(), batch_argnums=(1,))(
+            mlp_params(), mlp_batch(), jax.random.key(0)
+        )
+
+
+def test_batch_statistics_inside_the_loss_warn():
+    def batch_norm(params, batch):
+        def loss_fn(p):
+            h = batch["x"] @ p["a"]
+            h = (h - h.mean(0)) / (h.std(0) + 1e-5)  # statistics over the micro-batch
+            h = jr.stage_boundary(jnp.tanh(h))
+            return jnp.mean((h @ p["b"]) ** 2)
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    with pytest.warns(jr.MicroBatchWarning, match="BatchNorm"):
+        jr.parallelize(batch_norm, config=config(), batch_argnums=(1,))(mlp_params(), mlp_batch())
+
+
+def test_static_leaves_changing_every_call_warn():
+    def train_step(params, batch, scale):
+        def loss_fn(p):
+            return jnp.mean(forward(p, batch["x"]) ** 2) * scale
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    step = jr.parallelize(train_step, config=config(num_micro_batches=2), batch_argnums=(1,))
+    with pytest.warns(UserWarning, match=r"static \(non-array\) leaves \['args\[2\]'\]"):
+        for scale in (1.0, 2.0, 3.0, 4.0):
+            step(mlp_params(), mlp_batch(), scale)
+
+
+@pytest.mark.ray
+def test_nnx_dropout_training_and_eval_on_the_ray_runtime(ray_runtime):
+    model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adamw(1e-2)
+    step = nnx_step(graphdef, tx)
+    state = (params, rest, tx.init(params))
+    batches = three_batches()[:2]
+    want = run(jax.jit(step), state, batches)
+    ray_config = config(backend="ray")
+    got = run(jr.parallelize(step, config=ray_config, batch_argnums=(3,)), state, batches)
+    assert_same(got, want)
+
+    def eval_step(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        model.eval()
+        logits = model(batch["tokens"][:, :-1])
+        labels = batch["tokens"][:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+    (new_params, new_rest, _), _ = got
+    evaluate = jr.parallelize(eval_step, config=ray_config, batch_argnums=(2,))
+    (p_want, r_want, _), _ = want
+    assert_same(
+        evaluate(new_params, new_rest, batches[0]), jax.jit(eval_step)(p_want, r_want, batches[0])
+    )

@@ -70,7 +70,7 @@ centers = rng.normal(size=(CLASSES, FEATURES)).astype(np.float32)
 key = jax.random.key(1)
 for i in range(40):
     y = rng.integers(0, CLASSES, size=32).astype(np.int32)
-    x = (centers[y] + 0.5 * rng.normal(size=(32, FEATURES))).astype(np.float32)
+    x = (centers[y] + 1.5 * rng.normal(size=(32, FEATURES))).astype(np.float32)
     key, step_key = jax.random.split(key)
     model, opt_state, loss, accuracy = train_step(model, opt_state, x, y, step_key)
     if i % 10 == 0:

@@ -283,3 +283,12 @@ def source_files(eqn: Any) -> list[str]:
         return [frame.file_name for frame in eqn.source_info.traceback.frames]
     except Exception:  # another JAX: callers treat an empty stack as unknown
         return []
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(number of consts, number of carries) of a `scan` equation: named params up to jax 0.11,
+    a flat-tree `ft_in` of (consts, carries, xs) since jax 0.12."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -39,7 +39,12 @@ from jax import lax
 from jax.extend import core as jc
 from jax.extend.random import threefry2x32_p
 
-from jaxreshard._jax_compat import bind_equation, source_location, threefry_partitionable
+from jaxreshard._jax_compat import (
+    bind_equation,
+    scan_counts,
+    source_location,
+    threefry_partitionable,
+)
 from jaxreshard.frontend._jaxprs import CALLS, PipelineSplitError, open_jaxpr
 
 DRAWS = ("random_bits", "random_split")
@@ -192,7 +197,7 @@ def _call(
         )
         return list(fn(*values))
     if name == "scan":
-        nc, ncarry = params["num_consts"], params["num_carry"]
+        nc, ncarry = scan_counts(params)
         consts, init, xs = values[:nc], values[nc : nc + ncarry], values[nc + ncarry :]
 
         def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -30,6 +30,7 @@ CHILD = r"""
 import json, os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 mode, layers, dim, seq, rows = sys.argv[1], *map(int, sys.argv[2:6])
+MESH = tuple(map(int, sys.argv[6].split("x")))
 start = time.perf_counter()
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -92,7 +93,7 @@ if mode == "jit":
     out["first_step_s"] = time.perf_counter() - t0
 else:
     config = jr.PipelineConfig(
-        num_micro_batches=4, schedule="1f1b", stage_mesh_shape=(1, 2),
+        num_micro_batches=4, schedule="1f1b", stage_mesh_shape=MESH,
         mesh_axis_names=("data", "model"), backend="local",
     )
     step = jr.parallelize(train_step, config=config, batch_argnums=(3,))
@@ -109,9 +110,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def measure(mode: str, layers: int, dim: int, seq: int, rows: int) -> dict:
+def measure(mode: str, layers: int, dim: int, seq: int, rows: int, mesh: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(layers), str(dim), str(seq), str(rows)],
+        [sys.executable, "-c", CHILD, mode, str(layers), str(dim), str(seq), str(rows), mesh],
         capture_output=True,
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -129,6 +130,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument(
+        "--mesh", default="1x2", help="each stage's mesh, as (data)x(model): 1x2, 1x1"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -138,7 +142,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"jit": [], "parallelize": []}
     for _ in range(args.repeats):
         for mode in runs:
-            runs[mode].append(measure(mode, args.layers, args.dim, args.seq, args.rows))
+            runs[mode].append(
+                measure(mode, args.layers, args.dim, args.seq, args.rows, args.mesh)
+            )
     med = {
         mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k.endswith("_s")}
         for mode, rs in runs.items()

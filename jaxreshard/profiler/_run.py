@@ -166,7 +166,7 @@ class Session:
             peak_bytes = None
             if compilers is not None:
                 try:
-                    analysis = compilers[s].forward.memory_analysis()
+                    analysis = compilers[s].executable("forward").memory_analysis()
                     per_mb = int(analysis.output_size_in_bytes)
                 except Exception:
                     per_mb = None

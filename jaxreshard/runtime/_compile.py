@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -25,21 +26,46 @@ def fan_in(graph: StepGraph, s: int) -> list[int]:
     ]
 
 
+# [Note: stage executables]
+# A stage runs a few executables, each compiled once for the shardings the layout planned:
+#   forward(*inputs) -> (outputs, residuals)
+#   zeros() -> gradient accumulators, zero (every step starts them so)
+#   backward(acc, res, cts) -> (activation gradients, acc + parameter gradients)   (unsplit)
+#   b_part(res, cts) -> (activation gradients, exports)                            (split: B)
+#   w_part(acc, res, cts, exports) -> acc + parameter gradients                     (split: W)
+#   apply(acc, res, cts[, exports], extra) -> the last backward (or W) and the stage's optimizer
+#       segment at once, which reads the final gradients as they are computed
+#   fb(acc, inputs) -> (outputs, activation gradients, acc)  (the last stage's F and B at once)
+#   fb_apply(acc, inputs, extra) -> (outputs, activation gradients, optimizer outputs)
+# Accumulators start at zero rather than from the first micro-batch's gradients, so every
+# backward has one variant (0 + g is g exactly). `used_variants` (`_executor.py`) reads from a
+# rank's program which of them a step calls; those compile before the first step, in parallel
+# (XLA compiles without holding the GIL), and the others (a profile's separate F and B of the
+# last stage) at their first call. `apply` and `fb_apply` also take the optimizer's other inputs
+# (its state), whose shardings are the caller's: they compile for the shardings expected at the
+# first step (`extra_specs`), and again for any others they meet.
+
+
 class StageCompiler:
-    """Compiles stage `s` of a step on `mesh` (in the process that owns the mesh's devices)."""
+    """Compiles stage `s` of a step on `mesh` (in the process that owns the mesh's devices);
+    see [Note: stage executables]."""
 
     def __init__(self, graph: StepGraph, bw: StageBackward, mesh: Mesh, config: PipelineConfig):
         self.graph, self.bw, self.mesh, self.config = graph, bw, mesh, config
         self.s = bw.stage.index
-        self.forward: Any = None
-        self.backward: Any = None
-        self.b_part: Any = None
-        self.w_part: Any = None
         self.input_shardings: list[NamedSharding] = []
         self.acc_shardings: list[NamedSharding] = []
         self.act_grad_shardings: list[NamedSharding] = []
-        self._variants: dict[str, Any] = {}
+        self.residual_specs: list[P] | None = None
+        self.loss_scale: float | None = None
+        self.fused = False  # an optimizer segment runs inside the last backward (`set_apply`)
+        self._ready: dict[Any, Any] = {}  # variant (and extra shardings) -> executable
+        self._lock = threading.Lock()
         self._mb_index: list[Any] = []
+        self._exports: list[NamedSharding] | None = None
+        self._extra_avals: list[Any] = []
+        self._extra_specs: list[P] = []
+        self.fans = fan_in(graph, self.s)
 
     def mb_index(self, mb: int) -> Any:
         """Micro-batch `mb`'s index as the stage reads it (see [Note: random draws]): an int32
@@ -55,175 +81,217 @@ class StageCompiler:
             for a, sp in zip(avals, specs)
         ]
 
-    def compile_forward(self, input_specs: Sequence[P]) -> tuple[list[P], list[P]]:
-        """Compile the forward; return the specs of its outputs and of its residuals."""
-        structs = self._sharded(self.bw.stage.jaxpr.in_avals, input_specs)
+    # Planning: what each executable takes ------------------------------------------------------
+
+    def prepare(self, input_specs: Sequence[P], loss_scale: float | None) -> None:
+        """Take the stage's input specs (and, for the last stage, the loss's cotangent)."""
+        bw = self.bw
+        structs = self._sharded(bw.stage.jaxpr.in_avals, input_specs)
         self.input_shardings = [st.sharding for st in structs]
-        with jax.set_mesh(self.mesh):
-            self.forward = jax.jit(self.bw.forward).lower(*structs).compile()
-        outs, res = self.forward.output_shardings
-        return [spec_of(x) for x in outs], [spec_of(x) for x in res]
-
-    def compile_backward(
-        self, residual_specs: Sequence[P], output_specs: Sequence[P], loss_scale: float | None
-    ) -> list[P]:
-        """Compile the backward; return the specs of the activation gradients it sends back."""
-        bw, stage = self.bw, self.bw.stage
-        fans = fan_in(self.graph, self.s)
-        res = self._sharded(bw.residuals, residual_specs)
-        cts: list[jax.ShapeDtypeStruct] = []
-        for i in () if loss_scale is not None else bw.float_outputs:
-            aval = stage.jaxpr.out_avals[i]
-            cts += self._sharded([aval] * fans[i], [output_specs[i]] * fans[i])
-        acc_avals = [stage.jaxpr.in_avals[bw.diff[k]] for k in bw.param_grads]
-        acc = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.input_shardings[bw.diff[k]])
-            for a, k in zip(acc_avals, bw.param_grads)
-        ]
-        self.acc_shardings = [st.sharding for st in acc]
+        self.loss_scale = loss_scale
+        self.acc_shardings = [self.input_shardings[bw.diff[k]] for k in bw.param_grads]
         # An activation's gradient leaves with the activation's own sharding, the same in every
-        # executable variant: each transfer is planned once for one source sharding.
+        # executable: each transfer is planned once for one source sharding.
         self.act_grad_shardings = [self.input_shardings[bw.diff[k]] for k in bw.act_grads]
-        fns = self.fns = backward_functions(bw, fans, loss_scale)
-        # Two variants each: the first micro-batch's gradients become the accumulators (no
-        # zeros to fill and add to), the later ones are added to them in place.
-        outs = (self.act_grad_shardings, self.acc_shardings)
-        with jax.set_mesh(self.mesh):
-            if bw.w is None:
-                self.backward_first = (
-                    jax.jit(fns["full_first"], out_shardings=outs).lower(res, cts).compile()
-                )
-                self.backward = (
-                    jax.jit(fns["full"], donate_argnums=(0,), out_shardings=outs)
-                    .lower(acc, res, cts)
-                    .compile()
-                )
-                act_out = self.act_grad_shardings
-            else:
-                self.b_part = (
-                    jax.jit(fns["b"], out_shardings=(self.act_grad_shardings, None))
-                    .lower(res, cts)
-                    .compile()
-                )
-                act_out = self.act_grad_shardings
-                export_sh = self.b_part.output_shardings[1]
-                exports = [
-                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                    for a, sh in zip(bw.b.out_avals[len(bw.act_grads) :], export_sh)
-                ]
-                self.w_first = (
-                    jax.jit(fns["w_first"], out_shardings=self.acc_shardings)
-                    .lower(res, cts, exports)
-                    .compile()
-                )
-                self.w_part = (
-                    jax.jit(fns["w"], donate_argnums=(0,), out_shardings=self.acc_shardings)
-                    .lower(acc, res, cts, exports)
-                    .compile()
-                )
-        return [spec_of(x) for x in act_out]
+        if bw.full is not None:
+            self.fns = backward_functions(bw, self.fans, loss_scale)
 
-    def set_apply(self, segment: Any, grad_sources: Sequence[int | None]) -> None:
+    def compile_forward(self) -> tuple[list[P], list[P]]:
+        """Compile the forward; return the specs of its outputs and of its residuals (its
+        outputs' cotangents come back with the outputs' specs)."""
+        outs, res = self.executable("forward").output_shardings
+        self._output_specs = [spec_of(x) for x in outs]
+        self.residual_specs = [spec_of(x) for x in res]
+        return list(self._output_specs), list(self.residual_specs)
+
+    def act_grad_specs(self) -> list[P]:
+        return [spec_of(sh) for sh in self.act_grad_shardings]
+
+    def _residuals(self) -> list[jax.ShapeDtypeStruct]:
+        if self.residual_specs is None:
+            self.compile_forward()
+        return self._sharded(self.bw.residuals, self.residual_specs or [])
+
+    def _cotangents(self) -> list[jax.ShapeDtypeStruct]:
+        if self.loss_scale is not None:  # the last stage: the loss's cotangent is a constant
+            return []
+        if self._output_specs is None:
+            self.compile_forward()
+        specs = self._output_specs or []
+        outs = self.bw.stage.jaxpr.out_avals
+        structs: list[jax.ShapeDtypeStruct] = []
+        for i in self.bw.float_outputs:
+            structs += self._sharded([outs[i]] * self.fans[i], [specs[i]] * self.fans[i])
+        return structs
+
+    _output_specs: list[P] | None = None
+
+    def _accumulators(self) -> list[jax.ShapeDtypeStruct]:
+        avals = [self.bw.stage.jaxpr.in_avals[self.bw.diff[k]] for k in self.bw.param_grads]
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            for a, sh in zip(avals, self.acc_shardings)
+        ]
+
+    def _export_structs(self) -> list[jax.ShapeDtypeStruct]:
+        if self._exports is None:
+            self._exports = list(self.executable("b_part").output_shardings[1])
+        avals = self.bw.b.out_avals[len(self.bw.act_grads) :]
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            for a, sh in zip(avals, self._exports)
+        ]
+
+    def _extra_structs(self, shardings: Sequence[Any] | None = None) -> list[Any]:
+        avals = self._extra_avals
+        if shardings is None:
+            shardings = [NamedSharding(self.mesh, sp) for sp in self._extra_specs]
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, shardings)
+        ]
+
+    def _spec(self, name: str, extra: Sequence[Any] | None = None) -> tuple[Any, tuple, Any, tuple]:
+        """(function, example args, out_shardings, donated args) of executable `name`."""
+        fns, acc_out, act_out = (
+            getattr(self, "fns", {}),
+            self.acc_shardings,
+            self.act_grad_shardings,
+        )
+        if name == "forward":
+            structs = self._sharded(
+                self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
+            )
+            return self.bw.forward, tuple(structs), None, ()
+        if name == "zeros":
+            avals = [st for st in self._accumulators()]
+
+            def zeros() -> list[Any]:
+                return [jax.numpy.zeros(a.shape, a.dtype) for a in avals]
+
+            return zeros, (), acc_out, ()
+        if name == "backward":
+            args = (self._accumulators(), self._residuals(), self._cotangents())
+            return fns["full"], args, (act_out, acc_out), (0,)
+        if name == "b_part":
+            return fns["b"], (self._residuals(), self._cotangents()), (act_out, None), ()
+        if name == "w_part":
+            args = (
+                self._accumulators(),
+                self._residuals(),
+                self._cotangents(),
+                self._export_structs(),
+            )
+            return fns["w"], args, acc_out, (0,)
+        if name == "apply":
+            extras = self._extra_structs(extra)
+            if self.bw.w is None:
+                args = (self._accumulators(), self._residuals(), self._cotangents(), extras)
+                return self._apply_full, args, (act_out, None), (0,)
+            args = (self._accumulators(), self._residuals(), self._cotangents(),
+                    self._export_structs(), extras)  # fmt: skip
+            return self._apply_w, args, None, (0,)
+        inputs = self._sharded(
+            self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
+        )
+        if name == "fb":
+            return self._fb, (self._accumulators(), inputs), (None, act_out, acc_out), (0,)
+        if name == "fb_apply":
+            args = (self._accumulators(), inputs, self._extra_structs(extra))
+            return self._fb_apply, args, (None, act_out, None), (0,)
+        raise KeyError(name)
+
+    # Compiling ------------------------------------------------------------------------------
+
+    def executable(self, name: str, extra: Sequence[Any] | None = None) -> Any:
+        """Executable `name`, compiled at its first use (see [Note: stage executables]);
+        `extra`: the shardings of the optimizer inputs it is called with (apply, fb_apply)."""
+        key = (name, None if extra is None else tuple(extra))
+        found = self._ready.get(key)
+        if found is not None:
+            return found
+        if extra is not None and (name, None) in self._ready:
+            planned = self._ready[(name, None)]
+            if tuple(planned.input_shardings[0][-1]) == tuple(extra):
+                self._ready[key] = planned
+                return planned
+        fn, args, out_shardings, donate = self._spec(name, extra)
+        with jax.set_mesh(self.mesh):
+            jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
+            compiled = jitted.lower(*args).compile()
+        with self._lock:
+            return self._ready.setdefault(key, compiled)
+
+    def compile_variants(
+        self, names: Sequence[str], extra_specs: Sequence[P] | None = None
+    ) -> None:
+        """Compile these executables now (the ones a step will call); `extra_specs`: the specs
+        the fused optimizer's other inputs come with at the first step."""
+        if extra_specs is not None:
+            self._extra_specs = list(extra_specs)
+        first = ("forward", "b_part")  # the others take their output shardings
+        for name in sorted(names, key=lambda n: first.index(n) if n in first else len(first)):
+            self.executable(name)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Run executable `name` on `args` (the last of them the optimizer's other inputs, for
+        apply and fb_apply)."""
+        if name in ("apply", "fb_apply"):
+            extra = tuple(x.sharding for x in args[-1])
+            return self.executable(name, extra)(*args)
+        compiled = self._ready.get((name, None))
+        if compiled is None:
+            compiled = self.executable(name)
+        return compiled(*args)
+
+    # The optimizer inside the last backward ---------------------------------------------------
+
+    def set_apply(
+        self, segment: Any, grad_sources: Sequence[int | None], extra_specs: Sequence[P] = ()
+    ) -> None:
         """Fuse a post-gradient segment into this stage's last backward (see
         [Note: pipeline execution]): the segment reads the final gradients (input i is the
         accumulator of parameter `grad_sources[i]`, or, for None, the next of the caller's
-        extra inputs) as they are computed, without writing them out first."""
-        fns, apply = self.fns, jc.jaxpr_as_fun(segment)
+        extra inputs, expected with `extra_specs`) as they are computed, without writing them
+        out first."""
+        apply = jc.jaxpr_as_fun(segment)
         slots = [self.acc_params.index(k) if k is not None else None for k in grad_sources]
+        self._extra_avals = [v for v, k in zip(segment.in_avals, grad_sources) if k is None]
+        self._extra_specs = list(extra_specs) or [P()] * len(self._extra_avals)
 
         def update(grads: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
             rest = iter(extra)
             return apply(*[grads[k] if k is not None else next(rest) for k in slots])
 
         self._update = update
-
-        if self.bw.w is None:
-
-            def first(res, cts, extra):
-                acts, grads = fns["full_first"](res, cts)
-                return acts, update(grads, extra)
-
-            def later(acc, res, cts, extra):
-                acts, grads = fns["full"](acc, res, cts)
-                return acts, update(grads, extra)
-        else:
-
-            def first(res, cts, exports, extra):
-                return update(fns["w_first"](res, cts, exports), extra)
-
-            def later(acc, res, cts, exports, extra):
-                return update(fns["w"](acc, res, cts, exports), extra)
-
-        if self.bw.w is None:  # the activation gradients keep their planned sharding
-            outs: Any = (self.act_grad_shardings, None)
-            self.apply_first = jax.jit(first, out_shardings=outs)
-            self.apply_later = jax.jit(later, donate_argnums=(0,), out_shardings=outs)
-        else:
-            self.apply_first = jax.jit(first)
-            self.apply_later = jax.jit(later, donate_argnums=(0,))
         self.fused = True
 
-    fused = False
+    def _apply_full(self, acc, res, cts, extra):
+        acts, grads = self.fns["full"](acc, res, cts)
+        return acts, self._update(grads, extra)
 
-    # The last stage's forward and whole backward as one executable (see `StageProgram`): its
-    # outputs (the loss, aux outputs), the activation gradients and the accumulators (or the
-    # fused optimizer's outputs).
+    def _apply_w(self, acc, res, cts, exports, extra):
+        return self._update(self.fns["w"](acc, res, cts, exports), extra)
 
     def _forward_backward(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         outs, res = self.bw.forward(*args)
         acts, grads = self.fns["full_first"](res, [])
         return outs, acts, grads
 
-    def fb_first(self, args: Sequence[Any]) -> Any:
-        return self._lazy("fb_first", self._forward_backward, (), True)(args)
+    def _fb(self, acc, args):
+        outs, acts, grads = self._forward_backward(args)
+        return outs, acts, [a + g for a, g in zip(acc, grads)]
 
-    def fb_later(self, acc: Sequence[Any], args: Sequence[Any]) -> Any:
-        def later(acc, args):
-            loss, acts, grads = self._forward_backward(args)
-            return loss, acts, [a + g for a, g in zip(acc, grads)]
-
-        return self._lazy("fb_later", later, (0,), True)(acc, args)
-
-    def fb_apply_first(self, args: Sequence[Any], extra: Sequence[Any]) -> Any:
-        def first(args, extra):
-            loss, acts, grads = self._forward_backward(args)
-            return loss, acts, self._update(grads, extra)
-
-        return self._lazy("fb_apply_first", first, (), False)(args, extra)
-
-    def fb_apply_later(self, acc: Sequence[Any], args: Sequence[Any], extra: Sequence[Any]) -> Any:
-        def later(acc, args, extra):
-            loss, acts, grads = self._forward_backward(args)
-            return loss, acts, self._update([a + g for a, g in zip(acc, grads)], extra)
-
-        return self._lazy("fb_apply_later", later, (0,), False)(acc, args, extra)
-
-    def _lazy(
-        self, name: str, fn: Callable[..., Any], donate: tuple[int, ...], accumulate: bool
-    ) -> Callable[..., Any]:
-        """`fn` jitted with the planned output shardings, compiled under the stage's mesh at
-        its first call (only the variants a program uses get compiled)."""
-        compiled = self._variants.get(name)
-        if compiled is None:
-            outs = (None, self.act_grad_shardings, self.acc_shardings if accumulate else None)
-            jitted = jax.jit(fn, donate_argnums=donate, out_shardings=outs)
-
-            def first_call(*args: Any) -> Any:
-                with jax.set_mesh(self.mesh):
-                    executable = jitted.lower(*args).compile()
-                self._variants[name] = executable
-                return executable(*args)
-
-            return first_call
-        return compiled
+    def _fb_apply(self, acc, args, extra):
+        outs, acts, grads = self._forward_backward(args)
+        return outs, acts, self._update([a + g for a, g in zip(acc, grads)], extra)
 
     @property
     def acc_params(self) -> list[int]:
-        return [self.bw.stage.inputs[self.bw.diff[k]].index for k in self.bw.param_grads]
+        return stage_acc_params(self.graph, self.s)
 
 
 def backward_functions(
-    bw: StageBackward, fans: list[int], loss_scale: float | None
+    bw: StageBackward, fans: Sequence[int], loss_scale: float | None
 ) -> dict[str, Callable[..., Any]]:
     """The jit-able backward functions of a stage: cotangents summed per output; the last
     stage's loss cotangent is the constant `loss_scale`."""
@@ -263,9 +331,22 @@ def backward_functions(
     return {"full": full, "full_first": full_first, "b": b, "w": w, "w_first": w_first}
 
 
-def fusable_segments(graph: StepGraph, compilers: Mapping[int, StageCompiler]) -> dict[int, int]:
+def stage_acc_params(graph: StepGraph, s: int) -> list[int]:
+    """The parameters whose gradients stage s accumulates, in its inputs' order (the float
+    parameters it reads; none in a forward-only step)."""
+    if graph.forward_only:
+        return []
+    stage = graph.loss.stages[s]
+    return [
+        r.index
+        for r, a in zip(stage.inputs, stage.jaxpr.in_avals)
+        if r.kind == PARAM and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+    ]
+
+
+def fusable_segments(graph: StepGraph, stages: Collection[int]) -> dict[int, int]:
     """Post segments that can run inside their stage's last backward: stage -> segment index,
-    for the stages of `compilers` (all of them locally, a host's own on Ray).
+    for `stages` (all of them locally, a host's own on Ray).
 
     A segment qualifies when it is its stage's only one, reads only that stage's own parameters,
     their gradients (which nothing else needs, not even the step's outputs) and the step's
@@ -292,8 +373,9 @@ def fusable_segments(graph: StepGraph, compilers: Mapping[int, StageCompiler]) -
     fused = {}
     for s, (j, *others) in by_stage.items():
         seg = graph.segments[j]
-        if others or s in exchanging or s not in compilers:
+        if others or s in exchanging or s not in stages:
             continue
+        accumulated = stage_acc_params(graph, s)
         grads = [v for v in seg.inputs if v in grad_of]
         ok = bool(grads)
         for v in seg.inputs:
@@ -301,7 +383,7 @@ def fusable_segments(graph: StepGraph, compilers: Mapping[int, StageCompiler]) -
                 k = grad_of[v]
                 ok &= (
                     graph.owner[k] == s
-                    and k in compilers[s].acc_params
+                    and k in accumulated
                     and uses.get(v) == 1
                     and v not in returned
                 )

@@ -59,7 +59,7 @@ import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
 from jaxreshard.frontend._split import ACT, BATCH, CONST, LOSS, MB, OUT, PARAM, StepGraph
-from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
+from jaxreshard.pipeline._action import BACKWARD, FORWARD
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
@@ -71,6 +71,7 @@ from jaxreshard.pipeline._emit import (
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 from jaxreshard.runtime._compile import StageCompiler
 from jaxreshard.runtime._layout import PipelineLayout, Transfer
+from jaxreshard.runtime._programs import program_fusion
 
 
 class PipelineError(RuntimeError):
@@ -411,35 +412,11 @@ class StageProgram:
     ):
         self.compilers, self.graph, self.layout, self.channels = compilers, graph, layout, channels
         self.rank, self.record = rank, record
-        program = self.program = layout.programs[rank]
-        last_chunk = layout.num_stages - 1
-        runs = [i for i, ins in enumerate(program) if ins.op == RUN]
-        # Per chunk, the position of its last backward (where a fused optimizer runs).
-        self.last_backward = {
-            c: max(
-                (
-                    i
-                    for i in runs
-                    if program[i].action.stage_index == c
-                    and program[i].action.kind in (BACKWARD, WEIGHT)
-                ),
-                default=-1,
-            )
-            for c in compilers
-        }
-        # Positions of forwards fused with the backward that follows them.
-        self.fused_fb: dict[int, int] = {}  # forward position -> backward position
-        if last_chunk in compilers and compilers[last_chunk].bw.w is None:
-            for i, j in itertools.pairwise(runs):
-                f, b = program[i].action, program[j].action
-                if (
-                    f.stage_index == b.stage_index == last_chunk
-                    and f.kind == FORWARD
-                    and b.kind == BACKWARD
-                    and f.microbatch_index == b.microbatch_index
-                    and all(ins.op not in (RECV_OP, SEND_OP) for ins in program[i + 1 : j])
-                ):
-                    self.fused_fb[i] = j
+        self.program = layout.programs[rank]
+        split = any(c.bw.w is not None for c in compilers.values())
+        self.last_backward, self.fused_fb = program_fusion(
+            self.program, list(compilers), layout.num_stages - 1, split
+        )
 
     def run(
         self,
@@ -589,20 +566,17 @@ class StageProgram:
         extra = apply_inputs.get(c)
         fused = comp.fused and extra is not None
         start = time.perf_counter()
+        if kind != FORWARD and ch.acc is None and comp.acc_params:
+            ch.acc = comp.call("zeros")  # the step's accumulators start at zero
         if position in self.fused_fb and self.record is None:  # forward and backward at once
-            final = fused and self.fused_fb[position] == self.last_backward[c]
+            if ch.acc is None and comp.acc_params:
+                ch.acc = comp.call("zeros")
             args = forward_inputs(ch, mb)
-            if final:
-                outs, act_grads, ch.applied = (
-                    comp.fb_apply_first(args, extra)
-                    if ch.acc is None
-                    else comp.fb_apply_later(ch.acc, args, extra)
-                )
+            if fused and self.fused_fb[position] == self.last_backward[c]:
+                outs, act_grads, ch.applied = comp.call("fb_apply", ch.acc or [], args, extra)
                 ch.acc = []
-            elif ch.acc is None:
-                outs, act_grads, ch.acc = comp.fb_first(args)
             else:
-                outs, act_grads, ch.acc = comp.fb_later(ch.acc, args)
+                outs, act_grads, ch.acc = comp.call("fb", ch.acc or [], args)
             keep_outputs(ch, mb, outs)
             ch.early[mb] = act_grads
             done: Any = (outs, act_grads, ch.acc, ch.applied)
@@ -611,25 +585,19 @@ class StageProgram:
             keep_act_grads(ch, mb, ch.early.pop(mb))
             return
         elif kind == FORWARD:
-            outs, ch.residuals[mb] = comp.forward(*forward_inputs(ch, mb))
+            outs, ch.residuals[mb] = comp.call("forward", *forward_inputs(ch, mb))
             keep_outputs(ch, mb, outs)
             done = outs
         elif kind == BACKWARD:
             final = fused and position == self.last_backward[c]
             res, cts = ch.residuals[mb], cotangents(ch, mb)
             if final:
-                act_grads, ch.applied = (
-                    comp.apply_first(res, cts, extra)
-                    if ch.acc is None
-                    else comp.apply_later(ch.acc, res, cts, extra)
-                )
+                act_grads, ch.applied = comp.call("apply", ch.acc or [], res, cts, extra)
                 ch.acc = []
-            elif bw.w is None and ch.acc is None:
-                act_grads, ch.acc = comp.backward_first(res, cts)
             elif bw.w is None:
-                act_grads, ch.acc = comp.backward(ch.acc, res, cts)
+                act_grads, ch.acc = comp.call("backward", ch.acc or [], res, cts)
             else:
-                act_grads, ch.exports[mb] = comp.b_part(res, cts)
+                act_grads, ch.exports[mb] = comp.call("b_part", res, cts)
             keep_act_grads(ch, mb, act_grads)
             # Everything the executable wrote (a first stage sends nothing back: its backward
             # is all accumulators).
@@ -637,18 +605,10 @@ class StageProgram:
         else:  # WEIGHT
             res, cts, exports = ch.residuals[mb], cotangents(ch, mb), ch.exports.pop(mb)
             if fused and position == self.last_backward[c]:  # with the optimizer
-                ch.applied = (
-                    comp.apply_first(res, cts, exports, extra)
-                    if ch.acc is None
-                    else comp.apply_later(ch.acc, res, cts, exports, extra)
-                )
+                ch.applied = comp.call("apply", ch.acc or [], res, cts, exports, extra)
                 ch.acc, done = [], ch.applied
             else:
-                ch.acc = (
-                    comp.w_first(res, cts, exports)
-                    if ch.acc is None
-                    else comp.w_part(ch.acc, res, cts, exports)
-                )
+                ch.acc = comp.call("w_part", ch.acc or [], res, cts, exports)
                 done = ch.acc
         if self.record is not None:
             jax.block_until_ready(done)

@@ -280,12 +280,12 @@ class HostActor:
         return fingerprint(pipelines[key].graph)
 
     def pipeline_call(self, key: str, method: str, *args: Any) -> Any:
-        """Call `method` of pipeline `key` (compile_forward, compile_backward, set_layout, step,
-        segment)."""
+        """Call `method` of pipeline `key` (prepare, compile_forward and compile_variants of a
+        stage; set_layout, step, segment)."""
         pipeline = self.__dict__.get("_pipelines", {}).get(key)
         if pipeline is None:
             raise KeyError(f"host {self.host} has no pipeline {key!r}")
-        if method.startswith("compile_"):
+        if method.startswith("compile_") or method == "prepare":
             s, *rest = args
             return getattr(pipeline.compilers[s], method)(*rest)
         return getattr(pipeline, method)(*args)

@@ -28,7 +28,9 @@ from jaxreshard.pipeline._emit import (
     emit,
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
+from jaxreshard.runtime._compile import stage_acc_params
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._programs import program_variants
 from jaxreshard.runtime._specs import batch_spec, spec_of, transplant_spec
 
 
@@ -135,9 +137,12 @@ def layout_pipeline(
     leaves: Sequence[Any],
     cluster: Cluster,
     compilers: Sequence[Any],
+    fused: dict[int, int] | None = None,
 ) -> PipelineLayout:
-    """Compile every stage through `compilers` (local `StageCompiler`s or remote proxies with the
-    same two methods), chaining specs, then plan every transfer and emit the programs.
+    """Emit the programs, compile every stage through `compilers` (local `StageCompiler`s or
+    remote proxies with their `prepare`, `compile_forward` and `compile_variants`), chaining
+    specs, and plan every transfer. `fused` gives the stages whose optimizer segment runs in
+    their last backward (stage -> segment).
 
     Stages are model stages (chunks): `meshes[s]` is the mesh chunk s runs on (the same mesh for
     the chunks of one rank, with virtual stages), and `schedule` places them.
@@ -148,60 +153,77 @@ def layout_pipeline(
     p, m = graph.num_stages, config.num_micro_batches
     avals = graph.outer.in_avals
     shapes = [dict(mesh.shape) for mesh in meshes]
-    param_specs = [
-        transplant_spec(
-            spec_of(getattr(leaves[i], "sharding", None)),
-            shapes[graph.owner[k]],
-            avals[i].shape,
-            f"parameter {k} ({avals[i].str_short()}) on stage {graph.owner[k]}",
-        )
-        for k, i in enumerate(graph.params)
-    ]
+    param_specs = parameter_specs(graph, leaves, shapes)
     by_id = {a.id: a for a in graph.loss.activations}
+    # The programs first: what they call decides what compiles (see [Note: stage executables]).
+    grads = not graph.forward_only
+    fused = fused or {}
+    edges = [
+        Edge(a.id, a.home, c, a.differentiable and grads)
+        for a in graph.loss.activations
+        for c in a.consumers
+    ]
+    shared = []
+    for k in range(len(graph.params)):
+        users = tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
+        if users:
+            shared.append(SharedParam(k, graph.owner[k], users, grads))
+    programs = emit(schedule, edges, shared)
+    split = config.split_backward and grads
+    accumulates = {s for s in range(p) if stage_acc_params(graph, s)}
+    variants: dict[int, set[str]] = {}
+    for r in range(schedule.num_stages):
+        chunks = schedule.chunks_of(r)
+        variants.update(program_variants(programs[r], chunks, p - 1, split, fused, accumulates))
+    extra = extra_specs(graph, fused, leaves, param_specs, shapes)
+
     out_specs: list[list[P]] = []
-    res_specs: list[list[P]] = []
     input_specs: list[list[P]] = []
     act_spec: dict[int, P] = {}
     scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
-    # A stage's backward needs only its own forward's specs: it compiles in the background
-    # while the next stages' forwards do (XLA compiles without the GIL).
+    # Forwards compile in model order (a stage's input specs are the last one's output specs);
+    # everything else a stage's program calls compiles in the background meanwhile (XLA compiles
+    # without the GIL).
     pool = ThreadPoolExecutor(max_workers=max(1, p), thread_name_prefix="jaxreshard-compile")
-    backward_futures: list[Future] = []
-    for s, stage in enumerate(graph.loss.stages):
-        specs = []
-        for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
-            if ref.kind == PARAM:
-                specs.append(
-                    param_specs[ref.index]
-                    if graph.owner[ref.index] == s
-                    else transplant_spec(
-                        param_specs[ref.index],
-                        shapes[s],
-                        aval.shape,
-                        f"parameter {ref.index} ({aval.str_short()}), shared with stage {s}",
-                    )
-                )
-            elif ref.kind == BATCH:
-                dim = graph.feeds[ref.index].dim
-                specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis, dim))
-            elif ref.kind in (CONST, MB):
-                specs.append(P())
-            else:
-                where = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
-                specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, where))
-        input_specs.append(specs)
-        outs, res = compilers[s].compile_forward(specs)
-        out_specs.append(outs)
-        res_specs.append(res)
-        for ref, sp in zip(stage.outputs, outs):
-            if ref.kind == ACT:
-                act_spec[ref.index] = sp
-        if not graph.forward_only:
-            backward_futures.append(
-                pool.submit(compilers[s].compile_backward, res, outs, scale if s == p - 1 else None)
-            )
+    futures: list[Future] = []
     try:
-        grad_specs: list[list[P]] = [f.result() for f in backward_futures] or [[]] * p
+        for s, stage in enumerate(graph.loss.stages):
+            specs = []
+            for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals):
+                if ref.kind == PARAM:
+                    specs.append(
+                        param_specs[ref.index]
+                        if graph.owner[ref.index] == s
+                        else transplant_spec(
+                            param_specs[ref.index],
+                            shapes[s],
+                            aval.shape,
+                            f"parameter {ref.index} ({aval.str_short()}), shared with stage {s}",
+                        )
+                    )
+                elif ref.kind == BATCH:
+                    dim = graph.feeds[ref.index].dim
+                    specs.append(batch_spec(shapes[s], aval.shape, config.batch_axis, dim))
+                elif ref.kind in (CONST, MB):
+                    specs.append(P())
+                else:
+                    what = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
+                    specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, what))
+            input_specs.append(specs)
+            compilers[s].prepare(specs, scale if s == p - 1 and grads else None)
+            if "forward" in variants[s] or any(r.kind == ACT for r in stage.outputs):
+                outs, _ = compilers[s].compile_forward()
+            else:  # the last stage, when its forwards run fused with its backwards
+                outs = [P()] * len(stage.outputs)
+            out_specs.append(outs)
+            for ref, sp in zip(stage.outputs, outs):
+                if ref.kind == ACT:
+                    act_spec[ref.index] = sp
+            rest = sorted(variants[s] - {"forward"})
+            if rest:
+                futures.append(pool.submit(compilers[s].compile_variants, rest, extra.get(s)))
+        for f in futures:
+            f.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -269,24 +291,12 @@ def layout_pipeline(
                         input_specs[s][i],
                         param_specs[ref.index],
                     )
-        for i, sp in zip(act_grad_inputs, grad_specs[s]):
-            ref, aval = stage.inputs[i], stage.jaxpr.in_avals[i]
+        for i in act_grad_inputs:
+            ref, aval, sp = stage.inputs[i], stage.jaxpr.in_avals[i], input_specs[s][i]
             home = by_id[ref.index].home
             home_out = graph.loss.stages[home].outputs.index(ref)
             add(GRADIENT, ref.index, s, home, aval, sp, out_specs[home][home_out])
 
-    grads = not graph.forward_only
-    edges = [
-        Edge(a.id, a.home, c, a.differentiable and grads)
-        for a in graph.loss.activations
-        for c in a.consumers
-    ]
-    shared = []
-    for k in range(len(graph.params)):
-        users = tuple(u for u in graph.loss.users(PARAM, k) if u != graph.owner[k])
-        if users:
-            shared.append(SharedParam(k, graph.owner[k], users, grads))
-    programs = emit(schedule, edges, shared)
     rows = {avals[i].shape[0] // m for i in graph.batch}
     return PipelineLayout(
         config,
@@ -301,6 +311,56 @@ def layout_pipeline(
         next(iter(rows)) if rows else 0,
         need_times(schedule, schedule_costs(config, p), programs),
     )
+
+
+def parameter_specs(
+    graph: StepGraph, leaves: Sequence[Any], shapes: Sequence[dict[str, int]]
+) -> list[P]:
+    """Each parameter's spec on its owner's mesh (of `shapes`): as the caller placed it where
+    that fits (a warning says when it does not), else replicated."""
+    avals = graph.outer.in_avals
+    return [
+        transplant_spec(
+            spec_of(getattr(leaves[i], "sharding", None)),
+            shapes[graph.owner[k]],
+            avals[i].shape,
+            f"parameter {k} ({avals[i].str_short()}) on stage {graph.owner[k]}",
+        )
+        for k, i in enumerate(graph.params)
+    ]
+
+
+def extra_specs(
+    graph: StepGraph,
+    fused: dict[int, int],
+    leaves: Sequence[Any],
+    param_specs: Sequence[P],
+    shapes: Sequence[dict[str, int]],
+) -> dict[int, list[P]]:
+    """Per fused stage, the specs its optimizer's inputs other than gradients are expected with
+    at the first step (see [Note: stage executables]): a parameter as placed, another argument
+    as the runtime puts it on the stage's mesh (its spec where it fits), anything else
+    replicated."""
+    invars = graph.outer.jaxpr.invars
+    index = {v: i for i, v in enumerate(invars)}
+    param_of = {invars[i]: k for k, i in enumerate(graph.params)}
+    grad_vars = set(graph.grad_outputs[1:])
+    out: dict[int, list[P]] = {}
+    for s, j in fused.items():
+        specs = []
+        for v in graph.segments[j].inputs:
+            if v in grad_vars:
+                continue
+            if v in param_of:
+                specs.append(param_specs[param_of[v]])
+            elif v in index:
+                leaf = leaves[index[v]]
+                sharding = getattr(leaf, "sharding", None)
+                specs.append(transplant_spec(spec_of(sharding), shapes[s], np.shape(leaf)))
+            else:
+                specs.append(P())
+        out[s] = specs
+    return out
 
 
 def need_times(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +38,10 @@ from jaxreshard.runtime._layout import (
     PipelineLayout,
     Transfer,
     layout_pipeline,
+    parameter_specs,
     pipeline_schedule,
 )
+from jaxreshard.runtime._segments import SegmentExecutables
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import (
     combine_losses,
@@ -60,6 +63,7 @@ class CompiledPipeline:
     cluster: Cluster
     compilers: list[StageCompiler]
     fused: dict[int, int] = dataclasses.field(default_factory=dict)  # stage -> post segment
+    segments: SegmentExecutables | None = None
 
     @property
     def config(self) -> PipelineConfig:
@@ -100,13 +104,28 @@ def compile_local(
         StageCompiler(graph, stage_backward(graph, s, config), meshes[s], config)
         for s in range(graph.num_stages)
     ]
-    layout = layout_pipeline(graph, config, schedule, meshes, leaves, cluster, compilers)
-    fused = fusable_segments(graph, dict(enumerate(compilers)))
+    fused = fusable_segments(graph, range(graph.num_stages))
     grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
     for s, j in fused.items():
         seg = graph.segments[j]
         compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
-    return CompiledPipeline(graph, layout, meshes, cluster, compilers, fused)
+    # The optimizer segments compile beside the stages (see [Note: segment executables]).
+    segments = SegmentExecutables(graph)
+    specs = parameter_specs(graph, leaves, [dict(mesh.shape) for mesh in meshes])
+    post = threading.Thread(
+        target=segments.warm,
+        args=(meshes, specs, leaves, set(fused.values())),
+        name="jaxreshard-compile-post",
+        daemon=True,
+    )
+    post.start()
+    try:
+        layout = layout_pipeline(
+            graph, config, schedule, meshes, leaves, cluster, compilers, fused=fused
+        )
+    finally:
+        post.join()
+    return CompiledPipeline(graph, layout, meshes, cluster, compilers, fused, segments)
 
 
 def stage_backward(graph: StepGraph, s: int, config: PipelineConfig) -> Any:
@@ -391,7 +410,10 @@ class LocalPipeline:
             s = segment.stage
             inputs = [on_mesh(values[v], c.meshes[s], self._devices[s]) for v in segment.inputs]
             start = time.perf_counter()
-            outs = segment_function(segment.jaxpr, self._donate[index])(*inputs)
+            if c.segments is not None:
+                outs = c.segments.run(index, inputs)
+            else:
+                outs = segment_function(segment.jaxpr, self._donate[index])(*inputs)
             if record:
                 jax.block_until_ready(outs)
                 executor.events.append(

@@ -112,6 +112,13 @@ class HostPipeline:
             self.compilers[s] = StageCompiler(
                 self.graph, stage_backward(self.graph, s, config), self.meshes[s], config
             )
+        # Optimizer segments run inside their stage's last backward where they can (the driver
+        # finds the same ones: `fusable_segments` is a function of the step and the stages).
+        self._fused = fusable_segments(self.graph, list(self.compilers))
+        grad_of = {v: k for k, v in enumerate(self.graph.grad_outputs[1:])}
+        for s, j in self._fused.items():
+            seg = self.graph.segments[j]
+            self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
         self.layout: PipelineLayout | None = None
         self.channels: HostChannels | None = None
         self.programs: dict[int, StageProgram] = {}
@@ -124,8 +131,8 @@ class HostPipeline:
     def set_layout(
         self, layout: PipelineLayout, host_of_stage: dict[int, int], transport: str
     ) -> dict[int, int]:
-        """Take the layout; make the channels; fuse optimizer segments into this host's stages'
-        last backwards where possible. Returns the fused segments (stage -> segment)."""
+        """Take the layout; make the channels and the programs. Returns the optimizer segments
+        fused into this host's stages' last backwards (stage -> segment)."""
         self.layout = layout
         actor = self.actor
         self.channels = HostChannels(
@@ -138,11 +145,6 @@ class HostPipeline:
             signal=self._signal,
             timeout_s=self.config.timeout_s,
         )
-        fused = fusable_segments(self.graph, self.compilers)
-        grad_of = {v: k for k, v in enumerate(self.graph.grad_outputs[1:])}
-        for s, j in fused.items():
-            seg = self.graph.segments[j]
-            self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
         schedule = layout.schedule
         self.ranks = {  # the ranks (programs) this host runs, and their chunks
             r: schedule.chunks_of(r)
@@ -155,7 +157,7 @@ class HostPipeline:
             )
             for r, chunks in self.ranks.items()
         }
-        return fused
+        return self._fused
 
     def _signal(self, host: int, step_id: str, key: tuple[Any, ...]) -> None:
         self.actor.peers[host].pipeline_call.remote(self.key, "signalled", step_id, key)
@@ -385,11 +387,6 @@ class HostPipeline:
             ]
         return described
 
-    @property
-    def _fused(self) -> dict[int, int]:
-        return {s: j for j, seg in enumerate(self.graph.segments) for s in [seg.stage]
-                if s in self.compilers and self.compilers[s].fused}  # fmt: skip
-
     def segment(
         self,
         index: int,
@@ -414,34 +411,19 @@ class _RemoteCompiler:
     def __init__(self, runtime: Any, host: int, key: str, s: int):
         self.runtime, self.host, self.key, self.s = runtime, host, key, s
 
-    def compile_forward(self, specs: Sequence[P]) -> tuple[list[P], list[P]]:
+    def _call(self, method: str, what: str, *args: Any) -> Any:
         actor = self.runtime.actors[self.host]
-        return self.runtime._wait(
-            {
-                self.host: actor.pipeline_call.remote(
-                    self.key, "compile_forward", self.s, list(specs)
-                )
-            },
-            f"compiling stage {self.s} forward",
-        )[self.host]
+        call = actor.pipeline_call.remote(self.key, method, self.s, *args)
+        return self.runtime._wait({self.host: call}, f"{what} of stage {self.s}")[self.host]
 
-    def compile_backward(
-        self, residual_specs: Sequence[P], output_specs: Sequence[P], loss_scale: float | None
-    ) -> list[P]:
-        actor = self.runtime.actors[self.host]
-        return self.runtime._wait(
-            {
-                self.host: actor.pipeline_call.remote(
-                    self.key,
-                    "compile_backward",
-                    self.s,
-                    list(residual_specs),
-                    list(output_specs),
-                    loss_scale,
-                )
-            },
-            f"compiling stage {self.s} backward",
-        )[self.host]
+    def prepare(self, specs: Sequence[P], loss_scale: float | None) -> None:
+        self._call("prepare", "preparing the executables", list(specs), loss_scale)
+
+    def compile_forward(self) -> tuple[list[P], list[P]]:
+        return self._call("compile_forward", "compiling the forward")
+
+    def compile_variants(self, names: Sequence[str], extra_specs: Sequence[P] | None) -> None:
+        self._call("compile_variants", "compiling the executables", list(names), extra_specs)
 
 
 class RayPipeline:
@@ -520,15 +502,18 @@ class RayPipeline:
                     "pure function of its arguments (same JAX version on every host)"
                 )
         compilers = [_RemoteCompiler(runtime, self.host_of_stage[s], self.key, s) for s in range(p)]
+        fused: dict[int, int] = {}  # as each host fuses its own stages' optimizers
+        for stages in stages_of.values():
+            fused.update(fusable_segments(graph, list(stages)))
         self.layout = layout_pipeline(
-            graph, config, schedule, self.meshes, leaves, runtime.cluster, compilers
+            graph, config, schedule, self.meshes, leaves, runtime.cluster, compilers, fused
         )
         self.transport = runtime.transport
         if self.transport == "nccl":
             check_channel_order(self.layout)
             for channel, programs in nccl_programs(self.layout, self.host_of_stage):
                 runtime._ensure_communicators(programs, channel)
-        fused = runtime._wait(
+        hosts_fused = runtime._wait(
             {
                 h: runtime.actors[h].pipeline_call.remote(
                     self.key, "set_layout", self.layout, self.host_of_stage, self.transport
@@ -537,7 +522,9 @@ class RayPipeline:
             },
             "sending the layout",
         )
-        self.fused = {s: j for per_host in fused.values() for s, j in per_host.items()}
+        theirs = {s: j for per_host in hosts_fused.values() for s, j in per_host.items()}
+        assert theirs == fused, (theirs, fused)
+        self.fused = fused
         self._donate = {j: donated(graph, j) for j in range(len(graph.segments))}
         self.hosts = sorted(stages_of)
         self._steps = 0

@@ -120,7 +120,7 @@ class Parallelized:
 
     # Compilation ---------------------------------------------------------------------------------
 
-    def _entry(self, args: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
+    def _entry(self, args: tuple[Any, ...], recorded: bool = False) -> tuple[_Entry, list[Any]]:
         """The compiled step for these arguments, and their array leaves. A call with a
         signature seen before costs a flatten and a cache lookup (the checks ran when the
         signature was new). Leaves that are not arrays are static (see [Note: static leaves])."""
@@ -159,7 +159,7 @@ class Parallelized:
         paths = [p for i, p in enumerate(_leaf_paths(args)) if i not in static]
         self._check_batch(arrays, batch_leaves, paths)
         self._note_static(key, static, _leaf_paths(args))
-        entry = self._cache[key] = self._compile(arrays, in_tree, batch_leaves, static)
+        entry = self._cache[key] = self._compile(arrays, in_tree, batch_leaves, static, recorded)
         return entry, arrays
 
     def _note_static(self, key: tuple[Any, ...], static: dict[int, Any], paths: list[str]) -> None:
@@ -201,7 +201,12 @@ class Parallelized:
             )
 
     def _compile(
-        self, leaves: list[Any], in_tree: Any, batch_leaves: list[int], static: dict[int, Any]
+        self,
+        leaves: list[Any],
+        in_tree: Any,
+        batch_leaves: list[int],
+        static: dict[int, Any],
+        recorded: bool = False,
     ) -> _Entry:
         from jaxreshard.runtime import current_runtime
 
@@ -243,6 +248,7 @@ class Parallelized:
                 batch_leaves,
                 input_specs,
                 static,
+                recorded,
             )
             return _Entry(graph, pipeline, in_tree, outputs)
         if self.meshes is not None:
@@ -253,7 +259,7 @@ class Parallelized:
             meshes = stage_meshes(self.config, num_meshes, jax.devices())
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
-        compiled = compile_local(graph, self.config, list(meshes), leaves, cluster)
+        compiled = compile_local(graph, self.config, list(meshes), leaves, cluster, recorded)
         return _Entry(graph, LocalPipeline(compiled), in_tree, outputs)
 
     def _trace_mesh(
@@ -301,7 +307,7 @@ class Parallelized:
         as it would with free communication, and its outputs are wrong (see
         [Note: signal-only bound]); the next ordinary call is correct again.
         """
-        entry, leaves = self._entry(args)
+        entry, leaves = self._entry(args, recorded=True)
         outputs = entry.pipeline.run(leaves, record=True, signal_only=signal_only)
         out = entry.outputs.assemble(outputs)
         jax.block_until_ready(out)

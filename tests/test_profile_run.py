@@ -203,10 +203,11 @@ def test_schedule_comparison_with_virtual_stages_runs_every_schedule_on_the_same
 
 
 def test_utransformer_profile_learns_with_skips_across_stages():
+    small = {"base": 8, "channel_mult": (1, 2), "groups": 2}  # 5 units: quick to compile
     pc = load_profile_config(
         "utransformer",
         None,
-        {"run": {"steps": 6, "batch_size": 8}, "pipeline": {"num_stages": 3}},
+        {"model": small, "run": {"steps": 6, "batch_size": 8}, "pipeline": {"num_stages": 3}},
     )
     result = profiler.run_profile(pc)
     losses = [s["loss"] for s in result["steps"]]

@@ -17,6 +17,10 @@ from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime._specs import spec_of
 
+# The message of a compiled executable called with inputs laid out otherwise than it was compiled
+# for (it checks before running, so nothing was donated yet).
+_MISMATCH = "Computation was compiled for input shardings that disagree"
+
 
 def fan_in(graph: StepGraph, s: int) -> list[int]:
     """Per output of stage s: how many cotangents come back (one per consuming stage)."""
@@ -34,7 +38,8 @@ def fan_in(graph: StepGraph, s: int) -> list[int]:
 #   b_part(res, cts) -> (activation gradients, exports)                            (split: B)
 #   w_part(acc, res, cts, exports) -> acc + parameter gradients                     (split: W)
 #   apply(acc, res, cts[, exports], extra) -> the last backward (or W) and the stage's optimizer
-#       segment at once, which reads the final gradients as they are computed
+#       segment at once, which reads the final gradients as they are computed (with one
+#       micro-batch: see `fusable_segments`)
 #   fb(acc, inputs) -> (outputs, activation gradients, acc)  (the last stage's F and B at once)
 #   fb_apply(acc, inputs, extra) -> (outputs, activation gradients, optimizer outputs)
 # Accumulators start at zero rather than from the first micro-batch's gradients, so every
@@ -204,16 +209,12 @@ class StageCompiler:
 
     def executable(self, name: str, extra: Sequence[Any] | None = None) -> Any:
         """Executable `name`, compiled at its first use (see [Note: stage executables]);
-        `extra`: the shardings of the optimizer inputs it is called with (apply, fb_apply)."""
+        `extra`: the shardings of the optimizer inputs it takes (apply, fb_apply), if not the
+        planned ones."""
         key = (name, None if extra is None else tuple(extra))
         found = self._ready.get(key)
         if found is not None:
             return found
-        if extra is not None and (name, None) in self._ready:
-            planned = self._ready[(name, None)]
-            if tuple(planned.input_shardings[0][-1]) == tuple(extra):
-                self._ready[key] = planned
-                return planned
         fn, args, out_shardings, donate = self._spec(name, extra)
         with jax.set_mesh(self.mesh):
             jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
@@ -234,10 +235,22 @@ class StageCompiler:
 
     def call(self, name: str, *args: Any) -> Any:
         """Run executable `name` on `args` (the last of them the optimizer's other inputs, for
-        apply and fb_apply)."""
+        apply and fb_apply: the executable planned for them runs them if they are laid out as
+        planned, one compiled for their shardings if not)."""
         if name in ("apply", "fb_apply"):
-            extra = tuple(x.sharding for x in args[-1])
-            return self.executable(name, extra)(*args)
+            shardings = tuple(x.sharding for x in args[-1])
+            compiled = self._ready.get((name, shardings))
+            if compiled is None:
+                planned = self.executable(name)
+                try:
+                    out = planned(*args)
+                except ValueError as e:
+                    if _MISMATCH not in str(e):
+                        raise
+                    return self.executable(name, shardings)(*args)
+                self._ready[(name, shardings)] = planned
+                return out
+            return compiled(*args)
         compiled = self._ready.get((name, None))
         if compiled is None:
             compiled = self.executable(name)
@@ -344,14 +357,23 @@ def stage_acc_params(graph: StepGraph, s: int) -> list[int]:
     ]
 
 
-def fusable_segments(graph: StepGraph, stages: Collection[int]) -> dict[int, int]:
-    """Post segments that can run inside their stage's last backward: stage -> segment index,
-    for `stages` (all of them locally, a host's own on Ray).
+def fusable_segments(
+    graph: StepGraph, stages: Collection[int], num_micro_batches: int
+) -> dict[int, int]:
+    """Post segments that run inside their stage's last backward: stage -> segment index, for
+    `stages` (all of them locally, a host's own on Ray).
 
+    Only with one micro-batch: the last backward is then the only one, and running the
+    optimizer inside it costs no executable more (the step is one program per stage, as under
+    `jax.jit`). With more, it would compile a second variant of the backward (with the
+    optimizer) beside the plain one, several seconds per stage for a few percent of the
+    optimizer's memory traffic; the segment runs after the pipeline instead.
     A segment qualifies when it is its stage's only one, reads only that stage's own parameters,
     their gradients (which nothing else needs, not even the step's outputs) and the step's
     inputs, and the stage exchanges no shared parameter's gradient after its last backward.
     """
+    if num_micro_batches != 1:
+        return {}
     by_stage: dict[int, list[int]] = {}
     for j, seg in enumerate(graph.segments):
         by_stage.setdefault(seg.stage, []).append(j)

@@ -138,11 +138,13 @@ def layout_pipeline(
     cluster: Cluster,
     compilers: Sequence[Any],
     fused: dict[int, int] | None = None,
+    recorded: bool = False,
 ) -> PipelineLayout:
     """Emit the programs, compile every stage through `compilers` (local `StageCompiler`s or
     remote proxies with their `prepare`, `compile_forward` and `compile_variants`), chaining
     specs, and plan every transfer. `fused` gives the stages whose optimizer segment runs in
-    their last backward (stage -> segment).
+    their last backward (stage -> segment); with `recorded`, the executables compiled up front
+    are a recorded step's (a profile's).
 
     Stages are model stages (chunks): `meshes[s]` is the mesh chunk s runs on (the same mesh for
     the chunks of one rank, with virtual stages), and `schedule` places them.
@@ -174,7 +176,9 @@ def layout_pipeline(
     variants: dict[int, set[str]] = {}
     for r in range(schedule.num_stages):
         chunks = schedule.chunks_of(r)
-        variants.update(program_variants(programs[r], chunks, p - 1, split, fused, accumulates))
+        variants.update(
+            program_variants(programs[r], chunks, p - 1, split, fused, accumulates, recorded)
+        )
     extra = extra_specs(graph, fused, leaves, param_specs, shapes)
 
     out_specs: list[list[P]] = []

@@ -95,16 +95,18 @@ def compile_local(
     meshes: list[Mesh],
     leaves: Sequence[Any],
     cluster: Cluster,
+    recorded: bool = False,
 ) -> CompiledPipeline:
     """Compile a cut step for this process's devices: `meshes` has one mesh per rank; every
-    stage (chunk) compiles on the mesh the schedule places it on."""
+    stage (chunk) compiles on the mesh the schedule places it on (up front, the executables
+    a step calls; a `recorded` one's for a profile)."""
     schedule = pipeline_schedule(config, graph.num_stages, graph.forward_only)
     meshes = [meshes[schedule.rank_of(c)] for c in range(graph.num_stages)]
     compilers = [
         StageCompiler(graph, stage_backward(graph, s, config), meshes[s], config)
         for s in range(graph.num_stages)
     ]
-    fused = fusable_segments(graph, range(graph.num_stages))
+    fused = fusable_segments(graph, range(graph.num_stages), config.num_micro_batches)
     grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
     for s, j in fused.items():
         seg = graph.segments[j]
@@ -121,7 +123,7 @@ def compile_local(
     post.start()
     try:
         layout = layout_pipeline(
-            graph, config, schedule, meshes, leaves, cluster, compilers, fused=fused
+            graph, config, schedule, meshes, leaves, cluster, compilers, fused, recorded
         )
     finally:
         post.join()

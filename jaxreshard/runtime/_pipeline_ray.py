@@ -114,7 +114,7 @@ class HostPipeline:
             )
         # Optimizer segments run inside their stage's last backward where they can (the driver
         # finds the same ones: `fusable_segments` is a function of the step and the stages).
-        self._fused = fusable_segments(self.graph, list(self.compilers))
+        self._fused = fusable_segments(self.graph, list(self.compilers), config.num_micro_batches)
         grad_of = {v: k for k, v in enumerate(self.graph.grad_outputs[1:])}
         for s, j in self._fused.items():
             seg = self.graph.segments[j]
@@ -440,6 +440,7 @@ class RayPipeline:
         batch_leaves: Sequence[int],
         input_specs: Sequence[P] | None,
         static: dict[int, Any] | None = None,
+        recorded: bool = False,
     ):
         self.runtime, self.config, self.graph = runtime, config, graph
         self.key = f"pipeline-{uuid.uuid4().hex[:8]}"
@@ -504,9 +505,17 @@ class RayPipeline:
         compilers = [_RemoteCompiler(runtime, self.host_of_stage[s], self.key, s) for s in range(p)]
         fused: dict[int, int] = {}  # as each host fuses its own stages' optimizers
         for stages in stages_of.values():
-            fused.update(fusable_segments(graph, list(stages)))
+            fused.update(fusable_segments(graph, list(stages), config.num_micro_batches))
         self.layout = layout_pipeline(
-            graph, config, schedule, self.meshes, leaves, runtime.cluster, compilers, fused
+            graph,
+            config,
+            schedule,
+            self.meshes,
+            leaves,
+            runtime.cluster,
+            compilers,
+            fused,
+            recorded,
         )
         self.transport = runtime.transport
         if self.transport == "nccl":

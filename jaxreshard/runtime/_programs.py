@@ -51,11 +51,15 @@ def program_variants(
     split: bool,
     fused: Collection[int],
     accumulates: Collection[int],
+    recorded: bool = False,
 ) -> dict[int, set[str]]:
-    """Per chunk of a rank, the executables an ordinary (unrecorded) step calls (see
-    [Note: stage executables]): `fused` chunks run their optimizer in their last backward, and
-    `accumulates` lists the chunks with parameter gradients."""
+    """Per chunk of a rank, the executables a step calls (see [Note: stage executables]):
+    `fused` chunks run their optimizer in their last backward, and `accumulates` lists the
+    chunks with parameter gradients. A `recorded` step (a profile's) times forwards and
+    backwards apart, so it never runs them fused."""
     last_backward, fused_fb = program_fusion(program, chunks, last_chunk, split)
+    if recorded:
+        fused_fb = {}
     out: dict[int, set[str]] = {c: set() for c in chunks}
     fused_backwards = set(fused_fb.values())
     for position, ins in enumerate(program):

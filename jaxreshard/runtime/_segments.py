@@ -25,10 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend._split import StepGraph
+from jaxreshard.runtime._compile import _MISMATCH
 from jaxreshard.runtime._specs import spec_of, transplant_spec
 from jaxreshard.runtime._step import donated, segment_function
-
-_MISMATCH = "Computation was compiled for input shardings that disagree"
 
 
 def placed(sharding: Any, aval: Any, mesh: Any) -> NamedSharding:

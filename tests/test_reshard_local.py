@@ -144,8 +144,7 @@ def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
 
     from jaxreshard.comm._local import POOL
 
-    with POOL._lock:  # free buffers of earlier tests would be as good a choice as ours
-        POOL._entries.clear()
+    POOL.clear()  # free buffers of earlier tests would be as good a choice as ours
     src = named(cpu_devices, (2,), P(None, "a"))
     dst = named(cpu_devices[2:], (2,), P("a"))
     reference = values((512, 512), jnp.float32)  # 512 KiB shards: pooled
@@ -169,6 +168,39 @@ def test_buffer_pool_reuses_only_released_buffers(cpu_devices):
     assert pointers(third) & released
     check(second, reference * 2, dst)
     check(third, reference * 3, dst)
+
+
+def test_buffer_pool_leases_end_when_nothing_reaches_the_memory(cpu_devices):
+    import gc
+
+    from jaxreshard.comm._local import BufferPool
+
+    pool = BufferPool(64 * 2**20)
+    nbytes = 2**20
+    first = pool.take(nbytes)
+    # The array `take` returned is a holder by itself, without any view of it (reference
+    # counts of the memory's owner did not see it, and handed the same memory out twice).
+    second = pool.take(nbytes)
+    assert first.ctypes.data != second.ctypes.data
+    pointer = first.ctypes.data
+    shaped = first.view(np.float32).reshape(512, 512)  # what aligned_empty hands out
+    del first
+    gc.collect()
+    assert pool.take(nbytes).ctypes.data != pointer  # a view still holds it
+    # JAX adopts the buffer without a copy and holds it as long as its array lives.
+    adopted = jax.device_put(shaped, cpu_devices[0], may_alias=True)
+    assert adopted.unsafe_buffer_pointer() == pointer
+    del shaped
+    gc.collect()
+    assert pool.take(nbytes).ctypes.data != pointer
+    on_host = np.asarray(adopted)  # a NumPy view of JAX's array holds it too
+    del adopted
+    gc.collect()
+    assert pool.take(nbytes).ctypes.data != pointer
+    del on_host
+    gc.collect()
+    assert pool.take(nbytes).ctypes.data == pointer  # released: reused
+    assert pool.leased_bytes() == nbytes  # `second`; the arrays taken and dropped are free
 
 
 def test_init_replaces_the_local_runtime_started_on_demand():

@@ -24,8 +24,8 @@ import functools
 import itertools
 import mmap
 import os
-import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,54 +56,80 @@ def _fresh(nbytes: int) -> np.ndarray:
     return raw[offset : offset + nbytes]
 
 
+class _Slot:
+    """One pooled allocation; `leased` while an array the pool handed out (or any view of it)
+    is alive."""
+
+    __slots__ = ("leased", "memory", "nbytes")
+
+    def __init__(self, memory: np.ndarray):
+        self.memory, self.nbytes, self.leased = memory, memory.nbytes, False
+
+    def release(self) -> None:
+        # Runs from a finalizer (any thread, maybe inside the garbage collector while the pool's
+        # lock is held): one attribute store, no lock.
+        self.leased = False
+
+
 class BufferPool:
     """Destination buffers kept for reuse once nobody holds them any more.
 
-    JAX adopts our host buffers without copying and keeps a reference to the array it was given
-    until its own array is gone. NumPy points every view at the object that owns the memory (the
-    raw allocation, or the array over a memory map), so a pooled buffer is free exactly when that
-    owner's reference count is back to what it was when only the pool held it. Reusing a buffer
-    skips the page faults of fresh memory, which dominate a resharding that repeats with the same
-    shapes, as a pipeline's does every micro-batch. Free buffers beyond `max_bytes` are dropped,
-    least recently used first.
+    Ownership is explicit: `take` leases a slot and hands out a new array over its memory whose
+    base is not an ndarray, so NumPy makes every view of it (reshapes, slices, `.view(dtype)`)
+    point back at that array, and JAX, which adopts our host buffers without copying, keeps it
+    (or a view of it) until its own array is gone. The lease ends when that array is garbage
+    (`weakref.finalize`): exactly when nothing can reach the memory any more. A cycle that the
+    collector has not freed yet only delays reuse. (Reference counts are not used: a caller that
+    kept the array it was given without a view of it was invisible to them, and CPython does not
+    promise their values.) Reusing a buffer skips the page faults of fresh memory, which
+    dominate a resharding that repeats with the same shapes, as a pipeline's does every
+    micro-batch. Free buffers beyond `max_bytes` are dropped, least recently used first.
     """
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: list[list[Any]] = []  # [buffer, owner, references when only pooled]
+        self._entries: list[_Slot] = []  # least recently used first
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _references(entry: list[Any]) -> int:
-        # The same call counts the baseline and checks it, so both see the same holders.
-        return sys.getrefcount(entry[1])
-
     def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of `nbytes`, leased until it and every view of it are gone."""
         with self._lock:
-            for k, entry in enumerate(self._entries):
-                if entry[0].nbytes == nbytes and self._references(entry) <= entry[2]:
-                    self._entries.append(self._entries.pop(k))  # most recently used last
-                    return entry[0]
-            if nbytes > self.max_bytes:
+            slot = next((s for s in self._entries if s.nbytes == nbytes and not s.leased), None)
+            if slot is not None:
+                self._entries.remove(slot)  # most recently used last
+            elif nbytes > self.max_bytes:
                 return _fresh(nbytes)
-            entry = [_fresh(nbytes), None, 0]
-            entry[1] = entry[0].view().base  # what every view of the buffer points at
-            entry[2] = self._references(entry)
-            self._entries.append(entry)
+            else:
+                slot = _Slot(_fresh(nbytes))
+            slot.leased = True
+            self._entries.append(slot)
             self._trim()
-            return entry[0]
+        return self._lease(slot)
+
+    @staticmethod
+    def _lease(slot: _Slot) -> np.ndarray:
+        # A memoryview as the base: views of `out` collapse to `out`, not to `slot.memory`.
+        out = np.frombuffer(memoryview(slot.memory), dtype=np.uint8)
+        weakref.finalize(out, slot.release)
+        return out
 
     def _trim(self) -> None:
-        total = sum(entry[0].nbytes for entry in self._entries)
+        total = sum(s.nbytes for s in self._entries)
         kept = []
-        for entry in self._entries:  # least recently used first
-            if total > self.max_bytes and self._references(entry) <= entry[2]:
-                total -= entry[0].nbytes
+        for slot in self._entries:  # least recently used first
+            if total > self.max_bytes and not slot.leased:
+                total -= slot.nbytes
             else:
-                kept.append(entry)
-        self._entries = kept  # (`list.remove` would compare the arrays in the entries)
+                kept.append(slot)
+        self._entries = kept
+
+    def leased_bytes(self) -> int:
+        """Bytes of pooled buffers in use now."""
+        with self._lock:
+            return sum(s.nbytes for s in self._entries if s.leased)
 
     def clear(self) -> None:
+        """Forget every slot (leased ones stay valid for their holders)."""
         with self._lock:
             self._entries.clear()
 

@@ -1,5 +1,6 @@
 """The TCP stream transport without Ray: hosts in threads of this process, over loopback."""
 
+import json
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ from test_host_work import run_plan_on_threads
 from jaxreshard.comm import plan_reshard
 from jaxreshard.comm._order import RECV, SEND, Step
 from jaxreshard.comm._plan import Op
-from jaxreshard.comm._stream import StreamTransport
+from jaxreshard.comm._stream import _HELLO, _PREFIX, StreamTransport
 from jaxreshard.comm._transport import HostWork
 
 
@@ -109,6 +110,69 @@ def test_sending_to_a_host_that_does_not_listen_fails_with_its_address():
             with pytest.raises(RuntimeError, match=r"host 0: .*cannot connect to host 1 at"):
                 sender.send(work, work.steps[0], np.zeros(4, np.float32))
                 sender.complete(work, time.monotonic() + 30)
+        finally:
+            sender.close()
+
+
+def test_a_peer_that_closes_mid_message_fails_its_receives_and_later_works_go_on():
+    ts = transports(3)
+    try:
+        work = _pair_work("w", 1, RECV, 0, timeout_s=30)
+        header = json.dumps({"work": "w", "op": 0, "region": [[0, 4]], "src": 0, "ready": 0.0})
+
+        def cut_short():  # host 0 sends 5 of a message's 16 payload bytes, then closes
+            with socket.create_connection(ts[1].address) as conn:
+                conn.sendall(_HELLO.pack(0) + _PREFIX.pack(len(header), 16) + header.encode())
+                conn.sendall(bytes(5))
+
+        threading.Timer(0.2, cut_short).start()
+        message = (
+            r"host 1: op 0 \(send \[0:4\]\) of x:f32\[4\]: host 0 closed its connection to host 1 "
+            r"in the middle of a message \(the payload of op 0 \[0:4\] of w: expected 16 "
+            r"bytes, got 5\); what it was sending is lost"
+        )
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=message):  # at once, not after 30 s
+            ts[1].recv(work, work.steps[0], time.monotonic() + 30, lambda r, a: None)
+        assert time.monotonic() - start < 10
+        with pytest.raises(RuntimeError, match=message):  # that work's message stays lost
+            ts[1].recv(work, work.steps[0], time.monotonic() + 30, lambda r, a: None)
+        # Not sticky: the next work of host 0 (a new connection) and host 2's work arrive.
+        for src, work_id in ((0, "w2"), (2, "v")):
+            send = _pair_work(work_id, src, SEND, 1)
+            ts[src].send(send, send.steps[0], np.arange(4, dtype=np.float32))
+            recv = _pair_work(work_id, 1, RECV, src, timeout_s=30)
+            got = {}
+            ts[1].recv(recv, recv.steps[0], time.monotonic() + 30, got.__setitem__)
+            assert np.array_equal(got[((0, 4),)], np.arange(4, dtype=np.float32))
+    finally:
+        for t in ts.values():
+            t.close()
+
+
+def test_a_failed_connection_fails_its_work_and_the_next_work_connects_again():
+    sender = StreamTransport(0, "127.0.0.1")
+    with socket.socket() as peer:  # host 1's port, where nobody listens yet
+        peer.bind(("127.0.0.1", 0))
+        sender.connect({1: peer.getsockname()}, None)
+        work = _pair_work("w", 0, SEND, 1, timeout_s=30)
+        try:
+            with pytest.raises(
+                RuntimeError,
+                match=r"host 0: .*cannot connect to host 1 at .*the next work to host 1 "
+                r"connects again",
+            ):
+                sender.send(work, work.steps[0], np.zeros(4, np.float32))
+                sender.complete(work, time.monotonic() + 30)
+            peer.listen()
+            later = _pair_work("w2", 0, SEND, 1, timeout_s=30)
+            sender.send(later, later.steps[0], np.arange(4, dtype=np.float32))
+            sender.complete(later, time.monotonic() + 30)  # written: it connected
+            conn, _ = peer.accept()
+            with conn:
+                conn.settimeout(30)
+                (host,) = _HELLO.unpack(conn.recv(_HELLO.size, socket.MSG_WAITALL))
+                assert host == 0
         finally:
             sender.close()
 

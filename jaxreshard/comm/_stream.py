@@ -18,15 +18,24 @@ TCP connection per (sender, receiver) pair:
 - a relay hands each chunk to its next host as soon as the chunk is here (cut-through at chunk
   granularity), so a broadcast chain pipelines with one chunk of delay per hop, as the cluster
   model's simulator assumes (`Cluster.chunk_bytes`).
-Headers are JSON (work id, op, region, sending host, emulated arrival time); payloads are the
-slice's bytes in C order, viewed as the work's dtype on arrival.
+A connection starts with the sending host's id; then every message is a prefix (header and
+payload sizes), a JSON header (work id, op, region, sending host, emulated arrival time) and the
+payload: the slice's bytes in C order, viewed as the work's dtype on arrival.
+
+Failures are loud and not sticky. A peer that closes its connection in the middle of a message
+fails the receives from it that are under way, and every receive of the work whose message was
+cut, with an error naming the peer and the bytes expected and got; receives from other hosts,
+and later works' receives, go on. A sender whose connection failed fails the works that had
+messages on it; the next work to that peer connects afresh.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
+import logging
 import socket
 import struct
 import threading
@@ -37,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
-from jaxreshard.comm._layout import Index
+from jaxreshard.comm._layout import Index, format_index
 from jaxreshard.comm._local import BufferPool, relative_slices
 from jaxreshard.comm._order import Step
 from jaxreshard.comm._transport import (
@@ -49,7 +58,9 @@ from jaxreshard.comm._transport import (
 )
 
 _PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
+_HELLO = struct.Struct("!q")  # what a connection starts with: the sending host's id
 CONNECT_TIMEOUT_S = 30.0
+_log = logging.getLogger(__name__)
 _FORGOTTEN = 4096  # ids of finished works whose late messages are dropped
 _SPARE_BYTES = 64 * 2**20  # received chunks' buffers kept for reuse (no page faults per chunk)
 
@@ -80,7 +91,13 @@ class StreamTransport(Transport):
         self._spare = BufferPool(_SPARE_BYTES)
         self._cond = threading.Condition()
         self._closed = False
-        self._broken: str | None = None
+        # How often each peer's connection broke, and why it last did; a receive fails if it
+        # breaks while the receive is under way.
+        self._breaks: dict[int, tuple[int, str]] = {}
+        self._lost: dict[str, str] = {}  # work id -> why a message of it was cut short
+        self._connection: dict[int, int] = {}  # peer -> its latest connection's serial number
+        self._serials = itertools.count()
+        self._retired: list[_Sender] = []  # failed senders, until their works are done
         threading.Thread(target=self._accept, daemon=True, name=f"tcp-accept-h{host}").start()
 
     def connect(
@@ -90,6 +107,9 @@ class StreamTransport(Transport):
         with self._cond:
             self._addresses = {int(h): (a[0], int(a[1])) for h, a in addresses.items()}
             self._book = book
+            moved = [h for h, s in self._senders.items() if s.address != self._addresses.get(h)]
+            for h in moved:  # a peer that listens elsewhere now: the next send connects there
+                self._retire(self._senders.pop(h))
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -115,6 +135,10 @@ class StreamTransport(Transport):
     def _sender(self, peer: int, work: HostWork) -> _Sender:
         with self._cond:
             sender = self._senders.get(peer)
+            if sender is not None and sender.failed and not sender.lost(work.work_id):
+                # Its connection failed during an earlier work: this one connects afresh.
+                self._retire(self._senders.pop(peer))
+                sender = None
             if sender is None:
                 if peer not in self._addresses:
                     raise RuntimeError(
@@ -126,10 +150,16 @@ class StreamTransport(Transport):
                 self._senders[peer] = sender
             return sender
 
+    def _retire(self, sender: _Sender) -> None:
+        """Stop using `sender` (under `_cond`); its works still hear how it failed."""
+        sender.close()
+        self._retired = [s for s in self._retired if s.busy()]
+        self._retired.append(sender)
+
     def complete(self, work: HostWork, deadline: float) -> None:
         """Wait until every message of `work` this host queued is written to its connection."""
         with self._cond:
-            senders = list(self._senders.values())
+            senders = [*self._senders.values(), *self._retired]
         for sender in senders:
             sender.wait(work, deadline)
 
@@ -148,9 +178,17 @@ class StreamTransport(Transport):
         op = work.ops[step.op]
         dtype = jax.numpy.dtype(work.dtype)
         missing = set(expected_chunks(work, op))
+        peer = step.peers[0]
+        with self._cond:
+            breaks = self._breaks.get(peer, (0, ""))[0]  # the peer's breaks before this receive
+
+        def broken() -> str | None:  # (under `_cond`)
+            count, why = self._breaks.get(peer, (0, ""))
+            return self._lost.get(work.work_id) or (why if count != breaks else None)
+
         while missing:
             arrived = take_arrived(
-                self._cond, self._mailbox, work, step, deadline, self._aborted, self._broken
+                self._cond, self._mailbox, work, step, deadline, self._aborted, broken
             )
             for region, raw, ready in arrived:
                 sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
@@ -172,34 +210,70 @@ class StreamTransport(Transport):
             ).start()
 
     def _read(self, conn: socket.socket) -> None:
-        try:
-            self._read_messages(conn)
-        except Exception as e:  # every wait of this host hears it, instead of timing out
-            with self._cond:
-                self._broken = f"receiving from a peer failed: {type(e).__name__}: {e}"
-                self._cond.notify_all()
+        peer: int | None = None
+        serial = -1
+        with conn:
+            try:
+                hello = _recv_exactly(conn, _HELLO.size, what="the sending host's id")
+                if hello is None:
+                    return  # connected and closed at once
+                (peer,) = _HELLO.unpack(hello)
+                with self._cond:
+                    serial = next(self._serials)
+                    self._connection[peer] = serial
+                self._read_messages(conn)
+            except Exception as e:  # the waits for this peer hear it, instead of timing out
+                who = f"host {peer}" if peer is not None else "a peer"
+                if isinstance(e, _Truncated):
+                    why = (
+                        f"{who} closed its connection to host {self._host} in the middle of a "
+                        f"message ({e.what}: expected {e.expected} bytes, got {e.got})"
+                    )
+                else:
+                    why = f"receiving from {who} failed: {type(e).__name__}: {e}"
+                why += "; what it was sending is lost (its next work connects again)"
+                if peer is None:  # it carried no message: nobody waits for it
+                    _log.warning("host %d: %s", self._host, why)
+                    return
+                with self._cond:
+                    work = getattr(e, "work", None)
+                    if work is not None:
+                        self._lost[work] = why
+                    if self._connection.get(peer) == serial:  # not after a newer connection
+                        self._breaks[peer] = (self._breaks.get(peer, (0, ""))[0] + 1, why)
+                    self._cond.notify_all()
 
     def _read_messages(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                prefix = _recv_exactly(conn, _PREFIX.size)
-                if prefix is None:
-                    return  # the peer closed its end
-                header_bytes, nbytes = _PREFIX.unpack(prefix)
-                text = _recv_exactly(conn, header_bytes)
-                # A new view: the pool sees it (and what is made of it) hold the buffer.
-                raw = self._spare.take(nbytes)[:]
-                if text is None or _recv_exactly(conn, nbytes, into=memoryview(raw)) is None:
-                    return
-                header = json.loads(bytes(text))
-                region = tuple(tuple(r) for r in header["region"])
-                with self._cond:
-                    if self._is_forgotten(header["work"]):
-                        continue
-                    self._mailbox.setdefault((header["work"], header["op"]), []).append(
-                        (region, raw, header["ready"])
-                    )
-                    self._cond.notify_all()
+        while True:
+            prefix = _recv_exactly(conn, _PREFIX.size, what="a message's sizes")
+            if prefix is None:
+                return  # the peer closed its end between messages
+            header_bytes, nbytes = _PREFIX.unpack(prefix)
+            text = _recv_exactly(
+                conn, header_bytes, what=f"the header of a {nbytes}-byte message", eof=False
+            )
+            header = json.loads(bytes(text))  # type: ignore[arg-type]
+            region = tuple(tuple(r) for r in header["region"])
+            raw = self._spare.take(nbytes)
+            message = f"op {header['op']} {format_index(region)} of {header['work']}"
+            try:
+                _recv_exactly(
+                    conn,
+                    nbytes,
+                    into=memoryview(raw),
+                    what=f"the payload of {message}",
+                    eof=False,
+                )
+            except (OSError, _Truncated) as e:
+                e.work = header["work"]  # type: ignore[attr-defined]
+                raise
+            with self._cond:
+                if self._is_forgotten(header["work"]):
+                    continue
+                self._mailbox.setdefault((header["work"], header["op"]), []).append(
+                    (region, raw, header["ready"])
+                )
+                self._cond.notify_all()
 
     # -- failures and cleanup --------------------------------------------------------------------
 
@@ -223,14 +297,18 @@ class StreamTransport(Transport):
             return w == work_id or w.startswith(work_id + ":")
 
         with self._cond:
-            for key in [k for k in self._aborted if mine(k)]:
-                del self._aborted[key]
+            for table in (self._aborted, self._lost):
+                for work in [w for w in table if mine(w)]:
+                    del table[work]
             for key in [k for k in self._mailbox if mine(k[0])]:
                 del self._mailbox[key]
             if len(self._forgotten) == self._forgotten.maxlen:
                 self._forgotten_ids.discard(self._forgotten[0])
             self._forgotten.append(work_id)
             self._forgotten_ids.add(work_id)
+            retired = list(self._retired)
+        for sender in retired:
+            sender.forget(mine)
 
     def _is_forgotten(self, work_id: str) -> bool:
         parts = work_id.split(":")
@@ -242,8 +320,9 @@ class StreamTransport(Transport):
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         with self._cond:
-            senders = list(self._senders.values())
+            senders = [*self._senders.values(), *self._retired]
             self._senders.clear()
+            self._retired.clear()
         for sender in senders:
             sender.close()
 
@@ -256,11 +335,32 @@ class _Sender:
         self._queue: collections.deque[tuple[str, bytes, np.ndarray] | None] = collections.deque()
         self._pending: dict[str, int] = {}  # work id -> messages not yet written
         self._error: str | None = None
+        self._lost: set[str] = set()  # works with messages unwritten when the connection failed
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         threading.Thread(
             target=self._run, daemon=True, name=f"tcp-send-h{owner._host}-to-h{peer}"
         ).start()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def lost(self, work_id: str) -> bool:
+        """Whether messages of `work_id` were lost when the connection failed."""
+        with self._cond:
+            return work_id in self._lost
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._pending)
+
+    def forget(self, mine: Callable[[str], bool]) -> None:
+        """Drop the unwritten messages of the works `mine` selects (a failed sender)."""
+        with self._cond:
+            if self._error is not None:
+                for work_id in [w for w in self._pending if mine(w)]:
+                    del self._pending[work_id]
 
     def put(self, work_id: str, head: bytes, payload: np.ndarray) -> None:
         with self._cond:
@@ -300,6 +400,7 @@ class _Sender:
             self._sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
             self._sock.settimeout(None)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(_HELLO.pack(self._owner._host))
         except OSError as e:
             self._fail(f"cannot connect to host {self.peer} at {self.address}: {e}")
             return
@@ -329,22 +430,39 @@ class _Sender:
 
     def _fail(self, error: str) -> None:
         with self._cond:
-            self._error = error
+            self._error = f"{error} (the next work to host {self.peer} connects again)"
+            self._lost = set(self._pending)
+            # What is still queued never goes out: let its payloads go.
+            self._queue = collections.deque(item for item in self._queue if item is None)
             self._cond.notify_all()
 
 
+class _Truncated(ConnectionError):
+    """The peer closed its connection in the middle of a message."""
+
+    def __init__(self, what: str, expected: int, got: int):
+        super().__init__(f"{what}: expected {expected} bytes, got {got}")
+        self.what, self.expected, self.got = what, expected, got
+
+
 def _recv_exactly(
-    conn: socket.socket, nbytes: int, into: memoryview | None = None
+    conn: socket.socket,
+    nbytes: int,
+    into: memoryview | None = None,
+    *,
+    what: str,
+    eof: bool = True,
 ) -> bytes | memoryview | None:
-    """Read exactly `nbytes` (into `into` if given); None if the peer closed first."""
+    """Read exactly `nbytes` (into `into` if given). A peer that closes before the first byte:
+    None where a message may end there (`eof`); a peer that closes after it, or where a message
+    may not end: `_Truncated` naming `what` and the bytes expected and got."""
     view = into if into is not None else memoryview(bytearray(nbytes))
     got = 0
     while got < nbytes:
-        try:
-            n = conn.recv_into(view[got:], nbytes - got)
-        except OSError:
-            return None
+        n = conn.recv_into(view[got:], nbytes - got)  # OSError: the connection failed
         if n == 0:
-            return None
+            if got == 0 and eof:
+                return None
+            raise _Truncated(what, nbytes, got)
         got += n
     return view if into is not None else bytes(view)

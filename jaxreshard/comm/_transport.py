@@ -382,19 +382,21 @@ def take_arrived(
     step: Step,
     deadline: float,
     aborted: Mapping[str, str],
-    broken: str | None = None,
+    broken: Callable[[], str | None] | None = None,
 ) -> list[Any]:
     """Wait on `cond` until `mailbox` holds pieces of op `step.op` of `work`; take them.
 
     Raises (naming the host, op, tensor and peer) if the work (or one it belongs to, see
-    `aborted_reason`) was aborted, the transport is `broken`, or `deadline` passes first.
+    `aborted_reason`) was aborted, `broken()` (asked under `cond` at every wake-up) says why
+    the slice cannot come any more, or `deadline` passes first.
     """
     key = (work.work_id, step.op)
     with cond:
         while not mailbox.get(key):
             where = f"host {work.host}: {work.where(step.op)}"
-            if broken is not None:
-                raise RuntimeError(f"{where}: {broken}")
+            why = broken() if broken is not None else None
+            if why is not None:
+                raise RuntimeError(f"{where}: {why}")
             reason = aborted_reason(aborted, work.work_id)
             if reason is not None:
                 raise RuntimeError(

@@ -15,21 +15,33 @@ from jaxreshard.comm._layout import spec_axes
 from jaxreshard.runtime._config import PipelineConfig
 
 
+class ReplicatedSpecWarning(UserWarning):
+    """A tensor asked to be sharded is replicated instead: its spec does not fit the mesh it is
+    placed on (an axis the mesh lacks, or a dim the axes do not divide). It then takes the
+    whole mesh's memory and bandwidth where a shard was asked for; the message names the
+    tensor, the spec, the mesh and the fix."""
+
+
 def transplant_spec(
     spec: Any, mesh_shape: dict[str, int], shape: Sequence[int], what: str | None = None
 ) -> P:
     """`spec` when it fits a mesh of `mesh_shape` and an array of `shape`, else replicated.
 
-    With `what` (the tensor, for the message), replicating a sharded spec is a warning: the
-    tensor then takes the whole mesh's memory and bandwidth where the user asked for a shard.
+    Replicating a sharded spec warns (`ReplicatedSpecWarning`, naming `what`, the tensor, or
+    its shape); a spec that shards nothing (None, `P()`, `P(None, ...)`) replicates silently.
     """
     reason = _misfit(spec, mesh_shape, shape)
     if reason is None:
         return P(*spec) if spec is not None else P()
-    if what is not None and any(entry is not None for entry in spec):
+    if spec is not None and any(entry is not None for entry in spec):
+        tensor = what if what is not None else f"an array of shape {tuple(shape)}"
         warnings.warn(
-            f"{what}: {P(*spec)} does not fit mesh {mesh_shape} ({reason}); it is replicated "
-            "on that mesh instead. Give the stages mesh shapes that fit, or another spec.",
+            f"{tensor}: {P(*spec)} does not fit mesh {mesh_shape} ({reason}); it is replicated "
+            f"on that mesh instead. To shard it, give the stages mesh shapes whose axes "
+            f"({', '.join(map(repr, mesh_shape)) or 'none'}) divide its dims "
+            "(PipelineConfig.stage_mesh_shape, mesh_axis_names), or another spec; P() "
+            "replicates it without this warning.",
+            ReplicatedSpecWarning,
             stacklevel=2,
         )
     return P()
@@ -52,17 +64,43 @@ def _misfit(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> str 
 
 
 def batch_spec(
-    mesh_shape: dict[str, int], shape: Sequence[int], batch_axis: str | None, dim: int = 0
+    mesh_shape: dict[str, int],
+    shape: Sequence[int],
+    batch_axis: str | None,
+    dim: int = 0,
+    what: str | None = None,
 ) -> P:
-    """A micro-batch's spec on a stage mesh: its batch dim `dim` sharded over `batch_axis` when
-    the mesh has that axis and it divides the micro-batch, else replicated."""
-    if (
-        batch_axis
-        and batch_axis in mesh_shape
-        and len(shape) > dim
-        and shape[dim] % mesh_shape[batch_axis] == 0
-    ):
+    """A micro-batch's spec on a stage mesh: its batch dim `dim` sharded over `batch_axis`.
+
+    Without a `batch_axis`, or for an array without that dim, it is replicated. When the mesh
+    lacks the axis or the axis does not divide the dim, it is replicated too, with a
+    `ReplicatedSpecWarning` naming the micro-batch (`what`, or its shape), the axis, the mesh
+    and the fix: every device of the axis then computes the whole micro-batch.
+    """
+    if not batch_axis or len(shape) <= dim:
+        return P()
+    size = mesh_shape.get(batch_axis)
+    if size is not None and shape[dim] % size == 0:
         return P(*([None] * dim), batch_axis)
+    tensor = what if what is not None else f"a micro-batch of shape {tuple(shape)}"
+    if size is None:
+        reason = f"mesh {mesh_shape} has no axis {batch_axis!r}"
+        fix = f"name a mesh axis {batch_axis!r} or pass PipelineConfig(batch_axis=None)"
+    else:
+        reason = (
+            f"its batch dim {dim} (size {shape[dim]}) is not a multiple of mesh axis "
+            f"{batch_axis!r} (size {size}) of mesh {mesh_shape}"
+        )
+        fix = (
+            f"make the micro-batch (batch size / num_micro_batches) a multiple of {size}, or "
+            "pass PipelineConfig(batch_axis=None) to replicate it without this warning"
+        )
+    warnings.warn(
+        f"{tensor}: {reason}; it is replicated instead of sharded over {batch_axis!r}, so "
+        f"every device of that axis computes all of it. To shard it, {fix}.",
+        ReplicatedSpecWarning,
+        stacklevel=2,
+    )
     return P()
 
 

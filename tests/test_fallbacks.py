@@ -72,3 +72,70 @@ def test_parallelize_warns_when_the_data_axis_cannot_shard_the_micro_batch(cpu_d
     want_w, want_loss = jax.jit(step)(w, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(new_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+
+
+# -- the step's trip to the Ray hosts ------------------------------------------------------------
+
+
+def _module(name, code, monkeypatch):
+    import sys
+    import textwrap
+    import types
+
+    module = types.ModuleType(name)
+    exec(textwrap.dedent(code), module.__dict__)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_a_step_in_a_module_named_like_jax_still_travels_by_value(monkeypatch):
+    import pickle
+    import sys
+
+    from jaxreshard.runtime._pipeline_ray import _by_value
+
+    # Only jaxreshard, jax, jaxlib and numpy themselves are left to the hosts' own imports
+    # (a name that merely starts with "jax" was, and then the hosts could not load the step).
+    module = _module("jaxish_user_steps", "def step(x):\n    return x + 1\n", monkeypatch)
+    payload = _by_value(module.step, {})
+    monkeypatch.delitem(sys.modules, "jaxish_user_steps")  # a host that cannot import it
+    step, static = pickle.loads(payload)
+    assert step(1) == 2 and static == {}
+
+
+def test_a_module_that_cannot_travel_by_value_warns(monkeypatch):
+    from ray import cloudpickle
+
+    from jaxreshard.runtime._pipeline_ray import _by_value
+
+    module = _module("user_steps_unregistrable", "def step(x):\n    return x\n", monkeypatch)
+
+    def refuse(module):
+        raise ValueError(f"{module} was not imported correctly")
+
+    monkeypatch.setattr(cloudpickle, "register_pickle_by_value", refuse)
+    with pytest.warns(
+        UserWarning,
+        match=r"the step's module 'user_steps_unregistrable' cannot travel to the Ray hosts by "
+        r"value \(ValueError: .*\); it is pickled by reference, so every host must be able to "
+        r"import 'user_steps_unregistrable'",
+    ):
+        _by_value(module.step, {})
+
+
+def test_a_host_that_cannot_load_the_step_says_which_module_it_misses(monkeypatch):
+    import pickle
+    import sys
+
+    from jaxreshard.runtime._host import load_step
+
+    code = "def double(x):\n    return 2 * x\n"
+    helpers = _module("user_helpers_not_on_hosts", code, monkeypatch)
+    payload = pickle.dumps((helpers.double, {}))  # by reference, as imported modules travel
+    monkeypatch.delitem(sys.modules, "user_helpers_not_on_hosts")
+    with pytest.raises(
+        RuntimeError,
+        match=r"host 3 \(.*\) cannot load the step it was sent: ModuleNotFoundError: .*"
+        r"make module 'user_helpers_not_on_hosts' importable on every host",
+    ):
+        load_step(3, payload)

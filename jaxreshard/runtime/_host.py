@@ -258,12 +258,10 @@ class HostActor:
     ) -> Any:
         """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves);
         return its fingerprint."""
-        import pickle
-
         from jaxreshard.frontend._trace import fingerprint
         from jaxreshard.runtime._pipeline_ray import HostPipeline
 
-        step, static = pickle.loads(fun)
+        step, static = load_step(self.host, fun)
         pipelines = self.__dict__.setdefault("_pipelines", {})
         pipelines[key] = HostPipeline(
             self,
@@ -304,3 +302,21 @@ class HostActor:
 
     def exit(self) -> None:
         os._exit(0)
+
+
+def load_step(host: int, payload: bytes) -> tuple[Any, Any]:
+    """Unpickle a step the driver sent (`_pipeline_ray._by_value`); an error names the host and
+    what it could not import."""
+    import pickle
+
+    try:
+        return pickle.loads(payload)
+    except Exception as e:
+        missing = getattr(e, "name", None)
+        what = f"module {missing!r}" if isinstance(e, ImportError) and missing else "it"
+        raise RuntimeError(
+            f"host {host} ({socket.gethostname()}) cannot load the step it was sent: "
+            f"{type(e).__name__}: {e}. The step's own module travels by value, but the modules "
+            f"it imports travel by reference: make {what} importable on every host (install "
+            "it there, or move the code the step needs into the step's module)"
+        ) from e

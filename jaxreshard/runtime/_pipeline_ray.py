@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -760,23 +761,30 @@ def _fetched(values: list[Any]) -> list[Any]:
     return [x.fetch() if isinstance(x, RemoteArray) else x for x in values]
 
 
+_INSTALLED = ("jaxreshard", "jax", "jaxlib", "numpy")  # the hosts import these packages themselves
+
+
 def _by_value(fun: Callable[..., Any], static: dict[int, Any]) -> bytes:
     """Pickle the step and its static leaves so that host actors can run it even if its module
-    is not installed (a script, a test file, an example): its module travels by value."""
+    is not installed (a script, a test file, an example): its module travels by value. Modules
+    it imports travel by reference: the hosts must be able to import them."""
     from ray import cloudpickle
 
-    module = sys.modules.get(getattr(fun, "__module__", "") or "")
+    name = getattr(fun, "__module__", "") or ""
+    module = sys.modules.get(name)
     registered = False
-    if (
-        module is not None
-        and module.__name__ not in ("__main__",)
-        and not module.__name__.startswith(("jaxreshard", "jax", "numpy"))
-    ):
+    if module is not None and name != "__main__" and name.split(".")[0] not in _INSTALLED:
         try:
             cloudpickle.register_pickle_by_value(module)
             registered = True
-        except (ValueError, TypeError):
-            pass
+        except (ValueError, TypeError) as e:
+            warnings.warn(
+                f"the step's module {name!r} cannot travel to the Ray hosts by value "
+                f"({type(e).__name__}: {e}); it is pickled by reference, so every host must be "
+                f"able to import {name!r} (install it there, or define the step in a module "
+                "imported with an `import` statement)",
+                stacklevel=3,
+            )
     try:
         return cloudpickle.dumps((fun, static))
     except Exception as e:

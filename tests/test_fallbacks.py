@@ -139,3 +139,52 @@ def test_a_host_that_cannot_load_the_step_says_which_module_it_misses(monkeypatc
         r"make module 'user_helpers_not_on_hosts' importable on every host",
     ):
         load_step(3, payload)
+
+
+# -- the Ray runtime's devices -------------------------------------------------------------------
+
+
+def test_a_local_ray_runtime_with_too_few_gpus_is_an_error_not_cpu_devices(monkeypatch):
+    import ray
+
+    from jaxreshard.runtime import _ray
+    from jaxreshard.runtime._ray import RayRuntime, local_platform
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(
+        ValueError,
+        match=r"init\(backend='ray', num_hosts=2, devices_per_host=2\) asks for 4 GPUs "
+        r"\(num_hosts x devices_per_host\), but this machine has 1; ask for at most 1, or pass "
+        r"platform='cpu' for fake CPU devices",
+    ):
+        local_platform("auto", 2, 2, "single", gpus=1)
+    with pytest.raises(ValueError, match=r"nodes='per_host' .* emulates hosts with fake CPU "):
+        local_platform("auto", 2, 2, "per_host", gpus=8)
+    with pytest.raises(ValueError, match=r"platform='gpu'\) asks for 2 GPUs .* has 0"):
+        local_platform("gpu", 2, None, "single", gpus=0)
+    assert local_platform("auto", 2, 2, "single", gpus=4) == "gpu"
+    # CPU devices where they were asked for, or where the machine has no GPUs.
+    assert local_platform("cpu", 2, 2, "per_host", gpus=1) == "cpu"
+    assert local_platform("auto", 2, 2, "per_host", gpus=0) == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu,cuda")  # this process asked JAX for CPU first
+    assert local_platform("auto", 2, 2, "single", gpus=1) == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    # The runtime refuses before Ray starts.
+    monkeypatch.setattr(_ray, "_machine_gpus", lambda: 1)
+    with pytest.raises(ValueError, match=r"asks for 4 GPUs .* but this machine has 1"):
+        RayRuntime(num_hosts=2, devices_per_host=2, nodes="single")
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match=r"init\(platform='tpu'\): choose 'auto', 'cpu', 'gpu'"):
+        RayRuntime(num_hosts=2, platform="tpu")
+
+
+def test_gpus_the_machine_shows_are_counted_as_cuda_visible_devices_says(monkeypatch):
+    from jaxreshard.runtime._ray import _machine_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    assert _machine_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _machine_gpus() == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert _machine_gpus() == 0

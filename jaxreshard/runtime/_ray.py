@@ -11,6 +11,7 @@ tells the others to stop waiting, and raises an error that names the host and th
 
 from __future__ import annotations
 
+import glob
 import itertools
 import logging
 import math
@@ -59,6 +60,7 @@ class RayRuntime:
         nodes: str = "per_host",
         emulate_network_gbps: float | None = None,
         gpu_memory_fraction: float = 0.6,
+        platform: str = "auto",
     ):
         import ray
 
@@ -71,6 +73,9 @@ class RayRuntime:
             raise ValueError(
                 f"init(transport={transport!r}): choose 'auto', {', '.join(map(repr, TRANSPORTS))}"
             )
+        if platform not in PLATFORMS:
+            choices = ", ".join(map(repr, PLATFORMS))
+            raise ValueError(f"init(platform={platform!r}): choose {choices}")
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already initialised in this process; jaxreshard.init(backend='ray') "
@@ -96,6 +101,8 @@ class RayRuntime:
                     "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
                     "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
                 )
+            # Before Ray starts: too few GPUs is an error, not fake CPU devices.
+            platform = local_platform(platform, num_hosts, devices_per_host, nodes, _machine_gpus())
             if nodes == "per_host":
                 self._local_cluster = _start_local_nodes(num_hosts, object_store_memory)
                 ray.init(
@@ -132,7 +139,9 @@ class RayRuntime:
             )
         self.gpu_memory_fraction = gpu_memory_fraction
         try:
-            self._start_actors(local, num_hosts, devices_per_host, start_timeout_s, transport)
+            self._start_actors(
+                local, num_hosts, devices_per_host, start_timeout_s, transport, platform
+            )
         except BaseException:
             self._kill_all()
             ray.shutdown()
@@ -152,6 +161,7 @@ class RayRuntime:
         devices_per_host: int | None,
         start_timeout_s: float,
         transport: str = "auto",
+        platform: str = "auto",
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -161,11 +171,28 @@ class RayRuntime:
         nodes = _host_nodes([n for n in ray.nodes() if n["Alive"]])
         gpus_per_node = [int(n["Resources"].get("GPU", 0)) for n in nodes]
         if local:
-            use_gpu = gpus_per_node and gpus_per_node[0] >= (devices_per_host or 1) * num_hosts
+            # `local_platform` decided; Ray's own count of the GPUs must agree.
+            use_gpu = platform == "gpu"
+            want = (devices_per_host or 1) * num_hosts  # type: ignore[operator]
+            if use_gpu and (not gpus_per_node or gpus_per_node[0] < want):
+                raise RuntimeError(
+                    f"init(backend='ray', num_hosts={num_hosts}, devices_per_host="
+                    f"{devices_per_host}) asks for {want} GPUs, but Ray found "
+                    f"{gpus_per_node[0] if gpus_per_node else 0} on this machine; ask for fewer, "
+                    "or pass platform='cpu' for fake CPU devices"
+                )
             placements: list[Any] = [None] * num_hosts  # type: ignore[operator]
             counts = [devices_per_host or 1] * num_hosts  # type: ignore[operator]
             gpus = [counts[0] if use_gpu else 0] * num_hosts  # type: ignore[operator]
         else:
+            if platform == "cpu":  # asked for: the nodes' GPUs stay unused
+                gpus_per_node = [0] * len(nodes)
+            elif platform == "gpu" and not any(gpus_per_node):
+                raise RuntimeError(
+                    f"init(backend='ray', platform='gpu'): none of the cluster's {len(nodes)} "
+                    "live nodes has GPUs in Ray's resources (start them with `ray start "
+                    "--num-gpus=N`), or pass platform='cpu'"
+                )
             with_gpus = [n for n, g in zip(nodes, gpus_per_node) if g > 0]
             if with_gpus and len(with_gpus) < len(nodes):
                 # A head node without GPUs must not turn the cluster into CPU devices.
@@ -190,7 +217,18 @@ class RayRuntime:
                 gpus_per_node[i] if use_gpu else (devices_per_host or 1) for i in range(len(nodes))
             ]
             if use_gpu and devices_per_host is not None:
-                counts = [min(c, devices_per_host) for c in counts]
+                short = {
+                    n["NodeManagerAddress"]: c
+                    for n, c in zip(nodes, counts)
+                    if c < devices_per_host
+                }
+                if short:
+                    raise RuntimeError(
+                        f"init(devices_per_host={devices_per_host}): nodes {short} have fewer "
+                        "GPUs (address: GPUs in Ray's resources); pass devices_per_host="
+                        f"{min(short.values())} or less, or start those nodes with more GPUs"
+                    )
+                counts = [devices_per_host] * len(counts)
             gpus = counts if use_gpu else [0] * len(nodes)
         platform = "gpu" if use_gpu else "cpu"
         remote_cls = ray.remote(HostActor)
@@ -604,6 +642,50 @@ class RayRuntime:
 
 _HOST_RESOURCE = HOST_RESOURCE
 TRANSPORTS = ("tcp", "object_store", "nccl")
+PLATFORMS = ("auto", "cpu", "gpu")
+
+
+def _machine_gpus() -> int:
+    """The NVIDIA GPUs a local Ray instance would see: those CUDA_VISIBLE_DEVICES names, else
+    the machine's (/dev/nvidiaN)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def local_platform(
+    platform: str,
+    num_hosts: int,
+    devices_per_host: int | None,
+    nodes: str,
+    gpus: int,
+) -> str:
+    """The platform of a local Ray instance's host actors ('cpu' or 'gpu') on a machine with
+    `gpus` GPUs; an error where they cannot have what was asked.
+
+    CPU is the choice when asked for (`platform='cpu'`, or `JAX_PLATFORMS` naming cpu first in
+    this process) or when the machine has no GPUs. On a machine with GPUs, fake CPU devices are
+    never a silent stand-in for too few of them."""
+    jax_platforms = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+    if platform == "cpu" or (platform == "auto" and (gpus == 0 or jax_platforms == "cpu")):
+        return "cpu"
+    want = num_hosts * (devices_per_host or 1)
+    asked = f"init(backend='ray', num_hosts={num_hosts}, devices_per_host={devices_per_host}"
+    asked += ", platform='gpu')" if platform == "gpu" else ")"
+    if gpus < want:
+        raise ValueError(
+            f"{asked} asks for {want} GPUs (num_hosts x devices_per_host), but this machine has "
+            f"{gpus}{' (CUDA_VISIBLE_DEVICES)' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}; "
+            f"ask for at most {gpus}, or pass platform='cpu' for fake CPU devices"
+        )
+    if nodes == "per_host":
+        raise ValueError(
+            f"{asked} on a machine with {gpus} GPUs: nodes='per_host' (one Ray node per host) "
+            "emulates hosts with fake CPU devices only; pass nodes='single' to give the host "
+            "actors the GPUs, or platform='cpu' for fake CPU devices"
+        )
+    return "gpu"
 
 
 def _auto_transport(platform: str) -> str:

@@ -188,3 +188,23 @@ def test_gpus_the_machine_shows_are_counted_as_cuda_visible_devices_says(monkeyp
     assert _machine_gpus() == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert _machine_gpus() == 0
+
+
+def test_devices_a_host_actor_reports_must_be_the_planned_ones():
+    from jaxreshard.runtime._ray import check_reported_devices
+
+    planned = [(0, 1), (2, 3)]
+    infos = [
+        {"hostname": "a", "devices": {0: "cuda:0", 1: "cuda:1"}},
+        {"hostname": "b", "devices": {2: "cuda:0", 3: "cuda:1"}},
+    ]
+    check_reported_devices(planned, infos, "gpu")  # as planned: fine
+    # Host 0's JAX sees 3 GPUs where Ray gave it 2: its ids run into host 1's.
+    infos[0]["devices"] = {0: "cuda:0", 1: "cuda:1", 2: "cuda:2"}
+    with pytest.raises(
+        RuntimeError,
+        match=r"host actors see other gpu devices than the runtime planned for them \(host 0 "
+        r"\(a\): planned \[0, 1\], reports \[0, 1, 2\]\)\. Each actor's JAX must see exactly "
+        r"the devices Ray gave it",
+    ):
+        check_reported_devices(planned, infos, "gpu")

@@ -266,10 +266,7 @@ class RayRuntime:
             start_timeout_s,
         )
         self.infos = [self.infos[h] for h in range(len(self.actors))]
-        for h, info in enumerate(self.infos):
-            got = sorted(info["devices"])
-            if got != list(hosts[h]):
-                hosts[h] = tuple(got)
+        check_reported_devices(hosts, self.infos, "gpu" if use_gpu else "cpu")
         self.hosts = tuple(hosts)
         handles = dict(enumerate(self.actors))
         self.emulator = None
@@ -686,6 +683,28 @@ def local_platform(
             "actors the GPUs, or platform='cpu' for fake CPU devices"
         )
     return "gpu"
+
+
+def check_reported_devices(
+    planned: Sequence[Sequence[int]], infos: Sequence[dict[str, Any]], platform: str
+) -> None:
+    """The device ids the host actors report must be the ones the runtime planned for them
+    (global ids are `first + local index`: a host with more or fewer devices than planned would
+    take its neighbour's ids or leave holes)."""
+    wrong = [
+        f"host {h} ({info.get('hostname', '?')}): planned {list(planned[h])}, reports "
+        f"{sorted(info['devices'])}"
+        for h, info in enumerate(infos)
+        if sorted(info["devices"]) != list(planned[h])
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"host actors see other {platform} devices than the runtime planned for them ("
+            + "; ".join(wrong)
+            + "). Each actor's JAX must see exactly the devices Ray gave it: on GPUs, Ray's "
+            "num_gpus and CUDA_VISIBLE_DEVICES on that node (nothing may override it); pass "
+            "devices_per_host to use fewer"
+        )
 
 
 def _auto_transport(platform: str) -> str:

@@ -138,6 +138,102 @@ def test_a_receive_that_never_comes_times_out(ray_runtime):
     x.free()
 
 
+def test_a_wait_by_progress_outlasts_its_timeout_while_a_host_gets_on(ray_runtime):
+    import time
+
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Ticker:  # a host's call that makes progress for `busy_s`, then stalls
+        def __init__(self):
+            self.count = 0
+
+        def work(self, seconds, busy_s):
+            start = time.monotonic()
+            while time.monotonic() - start < seconds:
+                time.sleep(0.05)
+                if time.monotonic() - start < busy_s:
+                    self.count += 1
+            return "done"
+
+        def progress(self):
+            return (self.count, f"tick {self.count}", 0.0)
+
+    rt = ray_runtime
+    ticker = Ticker.remote()
+    try:
+        ray.get(ticker.progress.remote(), timeout=60)  # started
+        probe = lambda h: ticker.progress.remote()
+        # 4 s of steady progress against a 1.5 s deadline: the deadline moves with it.
+        start = time.monotonic()
+        done = rt._wait({0: ticker.work.remote(4.0, 4.0)}, "ticking", 1.5, progress=probe)
+        assert done == {0: "done"} and time.monotonic() - start >= 4.0
+        # Progress stops after 1 s: the wait ends 1.5 s later, naming the host and its last act.
+        start = time.monotonic()
+        with pytest.raises(
+            TimeoutError,
+            match=r"stalling made no progress for 1\.5 s \(after \d+ s in all\): host 0 "
+            r"\(.*\) last finished tick \d+ .* raise PipelineConfig\.timeout_s",
+        ):
+            rt._wait({0: ticker.work.remote(30.0, 1.0)}, "stalling", 1.5, progress=probe)
+        assert time.monotonic() - start < 10
+    finally:
+        ray.kill(ticker)
+
+
+def _sleep(x):
+    import time
+
+    time.sleep(0.5)
+    return x
+
+
+def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
+    ray_runtime, monkeypatch
+):
+    """The driver's deadline for a step moves with the hosts' progress (finished actions,
+    arrivals): 8 micro-batches of 0.5 s actions outlast a 3 s deadline."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import ray
+
+    from jaxreshard.runtime import _pipeline_ray
+
+    @jax.custom_jvp
+    def slow(x):  # an identity that takes 0.5 s on the host
+        return jax.pure_callback(_sleep, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    slow.defjvp(lambda primals, tangents: (slow(primals[0]), tangents[0]))
+
+    def step(w, batch):
+        def loss_fn(w):
+            h = jaxreshard.stage_boundary(slow(jnp.tanh(batch @ w)))
+            return jnp.mean((slow(h) @ w) ** 2)
+
+        loss, g = jaxreshard.value_and_grad(loss_fn)(w)
+        return w - 0.1 * g, loss
+
+    monkeypatch.setattr(_pipeline_ray, "STEP_GRACE_S", 0.0)  # the driver waits timeout_s
+    config = jaxreshard.PipelineConfig(num_micro_batches=8, timeout_s=3.0, backend="ray")
+    pstep = jaxreshard.parallelize(step, config=config, batch_argnums=(1,))
+    w = np.ones((4, 4), np.float32) * 0.1
+    batch = np.ones((16, 4), np.float32)
+    pstep(w, batch)  # compiles
+    start = time.monotonic()
+    _, loss = pstep(w, batch)
+    assert time.monotonic() - start > config.timeout_s
+    np.testing.assert_allclose(float(loss), float(jax.jit(step)(w, batch)[1]), rtol=1e-5)
+    (entry,) = pstep._cache.values()
+    pipe = entry.pipeline
+    step_id = f"{pipe.key}:{pipe._steps - 1}"
+    (host,) = pipe.hosts  # both stages' meshes (a device each) are on host 0
+    report = pipe.runtime.actors[host].pipeline_call.remote(pipe.key, "progress", step_id)
+    count, last, _ = ray.get(report, timeout=60)
+    assert count >= 16 and last  # at least every stage's forwards finished, one by one
+
+
 def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
     import ray
     from conftest import RAY_CONFIG

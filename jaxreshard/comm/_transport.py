@@ -418,5 +418,14 @@ def book_link(emulator: Any, host: int, peer: int, nbytes: int) -> float:
         return 0.0
     import ray
 
-    _, end = ray.get(emulator.reserve.remote(host, peer, nbytes), timeout=60.0)
+    try:
+        _, end = ray.get(emulator.reserve.remote(host, peer, nbytes), timeout=BOOK_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"host {host}: the link emulator did not book {nbytes} bytes to host {peer} within "
+            f"{BOOK_TIMEOUT_S:g} s (it is a small call: the emulator actor is stuck or gone)"
+        ) from None
     return end
+
+
+BOOK_TIMEOUT_S = 60.0  # booking an emulated link: a small call to a live actor

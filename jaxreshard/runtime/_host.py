@@ -10,12 +10,11 @@ import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
-_RPC_TIMEOUT_S = 60.0  # a small call to a live actor (the link emulator's bookkeeping)
 
 
 class HostActor:
@@ -201,21 +200,27 @@ class HostActor:
         import jax
         import ray
 
+        from jaxreshard.comm._emulate import sleep_until
         from jaxreshard.comm._local import POOL, aligned_empty, relative_slices
+        from jaxreshard.comm._transport import book_link
 
+        deadline = time.monotonic() + timeout_s  # for the whole pull
         buffers = {  # from the same pool as the planned reshardings' (HostData), to be fair
             d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype), pool=POOL)
             for d, r in regions.items()
         }
-        from jaxreshard.comm._emulate import sleep_until
-
         for src_index, (ref,), src_host in refs:
             if self._emulator is not None and src_host != self.host:
                 nbytes = math.prod(b - a for a, b in src_index) * jax.numpy.dtype(dtype).itemsize
-                reserved = self._emulator.reserve.remote(src_host, self.host, nbytes)
-                _, end = ray.get(reserved, timeout=_RPC_TIMEOUT_S)
-                sleep_until(end)
-            data = ray.get(ref, timeout=timeout_s)
+                sleep_until(book_link(self._emulator, src_host, self.host, nbytes))
+            try:
+                data = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"host {self.host}: pulling {array_id}'s region {list(src_index)} from host "
+                    f"{src_host} did not finish within timeout_s={timeout_s:g} s of the pull's "
+                    "start"
+                ) from None
             for d, region in regions.items():
                 part = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(src_index, region))
                 if all(b > a for a, b in part):

@@ -14,6 +14,16 @@ the actors: a host keeps a step's outputs as the jax.Arrays they are, the optimi
 whose inputs are all on one host run there within the step call, and the step returns
 `RemoteArray`s that the next call hands straight back. Handles the driver drops are freed in
 one batched message per host with the next call.
+
+[Note: progress deadline]
+A step may take as long as it needs while it gets on: the driver's wait for the hosts' step calls
+ends only when none of the hosts still busy has made progress for `PipelineConfig.timeout_s`
+(plus `STEP_GRACE_S`, so that a host's own deadline, which names the transfer it waited for,
+speaks first). Every second the driver asks each busy host for its `StepProgress` (a call beside
+the step: the actor is threaded); a host progresses when an action it dispatched has finished (its
+outputs are ready), a boundary tensor has arrived, or a post-gradient segment has run. The
+progress deadline then fails a hung device or host callback, which nothing inside the hosts can
+interrupt, in bounded time, and names each host's last finished action.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +75,90 @@ from jaxreshard.runtime._step import (
     stage_feeds,
 )
 
+STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
+
 # -- in the host actor -----------------------------------------------------------------------------
+
+
+class StepProgress:
+    """What a host's part of the running step has finished, for the driver's progress deadline
+    (see [Note: progress deadline]). Thread-safe; it holds only weak references to outputs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step_id = ""
+        self.count = 0
+        self.last = "nothing"
+        self._when = time.monotonic()
+        self._pending: list[tuple[str, list[Any]]] = []  # dispatched: (what, weakrefs of outputs)
+
+    def begin(self, step_id: str) -> None:
+        with self._lock:
+            self.step_id, self.count, self.last = step_id, 0, "nothing"
+            self._when, self._pending = time.monotonic(), []
+
+    def finished(self, what: str) -> None:
+        """Something of the step finished now."""
+        with self._lock:
+            self._finished(what)
+
+    def dispatched(self, what: str, outputs: Any) -> None:
+        """An action was dispatched: it has finished once `outputs` are ready (or gone)."""
+        refs = [weakref.ref(x) for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        with self._lock:
+            self._pending.append((what, refs))
+            self._sweep()
+
+    def report(self, step_id: str) -> tuple[int, str, float]:
+        """(how many things step `step_id` finished here, the last one, seconds since)."""
+        with self._lock:
+            if step_id != self.step_id:
+                return (0, "nothing", 0.0)
+            self._sweep()
+            return (self.count, self.last, time.monotonic() - self._when)
+
+    def _finished(self, what: str) -> None:
+        self.count += 1
+        self.last, self._when = what, time.monotonic()
+
+    def _sweep(self) -> None:
+        pending = []
+        for what, refs in self._pending:
+            if all(_done(ref()) for ref in refs):
+                self._finished(what)
+            else:
+                pending.append((what, refs))
+        self._pending = pending
+
+
+def _done(x: Any) -> bool:
+    return x is None or x.is_deleted() or x.is_ready()
+
+
+class _WatchedCompiler(StageCompiler):
+    """A `StageCompiler` whose calls report to the step's `StepProgress`."""
+
+    progress: StepProgress
+
+    def call(self, name: str, *args: Any) -> Any:
+        out = super().call(name, *args)
+        self.progress.dispatched(f"stage {self.s}'s {name}", out)
+        return out
+
+
+class _WatchedChannels(HostChannels):
+    """`HostChannels` whose arrivals report to the step's `StepProgress`."""
+
+    progress: StepProgress
+
+    def deliver(self, key: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+        super().deliver(key, *args, **kwargs)
+        if len(key) == 5:  # an instruction's key: (kind, tensor, micro-batch, from, to)
+            kind, tensor, mb, src, dst = key
+            what = f"receiving {kind} {tensor} of micro-batch {mb} (stage {src} to {dst})"
+        else:
+            what = f"receiving {key}"
+        self.progress.finished(what)
 
 
 class HostPipeline:
@@ -108,11 +202,14 @@ class HostPipeline:
             static=static,
             loss_reduction=config.loss_reduction,
         )
+        self.watch = StepProgress()
         self.compilers: dict[int, StageCompiler] = {}
         for s in stage_devices:
-            self.compilers[s] = StageCompiler(
+            compiler = _WatchedCompiler(
                 self.graph, stage_backward(self.graph, s, config), self.meshes[s], config
             )
+            compiler.progress = self.watch
+            self.compilers[s] = compiler
         # Optimizer segments run inside their stage's last backward where they can (the driver
         # finds the same ones: `fusable_segments` is a function of the step and the stages).
         self._fused = fusable_segments(self.graph, list(self.compilers), config.num_micro_batches)
@@ -136,7 +233,7 @@ class HostPipeline:
         fused into this host's stages' last backwards (stage -> segment)."""
         self.layout = layout
         actor = self.actor
-        self.channels = HostChannels(
+        self.channels = _WatchedChannels(
             layout,
             host=actor.host,
             host_of_stage=host_of_stage,
@@ -146,6 +243,7 @@ class HostPipeline:
             signal=self._signal,
             timeout_s=self.config.timeout_s,
         )
+        self.channels.progress = self.watch
         schedule = layout.schedule
         self.ranks = {  # the ranks (programs) this host runs, and their chunks
             r: schedule.chunks_of(r)
@@ -162,6 +260,10 @@ class HostPipeline:
 
     def _signal(self, host: int, step_id: str, key: tuple[Any, ...]) -> None:
         self.actor.peers[host].pipeline_call.remote(self.key, "signalled", step_id, key)
+
+    def progress(self, step_id: str) -> tuple[int, str, float]:
+        """What this host finished of step `step_id` so far (see [Note: progress deadline])."""
+        return self.watch.report(step_id)
 
     def signalled(self, step_id: str, key: tuple[Any, ...]) -> None:
         if self.channels is not None:
@@ -238,6 +340,7 @@ class HostPipeline:
         layout, graph, channels = self.layout, self.graph, self.channels
         assert layout is not None and channels is not None, "set_layout first"
         self._step_id = step_id
+        self.watch.begin(step_id)
         events: list[Event] | None = [] if record else None
         recorder = events.append if events is not None else None
         losses: list[Any] = [None] * self.config.num_micro_batches
@@ -383,6 +486,7 @@ class HostPipeline:
                 jax.block_until_ready(outs)
                 record(Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply"))
             produced[index] = list(outs)
+            self.watch.dispatched(f"post segment {index}", outs)
             described[index] = [
                 self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)
             ]
@@ -595,7 +699,11 @@ class RayPipeline:
                 on_host.get(h, []),
             )
         results = rt._wait(
-            calls, f"running step {step_id}", self.config.timeout_s + 30, work_id=step_id
+            calls,
+            f"running step {step_id}",
+            self.config.timeout_s + STEP_GRACE_S,
+            work_id=step_id,
+            progress=lambda h: rt.actors[h].pipeline_call.remote(self.key, "progress", step_id),
         )
         last_host = self.host_of_stage[layout.num_stages - 1]
         here = time.time() - time.perf_counter()

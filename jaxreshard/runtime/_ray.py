@@ -5,8 +5,10 @@ One `HostActor` per host owns that host's devices. The driver plans (the planner
 runtime's devices as `VirtualDevice`s with their host), derives each host's program from the plan
 (`_order.host_programs`), proves the programs cannot hang (`_order.check_programs`), and sends
 each host only its part. Hosts then exchange slices among themselves (object store or NCCL),
-without the driver. The driver waits with a deadline, notices a failed or dead host at once,
-tells the others to stop waiting, and raises an error that names the host and the op.
+without the driver. The driver waits with a deadline (from the start of the wait; for a pipeline
+step, one that moves with the hosts' progress, see [Note: progress deadline]), notices a failed
+or dead host at once, tells the others to stop waiting, and raises an error that names the host
+and the op.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from jaxreshard.comm._transport import HostWork
 from jaxreshard.runtime._remote import RemoteArray
 
 DEFAULT_TIMEOUT_S = 120.0
+PROBE_EVERY_S = 1.0  # how often a wait with a progress deadline asks the busy hosts
 
 
 class RuntimeBroken(RuntimeError):
@@ -260,12 +263,12 @@ class RayRuntime:
             )
             hosts.append(tuple(range(first, first + count)))
             first += count
-        self.infos = self._wait(
+        infos = self._wait(
             {h: a.info.remote() for h, a in enumerate(self.actors)},
             "starting the host actors",
             start_timeout_s,
         )
-        self.infos = [self.infos[h] for h in range(len(self.actors))]
+        self.infos: list[dict[str, Any]] = [infos[h] for h in range(len(self.actors))]
         check_reported_devices(hosts, self.infos, "gpu" if use_gpu else "cpu")
         self.hosts = tuple(hosts)
         handles = dict(enumerate(self.actors))
@@ -528,30 +531,73 @@ class RayRuntime:
         timeout_s: float | None = None,
         *,
         work_id: str | None = None,
+        progress: Callable[[int], Any] | None = None,
     ) -> dict[int, Any]:
-        """Wait for every host's call; raise at once, naming the host, if one fails or dies."""
+        """Wait for every host's call; raise at once, naming the host, if one fails or dies.
+
+        Without `progress`, the wait ends `timeout_s` (default: the runtime's) after it starts.
+        With it (`progress(h)` calls host h for a report `(count, last, idle_s)` of what its
+        part has done so far), it ends only when no host still busy has made progress for
+        `timeout_s`: a long, healthy call never times out (see [Note: progress deadline]).
+        """
         if self._to_free:
             self.flush_frees()
         import ray
 
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         pending = {ref: h for h, ref in calls.items()}
         results: dict[int, Any] = {}
+        probes: dict[Any, int] = {}  # progress calls in flight -> host
+        reports: dict[int, tuple[int, str, float]] = {}  # host -> its last report
+        asked = start
         while pending:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if progress is not None:
+                if now - asked >= PROBE_EVERY_S:
+                    asked = now
+                    busy = set(pending.values()) - set(probes.values())
+                    probes.update({progress(h): h for h in sorted(busy)})
+                if probes:
+                    answered, _ = ray.wait(list(probes), num_returns=len(probes), timeout=0)
+                    for ref in answered:
+                        h = probes.pop(ref)
+                        try:
+                            report = ray.get(ref, timeout=PROBE_EVERY_S)  # ready: at once
+                        except Exception:  # a dead or failed host: its own call says so
+                            continue
+                        if report[0] != reports.get(h, (0,))[0]:
+                            deadline = now + timeout_s  # it made progress
+                        reports[h] = report
+            left = deadline - now
             if left <= 0:
+                busy_hosts = sorted(pending.values())
                 self._abort(work_id, f"{what} timed out")
+                if progress is None:
+                    raise TimeoutError(
+                        f"{what} did not finish within {timeout_s:g} s; hosts "
+                        f"{self._named_hosts(busy_hosts)} are still busy (raise "
+                        "init(timeout_s=...) for bigger arrays)"
+                    )
+                states = [self._progress_of(h, reports.get(h), now - start) for h in busy_hosts]
                 raise TimeoutError(
-                    f"{what} did not finish within {timeout_s:g} s; hosts "
-                    f"{sorted(pending.values())} are still busy (raise init(timeout_s=...) for "
-                    "bigger arrays)"
+                    f"{what} made no progress for {timeout_s:g} s (after {now - start:.0f} s in "
+                    f"all): {'; '.join(states)} (a hung device, or a host callback that never "
+                    "returns?); raise PipelineConfig.timeout_s if one action legitimately takes "
+                    "longer"
                 )
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, PROBE_EVERY_S))
             for ref in ready:
                 h = pending.pop(ref)
                 try:
                     results[h] = ray.get(ref, timeout=max(1.0, left))  # ready: at once
+                except ray.exceptions.GetTimeoutError:  # (never, for a ready result)
+                    self._abort(work_id, f"{what} timed out")
+                    raise TimeoutError(
+                        f"{what}: host {h} ({self._hostname(h)}) finished, but its result did "
+                        f"not reach the driver within {max(1.0, left):.0f} s"
+                    ) from None
                 except ray.exceptions.RayActorError as e:
                     self._broken = f"host actor {h} died during {what}"
                     self._abort(work_id, self._broken)
@@ -563,6 +609,19 @@ class RayRuntime:
                     self._abort(work_id, f"host {h} failed during {what}")
                     raise _named(e, h, what) from None
         return results
+
+    def _named_hosts(self, hosts: Sequence[int]) -> str:
+        return ", ".join(f"{h} ({self._hostname(h)})" for h in hosts)
+
+    def _progress_of(self, h: int, report: tuple[int, str, float] | None, waited: float) -> str:
+        """A busy host's last progress report, for a timeout's message."""
+        where = f"host {h} ({self._hostname(h)})"
+        if report is None:
+            return f"{where} answered no progress probe in {waited:.0f} s"
+        count, last, idle = report
+        if not count:
+            return f"{where} finished nothing of it yet"
+        return f"{where} last finished {last} {idle:.0f} s before its last report"
 
     def _abort(self, work_id: str | None, reason: str) -> None:
         if work_id is None:

@@ -208,3 +208,19 @@ def test_devices_a_host_actor_reports_must_be_the_planned_ones():
         r"the devices Ray gave it",
     ):
         check_reported_devices(planned, infos, "gpu")
+
+
+def test_step_progress_counts_actions_once_their_outputs_are_ready():
+    from jaxreshard.runtime._pipeline_ray import StepProgress
+
+    progress = StepProgress()
+    progress.begin("s:0")
+    assert progress.report("s:0")[0] == 0
+    outputs = (jnp.ones(3) * 2, [jax.random.key(0)], None)  # a typed key cannot say it is ready
+    progress.dispatched("stage 0's forward", outputs)
+    jax.block_until_ready(outputs[0])
+    count, last, idle = progress.report("s:0")
+    assert (count, last) == (1, "stage 0's forward") and idle >= 0
+    progress.finished("receiving activation 0")
+    assert progress.report("s:0")[:2] == (2, "receiving activation 0")
+    assert progress.report("s:1") == (0, "nothing", 0.0)  # another step: nothing of it yet

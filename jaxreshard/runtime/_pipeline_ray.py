@@ -104,7 +104,11 @@ class StepProgress:
 
     def dispatched(self, what: str, outputs: Any) -> None:
         """An action was dispatched: it has finished once `outputs` are ready (or gone)."""
-        refs = [weakref.ref(x) for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        refs = [  # (typed PRNG key arrays cannot say: their key data comes with other outputs)
+            weakref.ref(x)
+            for x in jax.tree.leaves(outputs)
+            if isinstance(x, jax.Array) and hasattr(x, "is_ready")
+        ]
         with self._lock:
             self._pending.append((what, refs))
             self._sweep()

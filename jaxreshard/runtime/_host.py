@@ -6,6 +6,8 @@ fake CPU devices as asked for); global device ids are `first_device + local inde
 
 from __future__ import annotations
 
+import collections
+import gc
 import math
 import os
 import socket
@@ -57,6 +59,8 @@ class HostActor:
         self._stream: Any = None  # the TCP transport, once `open_stream` made its listener
         self._emulator: Any = None
         self._nccl: Any = None
+        self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (see runtime/_pipeline_ray.py)
+        self._dropped: collections.deque[str] = collections.deque(maxlen=64)  # for messages
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -153,7 +157,7 @@ class HostActor:
             self._stream.abort(work_id, reason)
         if self._nccl is not None:
             self._nccl.abort(work_id, reason)
-        for pipeline in self.__dict__.get("_pipelines", {}).values():
+        for pipeline in list(self._pipelines.values()):
             pipeline.abort(work_id, reason)
 
     def run(self, work: Any, transport: str = "object_store") -> dict[str, float]:
@@ -267,8 +271,7 @@ class HostActor:
         from jaxreshard.runtime._pipeline_ray import HostPipeline
 
         step, static = load_step(self.host, fun)
-        pipelines = self.__dict__.setdefault("_pipelines", {})
-        pipelines[key] = HostPipeline(
+        pipeline = HostPipeline(
             self,
             key,
             step,
@@ -280,18 +283,67 @@ class HostActor:
             input_specs,
             {int(s): grid for s, grid in stages.items()},
         )
-        return fingerprint(pipelines[key].graph)
+        with self._lock:
+            dropped = key in self._dropped  # the driver dropped it while it was traced here
+            if not dropped:
+                self._pipelines[key] = pipeline
+        if dropped:
+            pipeline.drop()
+            raise KeyError(f"host {self.host}: pipeline {key!r} was closed by the driver")
+        return fingerprint(pipeline.graph)
 
     def pipeline_call(self, key: str, method: str, *args: Any) -> Any:
         """Call `method` of pipeline `key` (prepare, compile_forward and compile_variants of a
-        stage; set_layout, step, segment)."""
-        pipeline = self.__dict__.get("_pipelines", {}).get(key)
+        stage; set_layout, step, segment, progress, signalled)."""
+        pipeline = self._pipelines.get(key)
         if pipeline is None:
-            raise KeyError(f"host {self.host} has no pipeline {key!r}")
+            if method == "signalled":  # a peer's late signal to a pipeline dropped here
+                return None
+            if method == "progress":  # nothing more of a dropped pipeline's step will finish
+                return (0, "nothing", 0.0)
+            why = "it was closed by the driver" if key in self._dropped else "never made here"
+            raise KeyError(f"host {self.host} has no pipeline {key!r} ({why})")
         if method.startswith("compile_") or method == "prepare":
             s, *rest = args
             return getattr(pipeline.compilers[s], method)(*rest)
         return getattr(pipeline, method)(*args)
+
+    def pipeline_drop(self, key: str) -> bool:
+        """Drop pipeline `key` (the driver closed it, or dropped it): its channels close, their
+        threads end, and its executables and the arrays it keeps go (arrays kept for the
+        driver's handles stay until those are freed). Never raises; False when it was not here.
+        """
+        with self._lock:
+            pipeline = self._pipelines.pop(key, None)
+            self._dropped.append(key)
+        if pipeline is None:
+            return False
+        try:
+            pipeline.drop()
+        except Exception as e:  # nothing a drop leaves behind may fail the driver's call
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "host %d: dropping pipeline %s: %s: %s", self.host, key, type(e).__name__, e
+            )
+        del pipeline
+        gc.collect()  # a pipeline's objects hold cycles; device memory goes with them
+        return True
+
+    def held(self) -> dict[str, Any]:
+        """What this host holds now: its pipelines' keys, its live `jaxreshard-*` threads (by
+        name), the ids of the arrays it keeps for the driver, and the number of live jax.Arrays
+        in the process (for tests and leak hunting)."""
+        import jax
+
+        return {
+            "pipelines": sorted(self._pipelines),
+            "threads": sorted(
+                t.name for t in threading.enumerate() if t.name.startswith("jaxreshard")
+            ),
+            "arrays": self.array_ids(),
+            "live_arrays": len(jax.live_arrays()),
+        }
 
     def _store(self, array_id: str, shards: Mapping[int, Any]) -> None:
         with self._lock:

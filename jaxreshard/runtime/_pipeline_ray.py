@@ -24,10 +24,25 @@ the step: the actor is threaded); a host progresses when an action it dispatched
 outputs are ready), a boundary tensor has arrived, or a post-gradient segment has run. The
 progress deadline then fails a hung device or host callback, which nothing inside the hosts can
 interrupt, in bounded time, and names each host's last finished action.
+
+[Note: pipeline lifetime]
+The host actors keep a pipeline (its traced step, compiled executables, channels with their
+sender threads and receive pool, placeholders) until the driver lets it go: `RayPipeline.close`
+(`Parallelized` evicting or closing a compiled step), `jaxreshard.shutdown()` (which closes every
+pipeline it tracks), or dropping the `RayPipeline`, whose `weakref.finalize` holds only the key,
+the hosts and a weak reference to the runtime. `close` tells every host now and waits a few
+seconds at most (a dead host, or a runtime already shut down, is skipped); the finalizer may run
+at any point of any thread, so it only queues the drop for the runtime's drop thread, and at
+interpreter exit it does nothing (the actors go with Ray). A host drops it in
+`HostActor.pipeline_drop`: a step still running fails, the channels close and their threads end,
+and the executables, including the post-gradient segments' (jitted per pipeline for this), go.
+Arrays a step kept for the driver's `RemoteArray`s (parameters, optimizer state) stay until those
+handles are freed: they outlive the pipeline, and a step compiled again takes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -48,6 +63,7 @@ from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.comm import VirtualMesh, VirtualSharding
 from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import fingerprint, trace_step
+from jaxreshard.runtime._api import track_pipeline
 from jaxreshard.runtime._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime._executor import (
@@ -71,11 +87,11 @@ from jaxreshard.runtime._step import (
     combine_results,
     donated,
     pre_values,
-    segment_function,
     stage_feeds,
 )
 
 STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
+DROP_WAIT_S = 5.0  # how long `RayPipeline.close` waits for the hosts to have dropped it
 
 # -- in the host actor -----------------------------------------------------------------------------
 
@@ -155,6 +171,31 @@ class _WatchedChannels(HostChannels):
 
     progress: StepProgress
 
+    def release(self, reason: str, running: bool, wait_s: float) -> None:
+        """Close for good (the pipeline is dropped): a step still `running` fails with `reason`
+        (its receives wake), the sender threads and the receive pool end (waited for at most
+        `wait_s`), and the values in flight and placeholders are let go."""
+        if running:
+            self.fail(PipelineError(reason))
+        self.close()
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            threads = list(self._senders.values())
+        threads += list(getattr(self._receivers, "_threads", ()))  # the pool's workers
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            self._senders.clear()
+            self._arrived.clear()
+            self._placeholders.clear()
+            self._nccl_works = []
+        self.signal = _no_signal  # (a bound method of the pipeline: a cycle)
+
+    def forget(self, work_id: str) -> None:
+        """Let the transport drop what it keeps of `work_id` and of the works under it."""
+        self.transport.forget(work_id)  # type: ignore[attr-defined]
+
     def deliver(self, key: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
         super().deliver(key, *args, **kwargs)
         if len(key) == 5:  # an instruction's key: (kind, tensor, micro-batch, from, to)
@@ -163,6 +204,10 @@ class _WatchedChannels(HostChannels):
         else:
             what = f"receiving {key}"
         self.progress.finished(what)
+
+
+def _no_signal(host: int, step_id: str, key: tuple[Any, ...]) -> None:
+    """A dropped pipeline's channels signal nobody."""
 
 
 class HostPipeline:
@@ -222,10 +267,13 @@ class HostPipeline:
             seg = self.graph.segments[j]
             self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
         self.layout: PipelineLayout | None = None
-        self.channels: HostChannels | None = None
+        self.channels: _WatchedChannels | None = None
         self.programs: dict[int, StageProgram] = {}
         self._gid = {d: g for g, d in actor.devices.items()}
         self._step_id = ""
+        self._running = 0  # step calls under way
+        self._segment_fns: dict[tuple[int, tuple[int, ...]], Callable[..., Any]] = {}
+        self.dropped = False
 
     def sharding(self, s: int, spec: P) -> NamedSharding:
         return NamedSharding(self.meshes[s], spec)
@@ -261,6 +309,38 @@ class HostPipeline:
             for r, chunks in self.ranks.items()
         }
         return self._fused
+
+    def drop(self, wait_s: float = 2.0) -> None:
+        """Free what this pipeline holds here (`HostActor.pipeline_drop`): a step still running
+        fails, the channels close and their threads end (waited for at most `wait_s`), and the
+        executables, the traced step and the arrays the pipeline keeps (in flight, placeholders)
+        are let go. Arrays kept for the driver's handles (`HostActor.whole`) stay until freed.
+        Idempotent."""
+        if self.dropped:
+            return
+        self.dropped = True
+        channels, self.channels = self.channels, None
+        if channels is not None:
+            host = self.actor.host
+            channels.release(f"host {host}: pipeline {self.key} was closed", self._running > 0,
+                             wait_s)  # fmt: skip
+            if not self._running:  # (a running step's own receives may still read it)
+                channels.forget(self.key)
+        self.programs = {}
+        self.compilers = {}
+        self._segment_fns = {}
+        self._fused = {}
+        self.layout = None
+
+    def _segment(self, index: int, donate: tuple[int, ...]) -> Callable[..., Any]:
+        """Post-gradient segment `index`, jitted once for this pipeline (its executables go
+        with the pipeline, unlike `segment_function`'s process-wide cache)."""
+        fn = self._segment_fns.get((index, donate))
+        if fn is None:
+            jaxpr = self.graph.segments[index].jaxpr
+            fn = jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=donate)
+            self._segment_fns[(index, donate)] = fn
+        return fn
 
     def _signal(self, host: int, step_id: str, key: tuple[Any, ...]) -> None:
         self.actor.peers[host].pipeline_call.remote(self.key, "signalled", step_id, key)
@@ -342,7 +422,34 @@ class HostPipeline:
         `RayPipeline.run`); keep gradients and outputs; return losses (last stage) and what
         was kept."""
         layout, graph, channels = self.layout, self.graph, self.channels
+        if self.dropped:
+            raise PipelineError(f"host {self.actor.host}: pipeline {self.key} was closed")
         assert layout is not None and channels is not None, "set_layout first"
+        self._running += 1
+        try:
+            return self._step(
+                layout, graph, channels, step_id, params, batches, consts, record, signal_only,
+                apply_inputs, segments,
+            )  # fmt: skip
+        finally:
+            self._running -= 1
+            if self.dropped and not self._running:  # dropped during the step: now it is over
+                channels.forget(self.key)
+
+    def _step(
+        self,
+        layout: PipelineLayout,
+        graph: StepGraph,
+        channels: _WatchedChannels,
+        step_id: str,
+        params: dict[int, str],
+        batches: dict[int, list[list[Any]]],
+        consts: dict[int, list[Any]],
+        record: bool,
+        signal_only: bool,
+        apply_inputs: dict[int, list[tuple[str, Any]]] | None,
+        segments: list[tuple[int, list[tuple[str, Any]], tuple[int, ...]]] | None,
+    ) -> dict[str, Any]:
         self._step_id = step_id
         self.watch.begin(step_id)
         events: list[Event] | None = [] if record else None
@@ -485,7 +592,7 @@ class HostPipeline:
                     x = jax.device_put(x, NamedSharding(mesh, spec))
                 values.append(x)
             start = time.perf_counter()
-            outs = segment_function(seg.jaxpr, tuple(donate))(*values)
+            outs = self._segment(index, tuple(donate))(*values)
             if record is not None:
                 jax.block_until_ready(outs)
                 record(Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply"))
@@ -507,7 +614,7 @@ class HostPipeline:
         seg = self.graph.segments[index]
         mesh = self.meshes[seg.stage]
         values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
-        outs = segment_function(seg.jaxpr, tuple(donate))(*values)
+        outs = self._segment(index, tuple(donate))(*values)
         return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
 
 
@@ -588,65 +695,94 @@ class RayPipeline:
             grid = np.vectorize(lambda d: d.id)(self.meshes[s].devices)
             stages_of.setdefault(h, {})[s] = grid.tolist()
         payload = _by_value(fun, static or {})
-        prints = runtime._wait(
-            {
-                h: runtime.actors[h].pipeline_prepare.remote(
-                    self.key,
-                    payload,
-                    config,
-                    in_tree,
-                    avals,
-                    list(batch_leaves),
-                    input_specs,
-                    stages,
-                )
-                for h, stages in stages_of.items()
-            },
-            "tracing the step on the hosts",
-        )
-        mine = fingerprint(graph)
-        for h, theirs in prints.items():
-            if theirs != mine:
-                raise RuntimeError(
-                    f"host {h} traced the step differently from the driver; the step must be a "
-                    "pure function of its arguments (same JAX version on every host)"
-                )
-        compilers = [_RemoteCompiler(runtime, self.host_of_stage[s], self.key, s) for s in range(p)]
-        fused: dict[int, int] = {}  # as each host fuses its own stages' optimizers
-        for stages in stages_of.values():
-            fused.update(fusable_segments(graph, list(stages), config.num_micro_batches))
-        self.layout = layout_pipeline(
-            graph,
-            config,
-            schedule,
-            self.meshes,
-            leaves,
-            runtime.cluster,
-            compilers,
-            fused,
-            recorded,
-        )
-        self.transport = runtime.transport
-        if self.transport == "nccl":
-            check_channel_order(self.layout)
-            for channel, programs in nccl_programs(self.layout, self.host_of_stage):
-                runtime._ensure_communicators(programs, channel)
-        hosts_fused = runtime._wait(
-            {
-                h: runtime.actors[h].pipeline_call.remote(
-                    self.key, "set_layout", self.layout, self.host_of_stage, self.transport
-                )
-                for h in stages_of
-            },
-            "sending the layout",
-        )
-        theirs = {s: j for per_host in hosts_fused.values() for s, j in per_host.items()}
-        assert theirs == fused, (theirs, fused)
-        self.fused = fused
-        self._donate = {j: donated(graph, j) for j in range(len(graph.segments))}
         self.hosts = sorted(stages_of)
-        self._steps = 0
-        self.last_events: list[Event] = []
+        # The hosts keep the pipeline until the driver closes it: `close`, `jaxreshard.shutdown()`
+        # or dropping it (see [Note: pipeline lifetime]). (No reference to `self` in here.)
+        runtime.start_dropper()
+        self._finalizer = weakref.finalize(
+            self, _drop_on_hosts, weakref.ref(runtime), self.key, tuple(self.hosts)
+        )
+        self._finalizer.atexit = False  # at exit, the actors go with Ray
+        track_pipeline(self)
+        try:
+            prints = runtime._wait(
+                {
+                    h: runtime.actors[h].pipeline_prepare.remote(
+                        self.key,
+                        payload,
+                        config,
+                        in_tree,
+                        avals,
+                        list(batch_leaves),
+                        input_specs,
+                        stages,
+                    )
+                    for h, stages in stages_of.items()
+                },
+                "tracing the step on the hosts",
+            )
+            mine = fingerprint(graph)
+            for h, theirs in prints.items():
+                if theirs != mine:
+                    raise RuntimeError(
+                        f"host {h} traced the step differently from the driver; the step must "
+                        "be a pure function of its arguments (same JAX version on every host)"
+                    )
+            compilers = [
+                _RemoteCompiler(runtime, self.host_of_stage[s], self.key, s) for s in range(p)
+            ]
+            fused: dict[int, int] = {}  # as each host fuses its own stages' optimizers
+            for stages in stages_of.values():
+                fused.update(fusable_segments(graph, list(stages), config.num_micro_batches))
+            self.layout = layout_pipeline(
+                graph,
+                config,
+                schedule,
+                self.meshes,
+                leaves,
+                runtime.cluster,
+                compilers,
+                fused,
+                recorded,
+            )
+            self.transport = runtime.transport
+            if self.transport == "nccl":
+                check_channel_order(self.layout)
+                for channel, programs in nccl_programs(self.layout, self.host_of_stage):
+                    runtime._ensure_communicators(programs, channel)
+            hosts_fused = runtime._wait(
+                {
+                    h: runtime.actors[h].pipeline_call.remote(
+                        self.key, "set_layout", self.layout, self.host_of_stage, self.transport
+                    )
+                    for h in stages_of
+                },
+                "sending the layout",
+            )
+            theirs = {s: j for per_host in hosts_fused.values() for s, j in per_host.items()}
+            assert theirs == fused, (theirs, fused)
+            self.fused = fused
+            self._donate = {j: donated(graph, j) for j in range(len(graph.segments))}
+            self._steps = 0
+            self.last_events: list[Event] = []
+        except BaseException:
+            self.close()  # what the hosts made of it so far
+            raise
+
+    def close(self) -> None:
+        """Have the host actors drop the pipeline now (its threads end; its executables and
+        buffers go), waiting a few seconds at most for them (see [Note: pipeline lifetime]).
+        Dropping the pipeline, or `jaxreshard.shutdown()`, does it too; a closed pipeline runs
+        no more steps. Idempotent; never raises."""
+        detached = self._finalizer.detach()
+        if detached is not None:
+            runtime_ref, key, hosts = detached[2]
+            _drop_on_hosts(runtime_ref, key, hosts, wait_s=DROP_WAIT_S)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the pipeline was closed, or its runtime shut down (its actors gone)."""
+        return not self._finalizer.alive or not self.runtime.is_alive
 
     def sharding(self, s: int, spec: P) -> VirtualSharding:
         return VirtualSharding(self.meshes[s], spec)
@@ -654,6 +790,11 @@ class RayPipeline:
     def run(
         self, leaves: list[Any], *, record: bool = False, signal_only: bool = False
     ) -> list[Any]:
+        if self.closed:
+            raise RuntimeError(
+                f"pipeline {self.key} was closed (close(), jaxreshard.shutdown(), or its runtime "
+                "was shut down); a parallelized step compiles again at its next call"
+            )
         g, layout, rt = self.graph, self.layout, self.runtime
         m = self.config.num_micro_batches
         step_id = f"{self.key}:{self._steps}"
@@ -839,6 +980,18 @@ class RayPipeline:
                 return ("id", (value.array_id, tuple(value.sharding.spec), grid))
             return ("data", value.fetch())
         return ("data", to_wire(value))
+
+
+def _drop_on_hosts(
+    runtime_ref: Any, key: str, hosts: tuple[int, ...], wait_s: float | None = None
+) -> None:
+    """A `RayPipeline`'s finalizer (and `close`): the hosts drop pipeline `key`. From the
+    finalizer (`wait_s` None) only a message is queued: it may run at any point of any thread."""
+    runtime = runtime_ref()
+    if runtime is None:
+        return
+    with contextlib.suppress(Exception):  # nothing may raise from a finalizer
+        runtime.drop_pipeline(key, hosts, wait_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,15 +13,18 @@ and the op.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,6 +96,11 @@ class RayRuntime:
         self._broken: str | None = None
         self._closed = False
         self._ids = itertools.count()
+        # Pipelines the driver dropped, for the hosts to drop (see `drop_pipeline`); a thread
+        # of their own sends them, made with the first pipeline.
+        self._drops: queue.SimpleQueue[tuple[str, tuple[int, ...]] | None] = queue.SimpleQueue()
+        self._dropper: threading.Thread | None = None
+        self._dropper_lock = threading.Lock()
         self._local_cluster: Any = None
         local = address is None
         if nodes not in ("per_host", "single"):
@@ -522,6 +530,45 @@ class RayRuntime:
             )
             self._communicators.add((channel, group))
 
+    # -- pipelines' lifetime -----------------------------------------------------------------------
+
+    def start_dropper(self) -> None:
+        """Start the thread that sends the drops of pipelines the driver let go (before the
+        first one can be: a finalizer must not start threads)."""
+        with self._dropper_lock:
+            if self._dropper is None and not self._closed:
+                self._dropper = threading.Thread(
+                    target=_send_drops,
+                    args=(weakref.ref(self), self._drops),
+                    name="jaxreshard-drops",
+                    daemon=True,
+                )
+                self._dropper.start()
+
+    def drop_pipeline(self, key: str, hosts: Sequence[int], wait_s: float | None = None) -> None:
+        """Have `hosts` drop pipeline `key` (`HostActor.pipeline_drop`: its threads end, its
+        executables and buffers go). Without `wait_s`, return at once: the messages go from the
+        drop thread (`start_dropper`), so this is safe in a finalizer. With it, send them now and
+        wait at most `wait_s` for the hosts to have dropped it. Never raises; nothing to do once
+        the runtime is shut down (the actors are gone with their pipelines)."""
+        if self._closed:
+            return
+        if wait_s is None:
+            self._drops.put((key, tuple(hosts)))  # (SimpleQueue.put: safe in a finalizer)
+            return
+        refs = _tell_drop(self, key, hosts)
+        if not refs:
+            return
+        try:
+            import ray
+
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            for ref in ready:  # an error (a dead actor) is read, so that Ray does not log it
+                with contextlib.suppress(Exception):
+                    ray.get(ref, timeout=0)
+        except Exception:  # Ray is going down
+            logging.getLogger(__name__).debug("waiting for the drop of %s failed", key)
+
     # -- waiting, failures, shutdown -------------------------------------------------------------
 
     def _wait(
@@ -686,6 +733,7 @@ class RayRuntime:
         if self._closed:
             return
         self._closed = True
+        self._drops.put(None)  # the drop thread ends (pipelines die with the actors)
         self._kill_all()
         ray.shutdown()
         if self._local_cluster is not None:
@@ -697,6 +745,32 @@ class RayRuntime:
 
 
 _HOST_RESOURCE = HOST_RESOURCE
+
+
+def _tell_drop(runtime: RayRuntime, key: str, hosts: Sequence[int]) -> list[Any]:
+    """Send pipeline `key`'s drop to `hosts`; the calls' references (none that cannot go)."""
+    refs = []
+    for h in hosts:
+        try:
+            refs.append(runtime.actors[h].pipeline_drop.remote(key))
+        except Exception:  # a dead actor, or Ray going down: nothing left to drop there
+            logging.getLogger(__name__).debug("could not tell host %d to drop %s", h, key)
+    return refs
+
+
+def _send_drops(runtime_ref: Any, drops: queue.SimpleQueue[Any]) -> None:
+    """The drop thread: send each dropped pipeline's drop to its hosts, without waiting for
+    them; ends when the runtime shuts down (or is dropped)."""
+    while True:
+        item = drops.get()
+        runtime = runtime_ref()
+        if item is None or runtime is None or runtime._closed:
+            return
+        key, hosts = item
+        refs = _tell_drop(runtime, key, hosts)
+        del runtime, refs
+
+
 TRANSPORTS = ("tcp", "object_store", "nccl")
 PLATFORMS = ("auto", "cpu", "gpu")
 

@@ -155,8 +155,18 @@ class CupyBackend:
             return self.nccl.NcclCommunicator(num_ranks, uid, rank)
 
     def broadcast(
-        self, comm: Any, send: Any, recv: Any, nbytes: int, root: int, stream: Any, device: Any
+        self,
+        comm: Any,
+        send: Any,
+        recv: Any,
+        nbytes: int,
+        root: int,
+        stream: Any,
+        device: Any,
+        label: str = "",
     ) -> None:
+        """Enqueue a broadcast on `stream`; `label` names the op for messages (NCCL has no use
+        for it)."""
         with self._on(device):
             comm.broadcast(send.data.ptr, recv.data.ptr, nbytes, self.uint8, root, stream.ptr)
 
@@ -332,10 +342,11 @@ class NcclTransport(Transport):
                     f"{work.dtype}{list(shape)} ({nbytes} B); refusing to start the broadcast"
                 )
             calls.append((gid, send, recv, stream))
+        label = f"{work.where(step.op)} on communicator {list(group)} ({channel})"
         with self.backend.group():
             for gid, send, recv, stream in calls:
                 self.backend.broadcast(
-                    comms[gid], send, recv, nbytes, root, stream, self.devices[gid]
+                    comms[gid], send, recv, nbytes, root, stream, self.devices[gid], label=label
                 )
         for gid, buffer in copies_after:
             data.write(gid, op.index, buffer, gid)
@@ -400,6 +411,38 @@ class NcclTransport(Transport):
                 )
             time.sleep(0.0002)
 
+    def finished(self, work: HostWork) -> bool:
+        """Whether every op this host queued for `work` has finished on the GPUs, without
+        waiting; if so, the buffers kept for it (sources, staging buffers) are let go. Raises
+        as `complete` does when the work was aborted or NCCL reported an error."""
+        with self._lock:
+            pending = self._pending.get(work.work_id)
+        if pending is None:
+            return True
+        reason = aborted_reason(self._aborted, work.work_id)
+        if reason is not None:
+            raise RuntimeError(
+                f"host {work.host}: {work.describe or work.work_id} aborted while in flight: "
+                f"{reason}"
+            )
+        channel = pending["channel"]
+        for group in pending["groups"]:
+            for comm in self.comms.get((channel, group), {}).values():
+                try:
+                    self.backend.check(comm)
+                except Exception as e:
+                    self._abort_groups(channel, pending["groups"])
+                    raise RuntimeError(
+                        f"host {work.host}: {work.describe or work.work_id}: NCCL reported an "
+                        f"error on communicator {list(group)}: {e}; its communicators were "
+                        "aborted"
+                    ) from e
+        if all(self.backend.done(e) for _, events in pending["ops"] for e in events.values()):
+            with self._lock:
+                self._pending.pop(work.work_id, None)
+            return True
+        return False
+
     def _abort_groups(self, channel: str, groups: set[tuple[int, ...]]) -> None:
         with self._lock:
             dropped = [self.comms.pop((channel, g), {}) for g in groups]
@@ -418,9 +461,13 @@ class NcclTransport(Transport):
                 self.backend.abort(comm)
 
     def forget(self, work_id: str) -> None:
+        """Drop what is kept of `work_id` and of the works under it (`work_id:...`: a failed
+        step's transfers keep their buffers until then)."""
+        prefix = work_id + ":"
         with self._lock:
             self._aborted.pop(work_id, None)
-            self._pending.pop(work_id, None)
+            for key in [k for k in self._pending if k == work_id or k.startswith(prefix)]:
+                del self._pending[key]
 
 
 def _peers(work: HostWork, op_index: int) -> tuple[int, ...]:

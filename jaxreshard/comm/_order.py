@@ -13,7 +13,7 @@ position where the members' sequences diverge.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # this module needs no JAX at run time (the pipeline emitter uses it)
@@ -192,3 +192,108 @@ def _describe_hang(programs: Mapping[int, Sequence[Step]], stuck: Mapping[int, S
             )
             lines.append(f"  communicator {group} diverges at position {first} ({seen})")
     return "\n".join(lines)
+
+
+# -- one issue order across communicators ------------------------------------------------------
+#
+# [Note: one issue order]
+# NCCL runs every communicator's kernels on the GPU; a rank blocked in one collective (its kernel
+# spinning until every member has joined) does not get to the next collective on the same device
+# until it completes, whatever communicator or stream that one is on. So two communicators that
+# share two devices must see their ops issued in the same relative order on both, and more
+# generally the per-device sequences must not form a cycle (device a waits in X for b, b in Y for
+# c, c in Z for a). `check_issue_order` proves, before anything runs, that per-device issue
+# sequences finish under that model: every collective is issued on every member, pairs of
+# collectives that share two or more ranks come in one relative order on all of them, and a
+# simulation of the per-device queues runs them all to completion.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective as the issue-order check sees it.
+
+    Attributes:
+        name: what it moves (unique among the collectives checked together).
+        communicator: which communicator it runs on (for messages).
+        ranks: its devices (global ids).
+    """
+
+    name: str
+    communicator: str
+    ranks: tuple[int, ...]
+
+
+def check_issue_order(
+    orders: Mapping[int, Sequence[Collective]], host_of: Callable[[int], int] | None = None
+) -> None:
+    """Raise `OrderError` unless the per-device issue sequences `orders` (device -> its
+    collectives in issue order) finish under [Note: one issue order]. `host_of` names hosts."""
+
+    def where(d: int) -> str:
+        return f"device {d}" + (f" (host {host_of(d)})" if host_of is not None else "")
+
+    bug = "this is a jaxreshard bug, please report it"
+    # Every member issues it, and no one else.
+    members: dict[Collective, list[int]] = {}
+    for d, sequence in orders.items():
+        for c in sequence:
+            members.setdefault(c, []).append(d)
+    for c, devices in members.items():
+        if sorted(devices) != sorted(c.ranks):
+            missing = sorted(set(c.ranks) - set(devices))
+            extra = sorted(set(devices) - set(c.ranks))
+            wrong = [f"never by its member(s) {', '.join(map(where, missing))}"] if missing else []
+            wrong += [f"also by non-member(s) {', '.join(map(where, extra))}"] if extra else []
+            raise OrderError(
+                f"{c.name} on communicator {c.communicator} is issued by "
+                f"{', '.join(map(where, sorted(devices)))} but {' and '.join(wrong)} (it would "
+                f"hang); {bug}"
+            )
+    # Two collectives that share two ranks: one relative order on both.
+    shared: dict[tuple[int, int], list[Collective]] = {}
+    for d, sequence in orders.items():
+        for c in sequence:
+            for e in c.ranks:
+                if e != d:
+                    shared.setdefault((d, e), []).append(c)
+    for (d, e), mine in sorted(shared.items()):
+        if d > e:
+            continue
+        theirs = shared.get((e, d), [])
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if first is None:
+            continue
+        x, y = mine[first], theirs[first]
+        raise OrderError(
+            f"inconsistent NCCL issue order: {where(d)} issues {x.name} (communicator "
+            f"{x.communicator}) before {y.name} (communicator {y.communicator}), but {where(e)}, "
+            "a member of both, issues them the other way round; the two communicators would "
+            f"deadlock; {bug}"
+        )
+    # The per-device queues run to completion (no cycle over three or more devices).
+    at = {d: 0 for d in orders}
+    left = sum(len(s) for s in orders.values())
+    ready = {d for d in orders if orders[d]}
+    while ready:
+        d = ready.pop()
+        if at[d] >= len(orders[d]):
+            continue
+        c = orders[d][at[d]]
+        if all(at[e] < len(orders[e]) and orders[e][at[e]] == c for e in c.ranks):
+            for e in c.ranks:
+                at[e] += 1
+                left -= 1
+                if at[e] < len(orders[e]):
+                    ready.update(orders[e][at[e]].ranks)
+    if left:
+        heads = [
+            f"{where(d)} waits in {orders[d][at[d]].name} (communicator "
+            f"{orders[d][at[d]].communicator})"
+            for d in sorted(orders)
+            if at[d] < len(orders[d])
+        ]
+        raise OrderError(
+            "the NCCL issue order would deadlock across communicators: "
+            + "; ".join(heads)
+            + f"; {bug}"
+        )

@@ -5,14 +5,48 @@ transfer to a stage of the same host, the sender thread runs the transfer's plan
 local copies) and delivers. For a transfer between hosts, each side runs its part of the plan's
 host programs (`comm._order.host_programs`) over the host's transport: TCP streams to the other
 host actors (on CPU; the plan's broadcast chain relayed chunk by chunk), Ray's object store, or
-NCCL (one broadcast per op, on the channel's own streams and communicators). Receives from
-other hosts are started when the step begins, one job per channel (source stage -> this stage)
-in program order, off the compute threads (see [Note: boundary tensors]). Nothing here imports
-Ray: the transports and `signal` carry it.
+NCCL (one broadcast per op, on the channel's own streams and communicators). On TCP and the
+object store, receives from other hosts are started when the step begins, one job per channel
+(source stage -> this stage) in program order, off the compute threads (see
+[Note: boundary tensors]); on NCCL, every cross-host transfer goes through the host's issuer in
+the pipeline's one issue order (see [Note: NCCL issue order]). Nothing here imports Ray: the
+transports and `signal` carry it.
+
+[Note: NCCL issue order]
+Each stage-to-stage channel has its own communicators and streams, and a GPU shares its devices
+among them; NCCL then needs every rank to issue the collectives of all communicators it is in
+in one consistent order (see [Note: one issue order] in `comm/_order.py`): ranks that issue two
+communicators' ops in different orders can deadlock. Free-running per-channel receive jobs and
+per-stage sender threads issue in whatever order the host's threads get there, so on NCCL:
+- `nccl_issue_order` derives, from the layout alone (so every host derives the same), one total
+  order of the step's cross-host transfers (each a SEND/RECV pair of one micro-batch): it runs
+  every rank's instruction program (`layout.programs`), a RECV waiting for its transfer, and
+  whenever no rank can go on, takes the SEND that has been reached whose consumer starts first
+  in the simulated schedule (`PipelineLayout.need`; ties by instruction key). Every transfer a
+  rank receives before it sends another is so ordered before that one.
+- `nccl_issue_plan` expands it into what each host issues (its side of each transfer, in that
+  order; a transfer's collectives in its plan's op order) and each device's sequence of
+  collectives, and checks both before anything runs (`comm._order.check_issue_order`: one
+  relative order for any two collectives that share two ranks, no cycle across devices; and a
+  simulation of the issuers with the rank programs that shows every transfer completes).
+  `HostChannels` builds it when it is made, that is, when the pipeline is built.
+- A host's issuer (one thread per step) walks its list: for its side of a SEND it waits until
+  the stage has handed the value over (`send` does no more for NCCL transfers), for a RECV it
+  allocates the receive buffers then and there, at the receive's turn (not when the step
+  starts), with at most `nccl_recv_window` receives in flight, and issues the broadcasts
+  (queued on the GPU: the issuer never waits for them). Received values are handed to JAX and
+  delivered off the issuer; a work's kept buffers (sources, staging buffers) are let go as soon
+  as its broadcasts have finished, not at the end of the step.
+- Before a step, every communicator of the host's list must exist: after an abort they are all
+  gone, and the driver makes them again before the next step (`RayPipeline.run`); a missing one
+  is an error naming it, not a hang.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +55,17 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxreshard.comm._order import LOCAL, OrderError, host_programs
+from jaxreshard.comm._order import (
+    COLLECTIVE,
+    LOCAL,
+    RECV,
+    SEND,
+    Collective,
+    OrderError,
+    Step,
+    check_issue_order,
+    host_programs,
+)
 from jaxreshard.comm._transport import HostData, HostWork, Transport, run_host_work
 from jaxreshard.pipeline._emit import RECV_OP, SEND_OP, Instruction
 from jaxreshard.runtime._executor import (
@@ -77,6 +121,230 @@ def check_channel_order(layout: PipelineLayout) -> None:
             )
 
 
+# -- the one NCCL issue order (see [Note: NCCL issue order]) ---------------------------------------
+
+Key = tuple[str, int, int, int, int]  # an instruction's key: (kind, tensor, micro-batch, src, dst)
+
+
+def _crosses_hosts(layout: PipelineLayout, host_of_stage: Mapping[int, int], ins: Instruction) -> bool:
+    transfer = layout.transfers.get(transfer_key(ins))
+    return (
+        transfer is not None
+        and transfer.plan is not None
+        and host_of_stage[ins.src] != host_of_stage[ins.dst]
+    )
+
+
+def nccl_issue_order(layout: PipelineLayout, host_of_stage: Mapping[int, int]) -> list[Key]:
+    """The step's cross-host transfers (instruction keys) in the one order every host issues
+    their collectives in (see [Note: NCCL issue order])."""
+    programs = layout.programs
+    position = [0] * len(programs)
+    delivered: set[Key] = set()
+    reached: list[tuple[float, Key]] = []  # SENDs reached, by need
+    order: list[Key] = []
+    while True:
+        progress = True
+        while progress:
+            progress = False
+            for r, program in enumerate(programs):
+                while position[r] < len(program):
+                    ins = program[position[r]]
+                    if ins.op == RECV_OP and ins.key not in delivered:
+                        break
+                    if ins.op == SEND_OP:
+                        if _crosses_hosts(layout, host_of_stage, ins):
+                            heapq.heappush(reached, (layout.need.get(ins.key, 0.0), ins.key))
+                        else:
+                            delivered.add(ins.key)
+                    position[r] += 1
+                    progress = True
+        if not reached:
+            break
+        _, key = heapq.heappop(reached)
+        order.append(key)
+        delivered.add(key)
+    stuck = [
+        f"rank {r} at {programs[r][position[r]]}"
+        for r in range(len(programs))
+        if position[r] < len(programs[r])
+    ]
+    if stuck:
+        raise OrderError(
+            f"the stage programs cannot run to the end ({', '.join(stuck)}); this is a "
+            "jaxreshard bug, please report it"
+        )
+    return order
+
+
+@dataclasses.dataclass
+class NcclIssuePlan:
+    """What every host issues on NCCL in a step, in the one issue order (see
+    [Note: NCCL issue order]).
+
+    Attributes:
+        order: the cross-host transfers (instruction keys), in issue order.
+        items: per host, its side of each of its transfers, in that order: (key, `SEND` or
+            `RECV`).
+        devices: per device (global id), its collectives in issue order.
+        communicators: per host, the (channel, group) of every communicator its items use.
+    """
+
+    order: list[Key]
+    items: dict[int, list[tuple[Key, str]]]
+    devices: dict[int, list[Collective]]
+    communicators: dict[int, list[tuple[str, tuple[int, ...]]]]
+
+
+def nccl_issue_plan(
+    layout: PipelineLayout, host_of_stage: Mapping[int, int], recv_window: int | None = None
+) -> NcclIssuePlan:
+    """Derive the step's NCCL issue plan and check it (see [Note: NCCL issue order]); an
+    `OrderError` names what would hang. `recv_window`: the issuers' bound on receives in
+    flight (None: unbounded), as the check should simulate it."""
+    order = nccl_issue_order(layout, host_of_stage)
+    items: dict[int, list[tuple[Key, str]]] = {}
+    devices: dict[int, list[Collective]] = {}
+    communicators: dict[int, dict[tuple[str, tuple[int, ...]], None]] = {}
+    collectives: dict[Key, list[Collective]] = {}
+    programs_of: dict[tuple[str, int, int, int], dict[int, list[Step]]] = {}
+    host_of: Callable[[int], int] | None = None
+    for key in order:
+        kind, tensor, mb, src, dst = key
+        transfer = layout.transfers[(kind, tensor, src, dst)]
+        plan = transfer.plan
+        assert plan is not None
+        host_of = plan.cluster.host_of
+        programs = programs_of.get((kind, tensor, src, dst))
+        if programs is None:
+            programs = programs_of[(kind, tensor, src, dst)] = host_programs(plan, collectives=True)
+        channel = nccl_channel(src, dst)
+        what = f"{kind}{tensor}" + (f" mb{mb}" if mb >= 0 else "") + f" s{src}->s{dst}"
+        for h, role in ((host_of_stage[src], SEND), (host_of_stage[dst], RECV)):
+            items.setdefault(h, []).append((key, role))
+            for step in programs.get(h, ()):
+                if step.role != COLLECTIVE:
+                    continue
+                communicators.setdefault(h, {})[(channel, step.group)] = None
+                c = Collective(
+                    f"op {step.op} of {what}", f"{list(step.group)} ({channel})", step.group
+                )
+                if c not in collectives.setdefault(key, []):  # (each member host has it)
+                    collectives[key].append(c)
+                for d in step.group:
+                    if host_of(d) == h:
+                        devices.setdefault(d, []).append(c)
+    check_issue_order(devices, host_of)
+    result = NcclIssuePlan(
+        order, items, devices, {h: list(cs) for h, cs in communicators.items()}
+    )
+    _check_issuers(layout, host_of_stage, result, collectives, host_of, recv_window)
+    return result
+
+
+def _check_issuers(
+    layout: PipelineLayout,
+    host_of_stage: Mapping[int, int],
+    plan: NcclIssuePlan,
+    collectives: Mapping[Key, list[Collective]],
+    host_of: Callable[[int], int] | None,
+    recv_window: int | None,
+) -> None:
+    """Simulate the step: rank programs (a RECV waits for its transfer), each host's issuer (a
+    SEND's side waits for the stage to hand the value over; a RECV's for room in the window),
+    and each device's collectives in issue order (one finishes once every member has issued it
+    and has it first). Raise `OrderError` unless everything finishes."""
+    programs = layout.programs
+    position = [0] * len(programs)
+    at_item = dict.fromkeys(plan.items, 0)
+    at_device = dict.fromkeys(plan.devices, 0)
+    handed: set[Key] = set()
+    delivered: set[Key] = set()
+    issued: set[tuple[int, Key]] = set()
+    left = {key: len(cs) for key, cs in collectives.items()}
+    key_of = {c: key for key, cs in collectives.items() for c in cs}
+    in_flight = dict.fromkeys(plan.items, 0)
+    nccl = set(plan.order)
+    progress = True
+    while progress:
+        progress = False
+        for r, program in enumerate(programs):
+            while position[r] < len(program):
+                ins = program[position[r]]
+                if ins.op == RECV_OP and ins.key not in delivered:
+                    break
+                if ins.op == SEND_OP:
+                    (handed if ins.key in nccl else delivered).add(ins.key)
+                position[r] += 1
+                progress = True
+        for h, items in plan.items.items():
+            while at_item[h] < len(items):
+                key, role = items[at_item[h]]
+                if role == SEND and key not in handed:
+                    break
+                if role == RECV and left.get(key):
+                    if recv_window is not None and in_flight[h] >= recv_window:
+                        break
+                    in_flight[h] += 1
+                issued.add((h, key))
+                at_item[h] += 1
+                progress = True
+        for d, sequence in plan.devices.items():
+            while at_device[d] < len(sequence):
+                c = sequence[at_device[d]]
+                key = key_of[c]
+                ready = all(
+                    at_device[e] < len(plan.devices[e])
+                    and plan.devices[e][at_device[e]] == c
+                    and (host_of(e) if host_of else 0, key) in issued
+                    for e in c.ranks
+                )
+                if not ready:
+                    break
+                for e in c.ranks:
+                    at_device[e] += 1
+                left[key] -= 1
+                if not left[key]:
+                    delivered.add(key)
+                    receiver = host_of_stage[key[4]]
+                    in_flight[receiver] -= 1
+                progress = True
+    stuck = [
+        f"rank {r} waits at {programs[r][position[r]]}"
+        for r in range(len(programs))
+        if position[r] < len(programs[r])
+    ]
+    stuck += [
+        f"host {h}'s issuer waits at its {items[at_item[h]][1]} of "
+        f"{_describe_key(items[at_item[h]][0])}"
+        for h, items in plan.items.items()
+        if at_item[h] < len(items)
+    ]
+    if stuck:
+        raise OrderError(
+            "the NCCL issue order would hang the step: " + "; ".join(stuck) + "; this is a "
+            "jaxreshard bug, please report it"
+        )
+
+
+def _describe_key(key: Key) -> str:
+    kind, tensor, mb, src, dst = key
+    return f"{kind}{tensor}" + (f" mb{mb}" if mb >= 0 else "") + f" s{src}->s{dst}"
+
+
+class _Issuer:
+    """One step's NCCL issuer on this host (see [Note: NCCL issue order])."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.values: dict[Key, Any] = {}  # SENDs' values handed over, not issued yet
+        self.works: list[HostWork] = []  # issued, not known to have finished on the GPUs
+        self.receives: set[str] = set()  # work ids of the receives among them
+        self.at = "nothing yet"  # what it waits for (for messages)
+        self.done = False
+        self.thread: threading.Thread | None = None
+
+
 class HostChannels(Channels):
     """Channels of the stages this host runs (see the module docstring).
 
@@ -113,8 +381,34 @@ class HostChannels(Channels):
         self._gid = {d: g for g, d in self.devices.items()}
         self._steps: dict[tuple[str, int, int, int], tuple[Any, ...]] = {}
         self._signals: set[tuple[str, tuple[Any, ...]]] = set()
-        self._nccl_works: list[HostWork] = []
+        self._nccl_works: list[HostWork] = []  # the running step's, not known to be finished
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="jaxreshard-recv")
+        self._issuer: _Issuer | None = None
+        self._items: list[tuple[Key, str]] = []
+        self._nccl_sends: set[Key] = set()
+        self._communicators: list[tuple[str, tuple[int, ...]]] = []
+        self._instructions: dict[Key, Instruction] = {}
+        if self.nccl:  # derived and checked now, when the pipeline is built
+            plan = nccl_issue_plan(layout, self.host_of_stage, self.nccl_recv_window)
+            self._items = plan.items.get(host, [])
+            self._nccl_sends = {key for key, role in self._items if role == SEND}
+            self._communicators = plan.communicators.get(host, [])
+            mine = {key for key, _ in self._items}
+            self._instructions = {
+                ins.key: ins
+                for program in layout.programs
+                for ins in program
+                if ins.op == (SEND_OP if ins.key in self._nccl_sends else RECV_OP)
+                and ins.key in mine
+            }
+
+    # The most receives this host's NCCL issuer has in flight (issued, not finished on the
+    # GPUs): the next one's buffers are allocated only once there is room.
+    nccl_recv_window = 2
+    # How often the issuer looks whether issued broadcasts have finished, while it waits for
+    # room for a receive / for a SEND's value.
+    _poll_window_s = 0.0005
+    _poll_idle_s = 0.005
 
     def where(self, stage: int) -> str:
         return f"stage {stage} (host {self.host_of_stage[stage]})"
@@ -132,14 +426,32 @@ class HostChannels(Channels):
         with self._cond:  # signals of this step may have come before it began
             self._signals = {(sid, key) for sid, key in self._signals if sid == step_id}
             self._nccl_works = []
+            self._issuer = None  # the last step's ends on its own (it sees the new epoch)
         super().begin(stages, step_id=step_id, record=record, signal_only=signal_only)
 
     def end(self) -> None:
         try:
             super().end()
-            deadline = time.monotonic() + self.timeout_s
-            for work in self._nccl_works:  # NCCL transfers queued this step, to completion
-                self.transport.complete(work, deadline)
+            issuer = self._issuer
+            if issuer is not None and issuer.epoch == self.epoch:
+                deadline = time.monotonic() + self.timeout_s
+                with self._cond:
+                    while not issuer.done and self._failure is None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise PipelineError(
+                                f"host {self.host}: the NCCL issuer did not get through this "
+                                f"step's transfers within timeout_s={self.timeout_s:g} s after "
+                                f"the stages finished; it waits for {issuer.at}; this is a "
+                                "jaxreshard bug, please report it"
+                            )
+                        self._cond.wait(min(left, 1.0))
+                    failure = self._failure
+                if failure is not None:
+                    raise failure
+                for work in list(issuer.works):  # NCCL transfers of this step, to completion
+                    self.transport.complete(work, deadline)
+                issuer.works.clear()
         except PipelineError:
             raise
         except BaseException as e:
@@ -147,6 +459,18 @@ class HostChannels(Channels):
             error.__cause__ = e
             self.fail(error)
             raise error from e
+
+    def send(self, ins: Instruction, value: Any) -> None:
+        """Hand a value over for moving; on NCCL, a transfer to another host goes to this
+        step's issuer, which sends it at its turn (see [Note: NCCL issue order])."""
+        issuer = self._issuer
+        if issuer is not None and ins.key in self._nccl_sends:
+            with self._cond:
+                self._check_failure()
+                issuer.values[ins.key] = value
+                self._cond.notify_all()
+            return
+        super().send(ins, value)
 
     def signalled(self, step_id: str, key: tuple[Any, ...]) -> None:
         """A peer's signal-only transfer `key` of step `step_id` has been sent."""
@@ -233,8 +557,7 @@ class HostChannels(Channels):
             return
         run_host_work(work, data, self.transport, complete=not self.nccl)
         if self.nccl:
-            with self._cond:
-                self._nccl_works.append(work)
+            self._issued(work)
         self._record_send(transfer, ins, start)
 
     def _record_send(
@@ -246,6 +569,9 @@ class HostChannels(Channels):
     # Receiving (jobs started when the step begins) ------------------------------------------------
 
     def _post_receives(self, stages: Sequence[int]) -> None:
+        if self.nccl and not self.signal_only:
+            self._start_issuer()
+            return
         jobs: dict[tuple[int, int], list[Instruction]] = {}
         mine = set(stages)
         schedule = self.layout.schedule
@@ -292,17 +618,155 @@ class HostChannels(Channels):
         work = self._work(ins, transfer)
         data = self._data(work, {}, ins)
         deadline = time.monotonic() + _FAR
-        run_host_work(work, data, self.transport, deadline=deadline, complete=not self.nccl)
-        if self.nccl:  # queued: JAX's reads of the result wait for the channel's stream
-            with self._cond:
-                self._nccl_works.append(work)
-        else:
-            self.transport.forget(work.work_id)
+        run_host_work(work, data, self.transport, deadline=deadline)
+        self.transport.forget(work.work_id)
         return self._assemble(transfer, data)
+
+    # The NCCL issuer (one thread per step; see [Note: NCCL issue order]) ------------------------
+
+    def _start_issuer(self) -> None:
+        missing = [
+            (channel, group)
+            for channel, group in self._communicators
+            if not self.transport.has(group, channel)  # type: ignore[attr-defined]
+        ]
+        if missing:
+            channel, group = missing[0]
+            error = PipelineError(
+                f"host {self.host}: the NCCL communicator {list(group)} of channel {channel}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + " does not exist: it was never created, or an earlier failure aborted it and "
+                "it was not created again before this step (the driver creates the "
+                "communicators before every step); this is a jaxreshard bug, please report it"
+            )
+            self.fail(error)
+            raise error
+        if not self._items:
+            return
+        issuer = _Issuer(self.epoch)
+        with self._cond:
+            self._issuer = issuer
+            self._nccl_works = issuer.works
+        issuer.thread = threading.Thread(
+            target=self._issue_loop,
+            args=(issuer,),
+            name=f"jaxreshard-send-nccl-h{self.host}",
+            daemon=True,
+        )
+        issuer.thread.start()
+
+    def _current(self, issuer: _Issuer) -> bool:
+        return self._failure is None and not self._closed and issuer.epoch == self.epoch
+
+    def _issue_loop(self, issuer: _Issuer) -> None:
+        self._local.epoch = issuer.epoch  # what it delivers belongs to its step
+        self._local.issuer = issuer
+        ins: Instruction | None = None
+        try:
+            for key, role in self._items:
+                ins = self._instructions[key]
+                transfer = self.layout.transfers[transfer_key(ins)]
+                if role == SEND:
+                    issuer.at = f"stage {ins.src} to hand over the value of {ins}"
+                    value = self._await_value(issuer, key)
+                    if value is _STOPPED:
+                        return
+                    self._move(ins, transfer, value)
+                else:
+                    issuer.at = f"room for {ins} (receives in flight: {len(issuer.receives)})"
+                    if not self._await_room(issuer):
+                        return
+                    self._issue_receive(issuer, ins, transfer)
+                self._reap(issuer)
+            issuer.at = "nothing (it issued every transfer)"
+        except BaseException as e:
+            if self._current(issuer):
+                error = PipelineError(
+                    f"host {self.host}: issuing the NCCL transfer {ins}: {type(e).__name__}: {e}"
+                )
+                error.__cause__ = e
+                self.fail(error)
+        finally:
+            with self._cond:
+                issuer.done = True
+                self._cond.notify_all()
+
+    def _await_value(self, issuer: _Issuer, key: Key) -> Any:
+        """The value a stage handed over for SEND `key` (`_STOPPED` if the step ends first);
+        meanwhile, let go of what finished."""
+        while True:
+            with self._cond:
+                if key in issuer.values:
+                    return issuer.values.pop(key)
+                if not self._current(issuer):
+                    return _STOPPED
+                self._cond.wait(self._poll_idle_s if issuer.works else 1.0)
+            self._reap(issuer)
+
+    def _await_room(self, issuer: _Issuer) -> bool:
+        """Wait until fewer than `nccl_recv_window` receives are in flight (False if the step
+        ends first)."""
+        while len(issuer.receives) >= self.nccl_recv_window:
+            if not self._current(issuer):
+                return False
+            self._reap(issuer)
+            if len(issuer.receives) >= self.nccl_recv_window:
+                time.sleep(self._poll_window_s)
+        return self._current(issuer)
+
+    def _issue_receive(self, issuer: _Issuer, ins: Instruction, transfer: Transfer) -> None:
+        """Allocate a receive's buffers and issue its broadcasts (now, at its turn); JAX gets
+        the result off this thread."""
+        work = self._work(ins, transfer)
+        data = self._data(work, {}, ins)
+        run_host_work(work, data, self.transport, deadline=time.monotonic() + _FAR, complete=False)
+        issuer.receives.add(work.work_id)
+        self._issued(work)
+        self._receivers.submit(self._hand_over, issuer, ins, transfer, data)
+
+    def _issued(self, work: HostWork) -> None:
+        """Keep an issued work until its broadcasts have finished (the issuer's, whose thread
+        this is)."""
+        issuer = getattr(self._local, "issuer", None)
+        if issuer is not None:
+            with self._cond:
+                issuer.works.append(work)
+
+    def _hand_over(self, issuer: _Issuer, ins: Instruction, transfer: Transfer, data: Any) -> None:
+        """A received value to JAX (its reads wait for the channel's stream) and its RECV."""
+        try:
+            self.deliver(ins.key, self._assemble(transfer, data), epoch=issuer.epoch)
+            if self.record is not None:
+                now = time.perf_counter()
+                name = f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
+                self.record(Event(ins.dst, ARRIVE, ins.mb, now, now, name, dst=ins.dst))
+        except BaseException as e:
+            if self._current(issuer):
+                error = PipelineError(
+                    f"{self.where(ins.dst)}: receiving {ins}: {type(e).__name__}: {e}"
+                )
+                error.__cause__ = e
+                self.fail(error)
+
+    def _reap(self, issuer: _Issuer) -> None:
+        """Let go of the works whose broadcasts have all finished (their buffers go now)."""
+        for work in list(issuer.works):
+            if self.transport.finished(work):  # type: ignore[attr-defined]
+                with self._cond:
+                    if work in issuer.works:
+                        issuer.works.remove(work)
+                issuer.receives.discard(work.work_id)
 
     def close(self) -> None:
         super().close()
+        issuer = self._issuer
+        if issuer is not None and issuer.thread is not None:
+            if issuer.thread is not threading.current_thread():
+                issuer.thread.join(1.0)
         self._receivers.shutdown(wait=False, cancel_futures=True)
+
+
+_STOPPED = object()  # `_await_value`: the step ended first
 
 
 class ThreadSignal:

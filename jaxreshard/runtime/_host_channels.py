@@ -204,30 +204,47 @@ def nccl_issue_plan(
     flight (None: unbounded), as the check should simulate it."""
     order = nccl_issue_order(layout, host_of_stage)
     items: dict[int, list[tuple[Key, str]]] = {}
+    for key in order:
+        items.setdefault(host_of_stage[key[3]], []).append((key, SEND))
+        items.setdefault(host_of_stage[key[4]], []).append((key, RECV))
+    return check_nccl_items(layout, host_of_stage, items, recv_window, order)
+
+
+def check_nccl_items(
+    layout: PipelineLayout,
+    host_of_stage: Mapping[int, int],
+    items: Mapping[int, Sequence[tuple[Key, str]]],
+    recv_window: int | None = None,
+    order: Sequence[Key] = (),
+) -> NcclIssuePlan:
+    """The plan of hosts that issue their sides of the step's cross-host transfers as `items`
+    say (host -> [(instruction key, `SEND` or `RECV`)], in issue order), checked: each device's
+    collectives over all communicators in one consistent order (`check_issue_order`), and a
+    simulation of the issuers and the rank programs that finishes. Raises `OrderError`."""
     devices: dict[int, list[Collective]] = {}
     communicators: dict[int, dict[tuple[str, tuple[int, ...]], None]] = {}
     collectives: dict[Key, list[Collective]] = {}
     programs_of: dict[tuple[str, int, int, int], dict[int, list[Step]]] = {}
     host_of: Callable[[int], int] | None = None
-    for key in order:
-        kind, tensor, mb, src, dst = key
-        transfer = layout.transfers[(kind, tensor, src, dst)]
-        plan = transfer.plan
-        assert plan is not None
-        host_of = plan.cluster.host_of
-        programs = programs_of.get((kind, tensor, src, dst))
-        if programs is None:
-            programs = programs_of[(kind, tensor, src, dst)] = host_programs(plan, collectives=True)
-        channel = nccl_channel(src, dst)
-        what = f"{kind}{tensor}" + (f" mb{mb}" if mb >= 0 else "") + f" s{src}->s{dst}"
-        for h, role in ((host_of_stage[src], SEND), (host_of_stage[dst], RECV)):
-            items.setdefault(h, []).append((key, role))
+    for h, sequence in items.items():
+        for key, _ in sequence:
+            kind, tensor, mb, src, dst = key
+            plan = layout.transfers[(kind, tensor, src, dst)].plan
+            assert plan is not None
+            host_of = plan.cluster.host_of
+            programs = programs_of.get((kind, tensor, src, dst))
+            if programs is None:
+                programs = host_programs(plan, collectives=True)
+                programs_of[(kind, tensor, src, dst)] = programs
+            channel = nccl_channel(src, dst)
             for step in programs.get(h, ()):
                 if step.role != COLLECTIVE:
                     continue
                 communicators.setdefault(h, {})[(channel, step.group)] = None
                 c = Collective(
-                    f"op {step.op} of {what}", f"{list(step.group)} ({channel})", step.group
+                    f"op {step.op} of {_describe_key(key)}",
+                    f"{list(step.group)} ({channel})",
+                    step.group,
                 )
                 if c not in collectives.setdefault(key, []):  # (each member host has it)
                     collectives[key].append(c)
@@ -236,7 +253,10 @@ def nccl_issue_plan(
                         devices.setdefault(d, []).append(c)
     check_issue_order(devices, host_of)
     result = NcclIssuePlan(
-        order, items, devices, {h: list(cs) for h, cs in communicators.items()}
+        list(order),
+        {h: list(sequence) for h, sequence in items.items()},
+        devices,
+        {h: list(cs) for h, cs in communicators.items()},
     )
     _check_issuers(layout, host_of_stage, result, collectives, host_of, recv_window)
     return result
@@ -264,7 +284,7 @@ def _check_issuers(
     left = {key: len(cs) for key, cs in collectives.items()}
     key_of = {c: key for key, cs in collectives.items() for c in cs}
     in_flight = dict.fromkeys(plan.items, 0)
-    nccl = set(plan.order)
+    nccl = {key for sequence in plan.items.values() for key, _ in sequence}
     progress = True
     while progress:
         progress = False
@@ -335,11 +355,13 @@ def _describe_key(key: Key) -> str:
 class _Issuer:
     """One step's NCCL issuer on this host (see [Note: NCCL issue order])."""
 
-    def __init__(self, epoch: int):
-        self.epoch = epoch
+    def __init__(self, step: int, epoch: int | None):
+        self.step = step  # which `begin` of the channels it belongs to
+        self.epoch = epoch  # the executor's epoch of that step, where it has them
         self.values: dict[Key, Any] = {}  # SENDs' values handed over, not issued yet
         self.works: list[HostWork] = []  # issued, not known to have finished on the GPUs
         self.receives: set[str] = set()  # work ids of the receives among them
+        self.undelivered: set[str] = set()  # receives issued, not handed to their RECV yet
         self.at = "nothing yet"  # what it waits for (for messages)
         self.done = False
         self.thread: threading.Thread | None = None
@@ -384,6 +406,9 @@ class HostChannels(Channels):
         self._nccl_works: list[HostWork] = []  # the running step's, not known to be finished
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="jaxreshard-recv")
         self._issuer: _Issuer | None = None
+        self._begun = 0  # steps begun (an issuer of an older one stops)
+        if not hasattr(self, "_local"):
+            self._local = threading.local()
         self._items: list[tuple[Key, str]] = []
         self._nccl_sends: set[Key] = set()
         self._communicators: list[tuple[str, tuple[int, ...]]] = []
@@ -426,14 +451,15 @@ class HostChannels(Channels):
         with self._cond:  # signals of this step may have come before it began
             self._signals = {(sid, key) for sid, key in self._signals if sid == step_id}
             self._nccl_works = []
-            self._issuer = None  # the last step's ends on its own (it sees the new epoch)
+            self._issuer = None  # the last step's ends on its own (it sees the new step)
+            self._begun += 1
         super().begin(stages, step_id=step_id, record=record, signal_only=signal_only)
 
     def end(self) -> None:
         try:
             super().end()
             issuer = self._issuer
-            if issuer is not None and issuer.epoch == self.epoch:
+            if issuer is not None and issuer.step == self._begun:
                 deadline = time.monotonic() + self.timeout_s
                 with self._cond:
                     while not issuer.done and self._failure is None:
@@ -643,7 +669,7 @@ class HostChannels(Channels):
             raise error
         if not self._items:
             return
-        issuer = _Issuer(self.epoch)
+        issuer = _Issuer(self._begun, getattr(self, "epoch", None))
         with self._cond:
             self._issuer = issuer
             self._nccl_works = issuer.works
@@ -656,10 +682,9 @@ class HostChannels(Channels):
         issuer.thread.start()
 
     def _current(self, issuer: _Issuer) -> bool:
-        return self._failure is None and not self._closed and issuer.epoch == self.epoch
+        return self._failure is None and not self._closed and issuer.step == self._begun
 
     def _issue_loop(self, issuer: _Issuer) -> None:
-        self._local.epoch = issuer.epoch  # what it delivers belongs to its step
         self._local.issuer = issuer
         ins: Instruction | None = None
         try:
@@ -704,13 +729,13 @@ class HostChannels(Channels):
             self._reap(issuer)
 
     def _await_room(self, issuer: _Issuer) -> bool:
-        """Wait until fewer than `nccl_recv_window` receives are in flight (False if the step
-        ends first)."""
-        while len(issuer.receives) >= self.nccl_recv_window:
+        """Wait until fewer than `nccl_recv_window` receives are in flight: not finished on the
+        GPUs, or not delivered yet (False if the step ends first)."""
+        while len(issuer.receives | issuer.undelivered) >= self.nccl_recv_window:
             if not self._current(issuer):
                 return False
             self._reap(issuer)
-            if len(issuer.receives) >= self.nccl_recv_window:
+            if len(issuer.receives | issuer.undelivered) >= self.nccl_recv_window:
                 time.sleep(self._poll_window_s)
         return self._current(issuer)
 
@@ -720,9 +745,11 @@ class HostChannels(Channels):
         work = self._work(ins, transfer)
         data = self._data(work, {}, ins)
         run_host_work(work, data, self.transport, deadline=time.monotonic() + _FAR, complete=False)
-        issuer.receives.add(work.work_id)
+        with self._cond:
+            issuer.receives.add(work.work_id)
+            issuer.undelivered.add(work.work_id)
         self._issued(work)
-        self._receivers.submit(self._hand_over, issuer, ins, transfer, data)
+        self._receivers.submit(self._hand_over, issuer, work.work_id, ins, transfer, data)
 
     def _issued(self, work: HostWork) -> None:
         """Keep an issued work until its broadcasts have finished (the issuer's, whose thread
@@ -732,10 +759,19 @@ class HostChannels(Channels):
             with self._cond:
                 issuer.works.append(work)
 
-    def _hand_over(self, issuer: _Issuer, ins: Instruction, transfer: Transfer, data: Any) -> None:
+    def _hand_over(
+        self, issuer: _Issuer, work_id: str, ins: Instruction, transfer: Transfer, data: Any
+    ) -> None:
         """A received value to JAX (its reads wait for the channel's stream) and its RECV."""
         try:
-            self.deliver(ins.key, self._assemble(transfer, data), epoch=issuer.epoch)
+            value = self._assemble(transfer, data)
+            if issuer.epoch is not None:  # the executor drops a value of an earlier step
+                self._local.epoch = issuer.epoch
+            elif not self._current(issuer):
+                return
+            self.deliver(ins.key, value)
+            with self._cond:
+                issuer.undelivered.discard(work_id)
             if self.record is not None:
                 now = time.perf_counter()
                 name = f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
@@ -755,7 +791,7 @@ class HostChannels(Channels):
                 with self._cond:
                     if work in issuer.works:
                         issuer.works.remove(work)
-                issuer.receives.discard(work.work_id)
+                    issuer.receives.discard(work.work_id)
 
     def close(self) -> None:
         super().close()

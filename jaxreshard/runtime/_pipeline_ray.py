@@ -800,6 +800,9 @@ class RayPipeline:
         step_id = f"{self.key}:{self._steps}"
         self._steps += 1
         rt.flush_frees()  # the handles the last step's outputs replaced
+        if self.transport == "nccl":  # an abort (a failed step) ended them all: make them again
+            for channel, programs in nccl_programs(layout, self.host_of_stage):
+                rt._ensure_communicators(programs, channel)
         values: dict[Any, Any] = dict(zip(g.outer.jaxpr.invars, leaves))
         params = {}
         for k, i in enumerate(g.params):

@@ -66,7 +66,7 @@ class Event:
 class Call:
     """One rank's collective, from its issue on a device until it finishes there."""
 
-    def __init__(self, rendezvous: "Rendezvous", seq: int, rank: int, device: Any, label: str):
+    def __init__(self, rendezvous: Rendezvous, seq: int, rank: int, device: Any, label: str):
         self.rendezvous, self.seq, self.rank, self.device = rendezvous, seq, rank, device
         self.label = label or f"broadcast #{seq}"
         self.joined = False  # its stream reached it and it is first on its device
@@ -79,7 +79,7 @@ class Call:
 class Rendezvous:
     """What all ranks of one communicator share (guarded by the world's lock)."""
 
-    def __init__(self, world: "World", uid: int, num_ranks: int):
+    def __init__(self, world: World, uid: int, num_ranks: int):
         self.world, self.uid, self.num_ranks = world, uid, num_ranks
         self.devices: dict[int, Any] = {}  # rank -> device
         self.joined: dict[int, dict[int, tuple[int, int, Any, Any]]] = {}  # seq -> rank -> call
@@ -119,7 +119,7 @@ class World:
         with self.cond:
             return self.rendezvous.setdefault(uid, Rendezvous(self, uid, num_ranks))
 
-    def issue(self, comm: "Comm", device: Any, label: str) -> Call:
+    def issue(self, comm: Comm, device: Any, label: str) -> Call:
         """A rank issues a collective on its device (the host call, not its execution)."""
         r = comm.rendezvous
         with self.cond:

@@ -52,9 +52,7 @@ def two_hosts(cpu_devices, world):
         (8, 4), "float32", virtual((1,), P(), 0, 1), virtual((1,), P(), 1, 1),
         cluster=cluster_over(2, 1),
     )  # fmt: skip
-    transports = {
-        h: NcclTransport({h: cpu_devices[h]}, StandinBackend(world)) for h in range(2)
-    }
+    transports = {h: NcclTransport({h: cpu_devices[h]}, StandinBackend(world)) for h in range(2)}
     for channel in "xy":
         uid = world.unique_id()
         for t in transports.values():
@@ -130,7 +128,8 @@ def c(name, channel, *ranks):
 
 
 def test_check_issue_order_names_the_two_ops_communicators_and_devices():
-    x, y = c("op 0 of act0 mb0 s0->s1", "s0->s1", 0, 1), c("op 0 of grad0 mb0 s1->s0", "s1->s0", 0, 1)
+    x = c("op 0 of act0 mb0 s0->s1", "s0->s1", 0, 1)
+    y = c("op 0 of grad0 mb0 s1->s0", "s1->s0", 0, 1)
     check_issue_order({0: [x, y], 1: [x, y]})
     with pytest.raises(OrderError) as info:
         check_issue_order({0: [x, y], 1: [y, x]}, host_of=lambda d: d)
@@ -147,11 +146,17 @@ def test_check_issue_order_finds_cycles_and_missing_members():
     # for b, b in x for a.
     x, y, z = c("x", "p", 0, 1), c("y", "q", 1, 2), c("z", "r", 2, 0)
     check_issue_order({0: [x, z], 1: [x, y], 2: [y, z]})
-    with pytest.raises(OrderError, match=r"would deadlock across communicators: device 0 waits "
-                       r"in z .*device 1 waits in x .*device 2 waits in y .*jaxreshard bug"):
+    with pytest.raises(
+        OrderError,
+        match=r"would deadlock across communicators: device 0 waits "
+        r"in z .*device 1 waits in x .*device 2 waits in y .*jaxreshard bug",
+    ):
         check_issue_order({0: [z, x], 1: [x, y], 2: [y, z]})
-    with pytest.raises(OrderError, match=r"x on communicator \[0, 1\] \(p\) is issued by device 0 "
-                       r"but never by its member\(s\) device 1 \(it would hang\)"):
+    with pytest.raises(
+        OrderError,
+        match=r"x on communicator \[0, 1\] \(p\) is issued by device 0 "
+        r"but never by its member\(s\) device 1 \(it would hang\)",
+    ):
         check_issue_order({0: [x], 1: []})
 
 
@@ -200,10 +205,15 @@ def nccl_hosts(entry, world=None):
     signal = ThreadSignal()
     channels = {
         h: HostChannels(
-            layout, host=h, host_of_stage=host_of_stage, devices=devices[h],
-            meshes={s: meshes[s] for s in stages_of[h]}, transport=transports[h], signal=signal,
+            layout,
+            host=h,
+            host_of_stage=host_of_stage,
+            devices=devices[h],
+            meshes={s: meshes[s] for s in stages_of[h]},
+            transport=transports[h],
+            signal=signal,
             timeout_s=compiled.config.timeout_s,
-        )  # fmt: skip
+        )
         for h in devices
     }
     signal.hosts.update(channels)
@@ -237,7 +247,7 @@ def test_the_emitted_order_runs_and_every_device_issues_it(schedule, v):
     hosts = nccl_hosts(entry)
     plan = nccl_issue_plan(hosts.layout, hosts.host_of_stage)
     assert len({c.communicator for cs in plan.devices.values() for c in cs}) > 2
-    params, losses = run(hosts.pipeline, entry, leaves, steps=1)
+    _, losses = run(hosts.pipeline, entry, leaves, steps=1)
     np.testing.assert_allclose(losses, reference(num_stages, True, True)[1][:1], rtol=1e-5)
     assert not hosts.world.deadlocks
     devices = {d: h for h, t in hosts.transports.items() for d in t.devices}
@@ -250,7 +260,7 @@ def test_the_emitted_order_runs_and_every_device_issues_it(schedule, v):
         assert issued == [col.name for col in plan.devices.get(d, [])], d
 
 
-def free_running_items(layout, host_of_stage, plan):
+def free_running_items(plan):
     """The order the old runtime gave on its hosts' devices: every receive posted when the step
     begins (one job per channel), then the sends as their values came."""
     return {
@@ -263,9 +273,12 @@ def test_the_free_running_order_is_refused_and_deadlocks_the_standin():
     _, entry, leaves = compiled_step(2, num_micro_batches=4, schedule="1f1b", timeout_s=30.0)
     hosts = nccl_hosts(entry)
     plan = nccl_issue_plan(hosts.layout, hosts.host_of_stage)
-    items = free_running_items(hosts.layout, hosts.host_of_stage, plan)
-    with pytest.raises(OrderError, match=r"inconsistent NCCL issue order: device \d \(host \d\) "
-                       r"issues op 0 of .* before op 0 of .*jaxreshard bug"):
+    items = free_running_items(plan)
+    with pytest.raises(
+        OrderError,
+        match=r"inconsistent NCCL issue order: device \d \(host \d\) "
+        r"issues op 0 of .* before op 0 of .*jaxreshard bug",
+    ):
         check_nccl_items(hosts.layout, hosts.host_of_stage, items)
     for h, ch in hosts.channels.items():  # run it anyway
         ch._items, ch.nccl_recv_window = items[h], 1000
@@ -333,8 +346,11 @@ def test_after_an_abort_mid_step_the_communicators_are_made_again_and_the_next_s
     hosts.abort("local:0", "host 1 failed")  # the driver, on the failed step call
     assert not any(t.comms for t in hosts.transports.values())
     # Without new communicators the next step says so at once (it used to hang or fail mid-step).
-    with pytest.raises(PipelineError, match=r"communicator \[.*\] of channel s\d->s\d .*does not "
-                       r"exist: .*aborted"):
+    with pytest.raises(
+        PipelineError,
+        match=r"communicator \[.*\] of channel s\d->s\d .*does not "
+        r"exist: .*aborted",
+    ):
         hosts.pipeline.run(leaves)
     hosts.ensure()  # `RayPipeline.run`, before the next step
     assert all(t.comms for t in hosts.transports.values())

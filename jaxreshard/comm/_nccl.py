@@ -4,13 +4,19 @@
 - Communicators: one per (channel, device group), the group being an op's sender and receivers.
   They are created before any op runs, group by group in one fixed global order (sorted device
   ids) on every host, with the NCCL unique id made by the group's first host and passed to the
-  others through Ray; after an abort they are gone and are created again on next use.
+  others through Ray; after an abort they are gone, and the driver creates them again before the
+  next resharding or pipeline step that uses them.
 - Streams: every device has one stream per channel (a `reshard`, or one direction between two
   pipeline stages), so transfers of different channels never queue behind each other on a GPU.
   Ops of one channel are issued in the plan's order on every member (checked by
   `_order.check_programs`); a host that holds several members of a group issues their calls
   inside one `groupStart`/`groupEnd`. NCCL's ring broadcast pipelines chunks through the
   receivers: the paper's broadcast strategy.
+- Order across communicators: a device blocked in one communicator's collective does not get to
+  another's (see [Note: one issue order] in `_order.py`), so a pipeline's channels, which share
+  devices, issue all their collectives in one order derived from the schedule, one issuer per
+  host (see [Note: NCCL issue order] in `runtime/_host_channels.py`), checked before anything
+  runs. Each broadcast carries a label naming its op, for the test stand-in's messages.
 - Ordering with JAX, both ways, without host waits: a source shard is taken through DLPack with
   the channel's stream current, so the DLPack protocol makes that stream wait for the JAX
   computation that produces the shard; a received buffer is handed back to JAX through DLPack
@@ -21,7 +27,8 @@
 - Completion: ops are only enqueued; a work completes when an event recorded after its last op
   on every stream has fired. The wait polls the events and NCCL's asynchronous errors against the
   work's deadline; on timeout it aborts the communicators and names the op and the devices it
-  waited for.
+  waited for. `finished` asks the same without waiting, so that a work's kept buffers (its
+  sources, staging buffers) go as soon as its broadcasts are done.
 - Before any NCCL call, each side checks the buffer it brings against the op's shape and dtype:
   a mismatch there would hang the collective instead of raising. Every dtype moves as raw bytes.
 The GPU calls go through a small backend (`CupyBackend`); tests run the same transport against

@@ -104,8 +104,9 @@ def nccl_programs(
 
 
 def check_channel_order(layout: PipelineLayout) -> None:
-    """On NCCL a channel's transfers meet in issue order: a stage's SENDs to another stage must
-    come in the order of that stage's RECVs (see [Note: NCCL transport])."""
+    """A stage's SENDs to another stage must come in the order of that stage's RECVs (see
+    [Note: NCCL transport]). The order across channels, which NCCL needs too, is
+    `nccl_issue_plan`'s (checked when `HostChannels` is made)."""
     sends: dict[tuple[int, int], list[Any]] = {}
     recvs: dict[tuple[int, int], list[Any]] = {}
     for program in layout.programs:
@@ -126,7 +127,9 @@ def check_channel_order(layout: PipelineLayout) -> None:
 Key = tuple[str, int, int, int, int]  # an instruction's key: (kind, tensor, micro-batch, src, dst)
 
 
-def _crosses_hosts(layout: PipelineLayout, host_of_stage: Mapping[int, int], ins: Instruction) -> bool:
+def _crosses_hosts(
+    layout: PipelineLayout, host_of_stage: Mapping[int, int], ins: Instruction
+) -> bool:
     transfer = layout.transfers.get(transfer_key(ins))
     return (
         transfer is not None
@@ -228,7 +231,7 @@ def check_nccl_items(
     host_of: Callable[[int], int] | None = None
     for h, sequence in items.items():
         for key, _ in sequence:
-            kind, tensor, mb, src, dst = key
+            kind, tensor, _, src, dst = key
             plan = layout.transfers[(kind, tensor, src, dst)].plan
             assert plan is not None
             host_of = plan.cluster.host_of
@@ -796,9 +799,9 @@ class HostChannels(Channels):
     def close(self) -> None:
         super().close()
         issuer = self._issuer
-        if issuer is not None and issuer.thread is not None:
-            if issuer.thread is not threading.current_thread():
-                issuer.thread.join(1.0)
+        thread = issuer.thread if issuer is not None else None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(1.0)
         self._receivers.shutdown(wait=False, cancel_futures=True)
 
 

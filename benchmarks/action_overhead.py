@@ -23,13 +23,12 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
 
-import jaxreshard as jr  # noqa: E402
+import jaxreshard as jr
 
 VOCAB, DIM, SEQ, ROWS, BLOCKS = 64, 32, 16, 16, 4
 
@@ -124,7 +123,7 @@ def main() -> None:
         if shape is not None:
             recorded = []
             for _ in range(5):
-                (*new, loss), events = fn.profile_call(*state[name], tokens)
+                (*_new, _loss), events = fn.profile_call(*state[name], tokens)
                 recorded.append(events)
             per_stage: dict[int, float] = {}
             actions: dict[int, int] = {}

@@ -1,16 +1,16 @@
 """Time to the first step: `jr.parallelize` against `jax.jit` on a Flax NNX language model.
 
-The model is a small GPT written as Flax NNX's docs write one (`nnx.Embed`, `nnx.MultiHeadAttention`,
-`nnx.LayerNorm`, `nnx.Linear`, `nnx.Dropout`), trained by the functional recipe of the README's
-"Bring your model" (split, `jr.value_and_grad` with `has_aux` for the RNG state, Optax AdamW),
-cut into two stages by one `jr.stage_boundary` in the middle of its blocks. Each measurement runs
-in a fresh Python process (nothing cached in memory, no persistent compilation cache) and times,
-from the first call to the results being ready: `jax.jit` of the step, and `jr.parallelize` of the
-same step (2 stages on 1x2 meshes of fake CPU devices, 4 micro-batches, 1F1B), split into
-tracing and compiling (`step.pipeline(...)`) and the first run. Runs alternate between the two
-(`--repeats` each) so that the machine's noise hits both alike; the table reports medians and the
-ratio. The issue's goal: at most 1.3x `jax.jit` (requirement: 2x). Prints a table; writes JSON
-with --out.
+The model is a small GPT written as Flax NNX's docs write one (`nnx.Embed`,
+`nnx.MultiHeadAttention`, `nnx.LayerNorm`, `nnx.Linear`, `nnx.Dropout`), trained by the functional
+recipe of "Bring your model" (split, `jr.value_and_grad` with `has_aux` for the RNG state, Optax
+AdamW), cut into two stages by one `jr.stage_boundary` in the middle of its blocks. Each
+measurement runs in a fresh Python process (nothing cached in memory, no persistent compilation
+cache) and times, from the first call to the results being ready: `jax.jit` of the step, and
+`jr.parallelize` of the same step (2 stages on 1x2 meshes of fake CPU devices, 4 micro-batches,
+1F1B), split into tracing and compiling (`step.pipeline(...)`) and the first run. Runs alternate
+between the two (`--repeats` each) so that the machine's noise hits both alike; the table reports
+medians and the ratio. The issue's goal: at most 1.3x `jax.jit` (requirement: 2x). Prints a table;
+writes JSON with --out.
 
     python benchmarks/first_step.py --out benchmarks/results/first_step.json
 """
@@ -142,9 +142,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"jit": [], "parallelize": []}
     for _ in range(args.repeats):
         for mode in runs:
-            runs[mode].append(
-                measure(mode, args.layers, args.dim, args.seq, args.rows, args.mesh)
-            )
+            runs[mode].append(measure(mode, args.layers, args.dim, args.seq, args.rows, args.mesh))
     med = {
         mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k.endswith("_s")}
         for mode, rs in runs.items()

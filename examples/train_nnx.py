@@ -101,7 +101,8 @@ def batch(n=16):
 for i in range(30):
     params, rest, opt_state, metrics = train_step(params, rest, opt_state, batch())
     if i % 5 == 0:
-        print(f"step {i:2d}  loss {float(metrics['loss']):.3f}  accuracy {float(metrics['acc']):.2f}")
+        loss, acc = float(metrics["loss"]), float(metrics["acc"])
+        print(f"step {i:2d}  loss {loss:.3f}  accuracy {acc:.2f}")
 print(f"eval loss {float(eval_step(params, rest, batch())):.3f}")
 exported = jr.collect(params)  # host numpy arrays, e.g. for a checkpoint
 print("parameters:", sum(x.size for x in jax.tree.leaves(exported)))

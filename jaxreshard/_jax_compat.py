@@ -292,3 +292,36 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def shard_for_shard(src: NamedSharding, dst: NamedSharding, shape: Sequence[int]) -> bool:
+    """Whether moving an array of `shape` from `src` to `dst` is one whole-shard copy per
+    device: the k-th device of `src`'s mesh holds exactly what the k-th of `dst`'s must."""
+    if src.mesh.devices.shape != dst.mesh.devices.shape:
+        return False
+    a, b = src.devices_indices_map(tuple(shape)), dst.devices_indices_map(tuple(shape))
+    return all(
+        a[x] == b[y] for x, y in zip(src.mesh.devices.flat, dst.mesh.devices.flat, strict=True)
+    )
+
+
+def copy_shards(x: Any, dst: NamedSharding) -> Any:
+    """`x` moved shard for shard onto `dst`'s devices (see `shard_for_shard`), asynchronously.
+
+    This is the copy `jax.device_put` makes between device sets, without its per-call Python
+    checks (about 150 us each on a small CPU box; this takes about 15 us): jaxlib's batched
+    copy, where this JAX has it."""
+    copy = getattr(_xla_client(), "batched_copy_array_to_devices_with_sharding", None)
+    if copy is None:
+        import jax
+
+        return jax.device_put(x, dst)
+    semantics = _xla_client().ArrayCopySemantics.REUSE_INPUT
+    devices = _xla_client().DeviceList(tuple(dst.mesh.devices.flat))
+    return copy([x], [devices], [dst], [semantics])[0]
+
+
+def _xla_client() -> Any:
+    from jax._src.lib import xla_client
+
+    return xla_client

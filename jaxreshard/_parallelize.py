@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -105,7 +106,8 @@ class Parallelized:
             (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
         )
         self.meshes = list(meshes) if meshes is not None else None
-        self._cache: dict[Any, _Entry] = {}
+        # Compiled steps by argument signature, least recently used first (see `_remember`).
+        self._cache: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._static_seen: dict[Any, list[dict[int, Any]]] = {}
         functools.update_wrapper(self, fun)
 
@@ -129,6 +131,8 @@ class Parallelized:
         try:
             key = (in_tree, *(_leaf_key(x, unit) if is_array(x) else (_STATIC, x) for x in leaves))
             entry = self._cache.get(key)
+            if entry is not None and getattr(entry.pipeline, "closed", False):
+                entry = None  # closed by `close` or `jaxreshard.shutdown()`: compile again
         except TypeError:  # an unhashable static leaf
             bad = next(i for i, x in enumerate(leaves) if not is_array(x) and not _hashable(x))
             raise TypeError(
@@ -159,13 +163,33 @@ class Parallelized:
         paths = [p for i, p in enumerate(_leaf_paths(args)) if i not in static]
         self._check_batch(arrays, batch_leaves, paths)
         self._note_static(key, static, _leaf_paths(args))
-        entry = self._cache[key] = self._compile(arrays, in_tree, batch_leaves, static, recorded)
+        entry = self._compile(arrays, in_tree, batch_leaves, static, recorded)
+        self._remember(key, entry)
         return entry, arrays
+
+    def _remember(self, key: Any, entry: _Entry) -> None:
+        """Cache a compiled step; past `MAX_COMPILED` signatures the least recently used one is
+        dropped and its pipeline closed (its threads end; its buffers go with it)."""
+        old = self._cache.pop(key, None)
+        if old is not None:
+            _close(old)
+        self._cache[key] = entry
+        while len(self._cache) > MAX_COMPILED:
+            _, dropped = self._cache.popitem(last=False)
+            _close(dropped)
+
+    def close(self) -> None:
+        """Free every compiled pipeline now (threads, pools, device buffers it holds); a later
+        call compiles again. Dropping the parallelized step does the same."""
+        while self._cache:
+            _close(self._cache.popitem()[1])
 
     def _note_static(self, key: tuple[Any, ...], static: dict[int, Any], paths: list[str]) -> None:
         """Warn once when static leaves keep changing (every value compiles the step again)."""
         shape = (key[0], *(k for k in key[1:] if k[0] is not _STATIC))
         seen = self._static_seen.setdefault(shape, [])
+        if len(seen) >= _STATIC_RECOMPILES:  # warned already
+            return
         seen.append(static)
         if len(seen) == _STATIC_RECOMPILES:
             changing = sorted({paths[i] for s in seen for i, v in s.items() if seen[0].get(i) != v})
@@ -350,7 +374,22 @@ def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
     return [f"args{jax.tree_util.keystr(path)}" for path, _ in paths]
 
 
-_SPECS: dict[Any, tuple[Any, ...]] = {}
+# How many argument signatures one parallelized step keeps compiled.
+MAX_COMPILED = 8
+
+
+def _close(entry: _Entry) -> None:
+    close = getattr(entry.pipeline, "close", None)
+    if close is not None:
+        close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _normalized_leaf_spec(sharding: Any, unit_axes: frozenset[str]) -> tuple[Any, ...]:
+    mesh = getattr(sharding, "mesh", None)
+    sizes = dict(getattr(mesh, "shape", None) or {})
+    ones = {a: 1 for a in unit_axes if sizes.get(a) == 1}
+    return normalized_spec(spec_of(sharding), ones)
 
 
 def _leaf_key(x: Any, unit_axes: frozenset[str] = frozenset()) -> tuple[Any, ...]:
@@ -362,14 +401,7 @@ def _leaf_key(x: Any, unit_axes: frozenset[str] = frozenset()) -> tuple[Any, ...
     'data' has one device on the leaf's mesh and on every stage mesh (`unit_axes`); they must
     not compile the step twice. An axis of one device on the leaf's mesh but more on a stage's
     keeps its name: the step would shard over it."""
-    sharding = getattr(x, "sharding", None)
-    spec = _SPECS.get((sharding, unit_axes))
-    if spec is None:
-        mesh = getattr(sharding, "mesh", None)
-        sizes = dict(getattr(mesh, "shape", None) or {})
-        ones = {a: 1 for a in unit_axes if sizes.get(a) == 1}
-        spec = _SPECS[(sharding, unit_axes)] = normalized_spec(spec_of(sharding), ones)
-    return (x.shape, x.dtype, spec)
+    return (x.shape, x.dtype, _normalized_leaf_spec(getattr(x, "sharding", None), unit_axes))
 
 
 @dataclasses.dataclass

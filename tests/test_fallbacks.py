@@ -144,6 +144,10 @@ def test_a_host_that_cannot_load_the_step_says_which_module_it_misses(monkeypatc
 # -- the Ray runtime's devices -------------------------------------------------------------------
 
 
+def _must_not_start(*args, **kwargs):
+    raise AssertionError("ray.init called: the arguments should have been refused first")
+
+
 def test_a_local_ray_runtime_with_too_few_gpus_is_an_error_not_cpu_devices(monkeypatch):
     import ray
 
@@ -172,9 +176,9 @@ def test_a_local_ray_runtime_with_too_few_gpus_is_an_error_not_cpu_devices(monke
     monkeypatch.delenv("JAX_PLATFORMS")
     # The runtime refuses before Ray starts.
     monkeypatch.setattr(_ray, "_machine_gpus", lambda: 1)
+    monkeypatch.setattr(ray, "init", _must_not_start)
     with pytest.raises(ValueError, match=r"asks for 4 GPUs .* but this machine has 1"):
         RayRuntime(num_hosts=2, devices_per_host=2, nodes="single")
-    assert not ray.is_initialized()
     with pytest.raises(ValueError, match=r"init\(platform='tpu'\): choose 'auto', 'cpu', 'gpu'"):
         RayRuntime(num_hosts=2, platform="tpu")
 

@@ -358,8 +358,8 @@ def test_bad_input_is_explained():
         lambda: jr.parallelize(make_step(2), config=config(), batch_argnums=(1,))(
             params, bad_batch
         ),
-        r"batch leaf args\[1\]\['n'\] is str \('ten'\); every leaf of the batch arguments must be an "
-        "array",
+        r"batch leaf args\[1\]\['n'\] is str \('ten'\); every leaf of the batch arguments "
+        "must be an array",
         TypeError,
     )
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 BACKENDS = ("local", "ray")
 
 _current: Any = None
+# The pipelines built since the runtime started: `shutdown` closes those still alive.
+_pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
 # True while `_current` is the local runtime started on demand (not by `init`): `init` replaces it.
 _implicit = False
 
@@ -87,10 +90,20 @@ def init(
     return _current
 
 
+def track_pipeline(pipeline: Any) -> None:
+    """Have `shutdown` close `pipeline` (its `close()`) if it is still alive then."""
+    _pipelines.add(pipeline)
+
+
 def shutdown() -> None:
-    """Stop the current runtime (host actors and Ray, for the Ray backend). Idempotent."""
+    """Stop the current runtime (host actors and Ray, for the Ray backend), and close every
+    pipeline built so far (their threads end; the steps compile again at their next call).
+    Idempotent."""
     global _current, _implicit
     _implicit = False
+    for pipeline in list(_pipelines):
+        pipeline.close()
+    _pipelines.clear()
     if _current is not None:
         runtime, _current = _current, None
         runtime.shutdown()

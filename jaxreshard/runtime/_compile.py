@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -298,9 +299,15 @@ class StageCompiler:
         outs, acts, grads = self._forward_backward(args)
         return outs, acts, self._update([a + g for a, g in zip(acc, grads)], extra)
 
-    @property
+    @functools.cached_property
     def acc_params(self) -> list[int]:
+        """The parameters whose gradients this stage accumulates, in accumulator order."""
         return stage_acc_params(self.graph, self.s)
+
+    @functools.cached_property
+    def acc_slot(self) -> dict[int, int]:
+        """A parameter's position among the accumulators."""
+        return {k: i for i, k in enumerate(self.acc_params)}
 
 
 def backward_functions(

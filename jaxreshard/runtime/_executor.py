@@ -9,8 +9,9 @@ that a stage can compile in the process that owns its devices (this one, or a ho
 - `layout_pipeline` (`_layout.py`) chains those specs, plans every transfer once (reused every
   micro-batch and step), and turns the schedule into per-stage instruction lists.
 - `StageProgram` (here) steps through one stage's instructions (see [Note: instructions]) and
-  is the only interpreter: the local runtime runs one per stage in threads of this process, a
-  Ray host actor one per stage it holds. Compute is dispatched to JAX asynchronously.
+  is the only interpreter: the local runtime drives every rank's program from the calling
+  thread (see [Note: one dispatching thread]), a Ray host actor one thread per stage it holds.
+  Compute is dispatched to JAX asynchronously.
 - `Channels` (here) is everything that happens to a boundary tensor; the runtimes differ only
   in its `_move` / `_post_receives` (see [Note: boundary tensors]).
 
@@ -33,7 +34,24 @@ gradient contribution), on every runtime:
    with a deadline that names the silent stage.
 5. `Channels.end` waits (with a deadline) until this process's sends have been delivered; the
    first failure anywhere (`fail`) wakes every wait, and the transports abort their transfers.
-In signal-only mode (see [Note: signal-only bound]) step 3 moves no data: the receiver gets
+In signal-only mode (see [Note: one dispatching thread]
+A rank's program is a generator (`StageProgram.steps`) that runs until a RECV whose value has not
+arrived and yields it. On the local runtime `dispatch` drives all of them from the calling
+thread, round robin: JAX dispatches executables and copies asynchronously, so the thread only
+enqueues work, and the devices run it in parallel. A transfer moves in the sending rank's turn
+without waiting for its value where JAX can copy asynchronously (`LocalChannels.moves_inline`:
+a copy shard for shard, or a small plan by device copies); a large plan whose value does not
+exist yet goes to a sender thread and the RECV waits for it. So a step costs a JAX call per
+action and per transfer, not a thread hand-off (measured on a 2-core CPU box: a 2-stage,
+4-micro-batch step of a tiny LM went from 16.5 ms to about 8 ms; `benchmarks/action_overhead.py`).
+Since nothing in the dispatching thread waits for compute, a stage that hangs (a host callback
+that never returns) would go unnoticed until someone reads a result; so the step ends with
+`Completion.wait`: it waits for the step's outputs, and fails (naming the first action that has
+not finished) only when no action of the step has finished for `timeout_s` — a long healthy
+step is never cut short. Profiles (`record`) and network emulation keep a thread per rank: an
+action's time must be its own, and an emulated link delays its receiver.
+
+[Note: signal-only bound]) step 3 moves no data: the receiver gets
 zeros placed on its mesh once, and only the dependency remains.
 
 [Note: signal-only bound]
@@ -50,7 +68,9 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
@@ -130,21 +150,29 @@ class Channels:
     One object per process that runs stages, reused step after step. Subclasses implement
     `_move` (and `_post_receives` where receiving takes work of its own); `where(stage)` may name
     the host a stage runs on, for messages.
+
+    Every step is an epoch: `begin` starts a new one, the mailbox is keyed by it, and a value
+    moved for an earlier epoch (a transfer still in flight when its step failed) is dropped when
+    it arrives instead of being taken by a later step's RECV. Sender threads that were busy when
+    a step failed are left to finish on their own; the next step gets fresh ones.
     """
 
     def __init__(self, layout: PipelineLayout, timeout_s: float):
         self.layout, self.timeout_s = layout, timeout_s
         self.record: Callable[[Event], None] | None = None
         self.signal_only = False
+        self.epoch = 0
         self._cond = threading.Condition()
         self._arrived: dict[tuple[Any, ...], tuple[Any, float]] = {}
         self._failure: BaseException | None = None
         self._queues: dict[int, list[Any]] = {}
         self._senders: dict[int, threading.Thread] = {}
+        self._generation = 0  # sender threads of an older generation exit
         self._in_flight = 0
         self._order = itertools.count()
         self._closed = False
         self._placeholders: dict[tuple[str, Any], Any] = {}
+        self._local = threading.local()  # the epoch a sender thread is moving a value for
 
     # A step ------------------------------------------------------------------------------------
 
@@ -159,6 +187,15 @@ class Channels:
         """Start step `step_id` of `stages` (the ones this process runs): post their
         receives."""
         with self._cond:
+            if self._closed:
+                raise PipelineError("these channels were closed (the pipeline was shut down)")
+            if self._failure is not None or self._in_flight:
+                # The last step failed: its senders may be stuck in a move; start new ones.
+                self._generation += 1
+                self._senders.clear()
+                self._queues.clear()
+                self._cond.notify_all()
+            self.epoch += 1
             self._arrived.clear()
             self._failure = None
             self._in_flight = 0
@@ -169,16 +206,17 @@ class Channels:
     # nothing else waits to go out (0: never): cheaper than waking a sender thread for it.
     inline_bytes = 0
 
+    def moves_inline(self, ins: Instruction, transfer: Transfer, value: Any) -> bool:
+        """Whether `send` moves this value in the calling thread (see `inline_bytes`)."""
+        return transfer.nbytes <= self.inline_bytes and is_ready(value)
+
     def send(self, ins: Instruction, value: Any) -> None:
-        """Hand a value over for moving; returns at once (or after moving a small, ready value:
-        see `inline_bytes`)."""
+        """Hand a value over for moving; returns at once (or after moving it in this thread, if
+        `moves_inline` says so and nothing else of its stage waits to go out)."""
         transfer = self.layout.transfers[transfer_key(ins)]
-        if (
-            transfer.nbytes <= self.inline_bytes
-            and not self._queues.get(ins.src)
-            and value.is_ready()
-        ):
+        if not self._queues.get(ins.src) and self.moves_inline(ins, transfer, value):
             self._check_failure()
+            self._local.epoch = self.epoch
             self._move(ins, transfer, value)
             return
         need = self.layout.need.get(ins.key, 0.0)
@@ -186,13 +224,13 @@ class Channels:
             self._check_failure()
             heapq.heappush(
                 self._queues.setdefault(ins.src, []),
-                (need, next(self._order), ins, transfer, value),
+                (need, next(self._order), self.epoch, ins, transfer, value),
             )
             self._in_flight += 1
             if ins.src not in self._senders:
                 thread = threading.Thread(
                     target=self._send_loop,
-                    args=(ins.src,),
+                    args=(ins.src, self._generation),
                     name=f"jaxreshard-send-s{ins.src}",
                     daemon=True,
                 )
@@ -200,23 +238,48 @@ class Channels:
                 thread.start()
             self._cond.notify_all()
 
-    def recv(self, ins: Instruction) -> Any:
-        """The value of a RECV, waiting (at most `timeout_s`) until it has arrived."""
-        deadline = time.monotonic() + self.timeout_s
+    def arrived(self, ins: Instruction) -> bool:
+        """Whether a RECV's value is here (never blocks)."""
+        return ins.key in self._arrived or self._failure is not None
+
+    def take(self, ins: Instruction) -> Any:
+        """A RECV's value if it has arrived, else `MISSING` (never blocks)."""
         with self._cond:
-            while ins.key not in self._arrived:
-                self._check_failure()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PipelineError(self._silent(ins))
-                self._cond.wait(min(left, 1.0))
-            value, ready = self._arrived.pop(ins.key)
+            self._check_failure()
+            item = self._arrived.pop(ins.key, None)
+        if item is None:
+            return MISSING
+        value, ready = item
         sleep_until(ready)  # an emulated link's end (0: now)
         return value
 
-    def deliver(self, key: tuple[Any, ...], value: Any, ready: float = 0.0) -> None:
-        """A moved value has arrived (usable from `ready` on the monotonic clock)."""
+    def recv(self, ins: Instruction) -> Any:
+        """The value of a RECV, waiting (at most `timeout_s` from now) until it has arrived."""
+        self.wait_any([ins], time.monotonic() + self.timeout_s)
+        return self.take(ins)
+
+    def wait_any(self, waiting: Sequence[Instruction], deadline: float) -> None:
+        """Wait until one of these RECVs' values has arrived, or the step failed; past
+        `deadline`, raise an error naming who waits for what."""
         with self._cond:
+            while not any(ins.key in self._arrived for ins in waiting):
+                self._check_failure()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(self._silent(waiting))
+                self._cond.wait(min(left, 1.0))
+
+    def deliver(
+        self, key: tuple[Any, ...], value: Any, ready: float = 0.0, epoch: int | None = None
+    ) -> None:
+        """A moved value has arrived (usable from `ready` on the monotonic clock). `epoch` is
+        the step it was moved for (default: the one the calling sender thread moves for, else
+        the current one); a value of an earlier step is dropped."""
+        if epoch is None:
+            epoch = getattr(self._local, "epoch", self.epoch)
+        with self._cond:
+            if epoch != self.epoch:
+                return
             self._arrived[key] = (value, ready)
             self._cond.notify_all()
 
@@ -254,9 +317,15 @@ class Channels:
     def stopped(self) -> bool:
         return self._failure is not None
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
     def close(self) -> None:
+        """End the sender threads (idempotent); the channels cannot run steps after this."""
         with self._cond:
             self._closed = True
+            self._queues.clear()
             self._cond.notify_all()
 
     # Helpers for subclasses --------------------------------------------------------------------
@@ -291,17 +360,21 @@ class Channels:
 
     # Internals ----------------------------------------------------------------------------------
 
-    def _send_loop(self, stage: int) -> None:
-        queue = self._queues[stage]
+    def _send_loop(self, stage: int, generation: int) -> None:
         while True:
             with self._cond:
-                while not queue and not self._closed:
+                while (
+                    not self._queues.get(stage)
+                    and not self._closed
+                    and generation == self._generation
+                ):
                     self._cond.wait()
-                if self._closed:
+                if self._closed or generation != self._generation:
                     return
-                _, _, ins, transfer, value = heapq.heappop(queue)
+                _, _, epoch, ins, transfer, value = heapq.heappop(self._queues[stage])
             try:
-                if self._failure is None:
+                if self._failure is None and epoch == self.epoch:
+                    self._local.epoch = epoch
                     self._move(ins, transfer, value)
             except BaseException as e:
                 error = (
@@ -312,50 +385,174 @@ class Channels:
                     )
                 )
                 error.__cause__ = e
-                self.fail(error)
+                if epoch == self.epoch:
+                    self.fail(error)
             finally:
                 with self._cond:
-                    self._in_flight -= 1
+                    if epoch == self.epoch:
+                        self._in_flight -= 1
                     self._cond.notify_all()
 
     def _check_failure(self) -> None:
         if self._failure is not None:
             raise PipelineError("stopped: another stage failed") from None
 
-    def _silent(self, ins: Instruction) -> str:
+    def _silent(self, waiting: Sequence[Instruction]) -> str:
+        ins = waiting[0]
+        more = f" (and {len(waiting) - 1} more RECV(s) of other stages)" if len(waiting) > 1 else ""
         return (
-            f"{self.where(ins.dst)} waited timeout_s={self.timeout_s:g} s for {ins}; "
+            f"{self.where(ins.dst)} waited timeout_s={self.timeout_s:g} s for {ins}{more}; "
             f"{self.where(ins.src)} never sent it (it is stuck, dead, or slower than timeout_s)"
         )
+
+
+MISSING = object()  # `Channels.take`: not arrived yet
+
+
+def is_ready(value: Any) -> bool:
+    """Whether a JAX array (typed PRNG keys too) has been computed."""
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    return value.is_ready()
 
 
 def wait_for_stages(
     stages: Sequence[Any], channels: Sequence[Channels], timeout_s: float, what: str
 ) -> None:
-    """Wait until every stage's runner (a `Future` or a `Thread`) has returned. Each of their
-    waits has a deadline, so they end; once the step has failed, they get `timeout_s` more to
-    notice it before the step gives up on them (a stuck device)."""
+    """Wait until every stage's runner (a `Future` or a `Thread`) has returned. Their own waits
+    have deadlines, so a healthy runner ends; one stuck in a device call (a host callback that
+    never returns) cannot be interrupted, so once the step has failed the others get
+    `STOP_GRACE_S` to notice it, and then the step's failure is raised without them."""
     deadline: float | None = None
     for stage in stages:
         while not (stage.done() if hasattr(stage, "done") else not stage.is_alive()):
             if hasattr(stage, "join"):
-                stage.join(0.5)
+                stage.join(0.2)
             else:
-                futures_wait([stage], timeout=0.5)
-            if deadline is None and any(c.stopped for c in channels):
-                deadline = time.monotonic() + timeout_s
+                futures_wait([stage], timeout=0.2)
+            failed = next((c.failure for c in channels if c.failure is not None), None)
+            if failed is not None and deadline is None:
+                deadline = time.monotonic() + min(timeout_s, STOP_GRACE_S)
             if deadline is not None and time.monotonic() > deadline:
                 raise PipelineError(
-                    f"{what}: a stage did not stop within {timeout_s:g} s after the step failed "
-                    "(a device or a transfer is stuck); restart the runtime "
-                    "(jaxreshard.shutdown(); jaxreshard.init())"
+                    f"{what}: {failed} (a stage is still stuck in its work; its thread is left "
+                    "to finish on its own)"
+                ) from failed
+
+
+STOP_GRACE_S = 5.0  # how long stages get to notice that their step has failed
+
+
+def stage_failure(error: BaseException, what: str) -> PipelineError:
+    """The step's error for an exception raised while running `what` (`stage 2`)."""
+    if isinstance(error, PipelineError):
+        return error
+    wrapped = PipelineError(f"{what} failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def dispatch(
+    programs: dict[int, Generator[Instruction, None, Any]],
+    channels: Channels,
+    what: Callable[[int], str],
+) -> dict[int, Any]:
+    """Drive every rank's program (`StageProgram.steps`) in this thread: each runs until a RECV
+    whose value has not arrived, then the next; when none can go on, wait (at most `timeout_s`
+    from the start of that wait) until a value arrives. Compute and local transfers are
+    dispatched to JAX asynchronously, so one thread keeps every device busy without a thread
+    hand-off per action (see [Note: one dispatching thread]). Returns each program's result."""
+    done: dict[int, Any] = {}
+    waiting: dict[int, Instruction | None] = dict.fromkeys(programs)
+    while waiting:
+        progressed = False
+        for r, ins in list(waiting.items()):
+            if ins is not None and not channels.arrived(ins):
+                continue
+            progressed = True
+            try:
+                waiting[r] = programs[r].send(None)
+            except StopIteration as stop:
+                done[r] = stop.value
+                del waiting[r]
+            except BaseException as e:
+                error = stage_failure(e, what(r))
+                channels.fail(error)
+                raise error from e
+        if not progressed:
+            blocked = [ins for ins in waiting.values() if ins is not None]
+            try:
+                channels.wait_any(blocked, time.monotonic() + channels.timeout_s)
+            except PipelineError as e:
+                channels.fail(e)
+                raise
+    return done
+
+
+class Completion:
+    """Waits until a step's dispatched work has finished, with a deadline that moves with
+    progress: the step fails only when none of its actions finishes for `timeout_s`, and the
+    error names the first unfinished action (see [Note: one dispatching thread])."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def wait(self, outputs: Any, log: Sequence[tuple[str, Any]], timeout_s: float) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxreshard-wait")
+        pool = self._pool
+        finished = pool.submit(jax.block_until_ready, outputs)
+        deadline = time.monotonic() + timeout_s
+        progress = -1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                finished.result(timeout=max(0.0, min(left, 1.0)))
+                return
+            except FuturesTimeout:
+                pass
+            except BaseException as e:
+                raise stage_failure(e, "a step's computation") from e
+            now = _count_finished(log)
+            if now > progress:
+                progress, deadline = now, time.monotonic() + timeout_s
+            elif time.monotonic() >= deadline:
+                # The waiting thread stays blocked until the computation ends: a new one
+                # serves the next step.
+                self._pool = None
+                pool.shutdown(wait=False)
+                stuck = next(
+                    (what for what, outs in log if not _finished(outs)), "the step's outputs"
                 )
+                raise PipelineError(
+                    f"{stuck} did not finish within timeout_s={timeout_s:g} s, and nothing else "
+                    "of the step did meanwhile (a host callback that never returns, or a hung "
+                    "device?); raise PipelineConfig.timeout_s if one action legitimately takes "
+                    "longer"
+                )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+def _finished(tree: Any) -> bool:
+    return all(
+        x.is_deleted() or is_ready(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+    )
+
+
+def _count_finished(log: Sequence[tuple[str, Any]]) -> int:
+    return sum(_finished(outs) for _, outs in log)
 
 
 def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
     """A transfer's plan says which device holds which slice: moving a value laid out otherwise
     would deliver wrong data, so refuse it (an internal error, never silent)."""
-    if not value.sharding.is_equivalent_to(planned, len(transfer.shape)):
+    if value.sharding != planned and not value.sharding.is_equivalent_to(
+        planned, len(transfer.shape)
+    ):
         raise PipelineError(
             f"{transfer.name}: the value leaves stage {transfer.src_stage} as {value.sharding} but "
             f"its transfer was planned for {planned}; this is a jaxreshard bug, please report it"
@@ -419,6 +616,19 @@ class StageProgram:
         )
 
     def run(
+        self, *args: Any, **kwargs: Any
+    ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
+        """Run the rank's program in this thread, blocking in each RECV until its value has
+        arrived (at most `timeout_s`); the arguments and result are `steps`'."""
+        program = self.steps(*args, **kwargs)
+        try:
+            while True:
+                waiting = next(program)
+                self.channels.wait_any([waiting], time.monotonic() + self.channels.timeout_s)
+        except StopIteration as done:
+            return done.value
+
+    def steps(
         self,
         params: dict[int, Any],
         batches: dict[int, list[list[Any]]],
@@ -426,8 +636,11 @@ class StageProgram:
         losses: list[Any],
         apply_inputs: dict[int, Sequence[Any]] | None = None,
         results: dict[tuple[int, int], Any] | None = None,
-    ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
-        """Run the rank's program.
+        log: list[tuple[str, Any]] | None = None,
+    ) -> Generator[Instruction, None, tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]]:
+        """The rank's program as a generator: it runs instructions until a RECV whose value has
+        not arrived, yields that RECV, and goes on when resumed (from that RECV). One thread
+        can so drive every rank of a process in turn (`dispatch`), or one thread each (`run`).
 
         Args:
             params: the parameters its chunks keep (owners), by index.
@@ -437,6 +650,8 @@ class StageProgram:
             results: filled with the chunks' aux / forward outputs, by (result, micro-batch).
             apply_inputs: per chunk with a fused optimizer segment (`StageCompiler.set_apply`),
                 that segment's inputs other than the gradients.
+            log: if given, gets (what, outputs) of every compute action as it is dispatched,
+                so that a caller can wait for the step with a deadline and name what hangs.
 
         Returns:
             Per chunk, its gradient accumulators by parameter index (none when its optimizer
@@ -504,7 +719,10 @@ class StageProgram:
             if ins.op == RECV_OP:
                 ch = chunks[ins.dst]
                 start = time.perf_counter()
-                value = channels.recv(ins)
+                value = channels.take(ins)
+                while value is MISSING:
+                    yield ins
+                    value = channels.take(ins)
                 if self.record is not None:
                     end = time.perf_counter()
                     self.record(Event(ins.dst, WAIT, ins.mb, start, end, transfer_name(ins)))
@@ -515,7 +733,7 @@ class StageProgram:
                 elif ins.kind == PARAM_COPY:
                     ch.params[ins.tensor] = value
                 else:  # a user's gradient contribution to a parameter this chunk keeps
-                    k = ch.c.acc_params.index(ins.tensor)
+                    k = ch.c.acc_slot[ins.tensor]
                     ch.acc[k] = ch.acc[k] + value  # type: ignore[index]
             elif ins.op == SEND_OP:
                 ch = chunks[ins.src]
@@ -526,10 +744,10 @@ class StageProgram:
                 elif ins.kind == PARAM_COPY:
                     channels.send(ins, ch.params[ins.tensor])
                 else:
-                    channels.send(ins, ch.acc[ch.c.acc_params.index(ins.tensor)])  # type: ignore[index]
+                    channels.send(ins, ch.acc[ch.c.acc_slot[ins.tensor]])  # type: ignore[index]
             elif ins.op == RUN:
                 self._run(ins, position, chunks, forward_inputs, cotangents, keep_act_grads,
-                          keep_outputs, apply_inputs)  # fmt: skip
+                          keep_outputs, apply_inputs, log)  # fmt: skip
             else:  # FREE: drop what this micro-batch no longer needs
                 ch, mb = chunks[ins.src], ins.mb
                 if ins.kind == "fwd":
@@ -558,6 +776,7 @@ class StageProgram:
         keep_act_grads: Callable[[_Chunk, int, Sequence[Any]], None],
         keep_outputs: Callable[[_Chunk, int, Sequence[Any]], None],
         apply_inputs: dict[int, Sequence[Any]],
+        log: list[tuple[str, Any]] | None,
     ) -> None:
         action = ins.action
         c, mb, kind = action.stage_index, action.microbatch_index, action.kind
@@ -610,6 +829,8 @@ class StageProgram:
             else:
                 ch.acc = comp.call("w_part", ch.acc or [], res, cts, exports)
                 done = ch.acc
+        if log is not None:
+            log.append((f"stage {c}'s {'FB' if kind == 'FB' else kind}{mb}", done))
         if self.record is not None:
             jax.block_until_ready(done)
             label = f"{c}FB{mb}" if kind == "FB" else str(action)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,7 +48,7 @@ class Transfer:
     dst_spec: P
     plan: Plan | None  # None between two chunks of one rank (the value stays on its mesh)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 

@@ -82,6 +82,18 @@ class RayRuntime:
         if platform not in PLATFORMS:
             choices = ", ".join(map(repr, PLATFORMS))
             raise ValueError(f"init(platform={platform!r}): choose {choices}")
+        local = address is None
+        if nodes not in ("per_host", "single"):
+            raise ValueError(f"init(nodes={nodes!r}): choose 'per_host' or 'single'")
+        if local:
+            if num_hosts is None:
+                raise ValueError(
+                    "init(backend='ray') without an address starts a local Ray instance and needs "
+                    "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
+                    "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
+                )
+            # Before Ray starts: too few GPUs is an error, not fake CPU devices.
+            platform = local_platform(platform, num_hosts, devices_per_host, nodes, _machine_gpus())
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already initialised in this process; jaxreshard.init(backend='ray') "
@@ -102,18 +114,7 @@ class RayRuntime:
         self._dropper: threading.Thread | None = None
         self._dropper_lock = threading.Lock()
         self._local_cluster: Any = None
-        local = address is None
-        if nodes not in ("per_host", "single"):
-            raise ValueError(f"init(nodes={nodes!r}): choose 'per_host' or 'single'")
         if local:
-            if num_hosts is None:
-                raise ValueError(
-                    "init(backend='ray') without an address starts a local Ray instance and needs "
-                    "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
-                    "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
-                )
-            # Before Ray starts: too few GPUs is an error, not fake CPU devices.
-            platform = local_platform(platform, num_hosts, devices_per_host, nodes, _machine_gpus())
             if nodes == "per_host":
                 self._local_cluster = _start_local_nodes(num_hosts, object_store_memory)
                 ray.init(

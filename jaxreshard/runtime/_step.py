@@ -68,21 +68,32 @@ def _value(index: dict[Any, int], leaves: Sequence[Any], pre: dict[Any, Any], v:
     return leaves[index[v]] if v in index else pre[v]
 
 
+def feed_values(g: StepGraph, leaves: Sequence[Any], pre: dict[Any, Any]) -> list[Any]:
+    """Every feed's whole value for the step (a batch leaf, or a `pre` output)."""
+    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
+    return [_value(index, leaves, pre, f.var) for f in g.feeds]
+
+
 def stage_feeds(
-    g: StepGraph, leaves: Sequence[Any], pre: dict[Any, Any], num_micro_batches: int
+    g: StepGraph,
+    leaves: Sequence[Any],
+    pre: dict[Any, Any],
+    num_micro_batches: int,
+    split: bool = True,
 ) -> tuple[list[list[list[Any]]], list[list[Any]]]:
-    """Per stage: its batch inputs per micro-batch, and its per-step constants (host or device
-    arrays, not yet placed)."""
+    """Per stage: its batch inputs per micro-batch (none without `split`), and its per-step
+    constants (host or device arrays, not yet placed)."""
     index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
     pieces = [
-        split_rows(_value(index, leaves, pre, f.var), num_micro_batches, f.dim) for f in g.feeds
+        split_rows(value, num_micro_batches if split else 1, f.dim)
+        for f, value in zip(g.feeds, feed_values(g, leaves, pre))
     ]
     consts_all = [_value(index, leaves, pre, v) for v in g.consts]
     batches, consts = [], []
     for stage in g.loss.stages:
         per_mb: list[list[Any]] = [[] for _ in range(num_micro_batches)]
         for ref in stage.inputs:
-            if ref.kind == BATCH:
+            if ref.kind == BATCH and split:
                 for mb, piece in enumerate(pieces[ref.index]):
                     per_mb[mb].append(piece)
         batches.append(per_mb)

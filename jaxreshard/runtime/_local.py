@@ -7,8 +7,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -31,16 +30,12 @@ from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime._executor import (
     APPLY_EVENT,
     Channels,
-    Completion,
     Event,
-    PipelineError,
+    RankRunner,
     StageProgram,
     check_source,
-    dispatch,
     is_ready,
-    stage_failure,
     transfer_key,
-    wait_for_stages,
 )
 from jaxreshard.runtime._layout import (
     PipelineLayout,
@@ -240,7 +235,7 @@ class LocalChannels(Channels):
 class LocalExecutor:
     """Runs a compiled pipeline on this process's devices: one `StageProgram` per rank, all
     driven by the calling thread (`dispatch`), or, for profiles and network emulation, each in
-    a thread of its own (see [Note: one dispatching thread]).
+    a thread of its own (see [Note: one dispatching thread]); `RankRunner` is the engine.
 
     `channels` may give each stage other channels instead (tests run `HostChannels` of several
     emulated hosts in one process this way; their ranks run in threads).
@@ -252,35 +247,37 @@ class LocalExecutor:
         self.channels_of = channels or dict.fromkeys(
             range(compiled.num_stages), LocalChannels(compiled)
         )
-        self._channels = list({id(c): c for c in self.channels_of.values()}.values())
         schedule = compiled.schedule
-        self.ranks = [schedule.chunks_of(r) for r in range(schedule.num_stages)]
-        self.programs = [
-            StageProgram(
+        self.ranks = {r: schedule.chunks_of(r) for r in range(schedule.num_stages)}
+        programs = {
+            r: StageProgram(
                 {c: compiled.compilers[c] for c in chunks},
                 compiled.graph,
                 compiled.layout,
                 self.channels_of[chunks[0]],
                 r,
             )
-            for r, chunks in enumerate(self.ranks)
-        ]
+            for r, chunks in self.ranks.items()
+        }
+        self.runner = RankRunner(
+            programs,
+            self.ranks,
+            self.channels_of,
+            compiled.meshes,
+            compiled.graph.owner,
+            compiled.config.timeout_s,
+        )
         self._steps = itertools.count()
-        self._stages: ThreadPoolExecutor | None = None  # made at the first threaded step
-        self._completion = Completion()
         self._recorded_ready = False
+
+    @property
+    def programs(self) -> list[StageProgram]:
+        """Each rank's program, by rank."""
+        return [self.runner.programs[r] for r in sorted(self.ranks)]
 
     def close(self) -> None:
         """Free the threads (idempotent)."""
-        for channels in self._channels:
-            channels.close()
-        if self._stages is not None:
-            self._stages.shutdown(wait=False, cancel_futures=True)
-        self._completion.close()
-
-    def _what(self, r: int) -> str:
-        chunks = self.ranks[r]
-        return f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
+        self.runner.close()
 
     def run(
         self,
@@ -305,55 +302,22 @@ class LocalExecutor:
         if record and not self._recorded_ready:
             self._compile_recorded()
         self.events = []
-        recorder = self.events.append if record else None
-        p = self.c.num_stages
-        step_id = f"local:{next(self._steps)}"
-        for channels in self._channels:
-            stages = [s for s in range(p) if self.channels_of[s] is channels]
-            channels.begin(stages, step_id=step_id, record=recorder, signal_only=signal_only)
-        owner = self.c.graph.owner
         losses: list[Any] = [None] * self.c.config.num_micro_batches
         results: dict[tuple[int, int], Any] = {}
-        log: list[tuple[str, Any]] = []
-        apply_inputs = apply_inputs or {}
-
-        def program(r: int) -> Any:
-            program, chunks = self.programs[r], self.ranks[r]
-            program.record = recorder
-            return program.steps(
-                {k: v for k, v in enumerate(params) if owner[k] in chunks},
-                {c: batches[c] for c in chunks},
-                {c: consts[c] for c in chunks},
-                losses,
-                {c: v for c, v in apply_inputs.items() if c in chunks},
-                results,
-                log,
-            )
-
-        threaded = len(self._channels) > 1 or any(
-            getattr(c, "threaded", True) for c in self._channels
+        self.runner.begin(
+            f"local:{next(self._steps)}",
+            record=self.events.append if record else None,
+            signal_only=signal_only,
         )
-        if threaded and len(self.ranks) > 1:
-            done = self._run_threads(program)
-        else:
-            done = dispatch({r: program(r) for r in range(len(self.ranks))},
-                            self._channels[0], self._what)  # fmt: skip
-        for channels in self._channels:
-            channels.end()
-        accumulators: dict[int, dict[int, Any]] = {}
-        applied: dict[int, list[Any]] = {}
-        for accs, out in done.values():
-            accumulators.update(accs)
-            applied.update(out)
-        if not record:  # a recorded step has waited for every action already
-            try:
-                self._completion.wait(
-                    (losses, accumulators, applied, results), log, self.c.config.timeout_s
-                )
-            except PipelineError as e:
-                for channels in self._channels:
-                    channels.fail(e)
-                raise
+        accumulators, applied = self.runner.run(
+            dict(enumerate(params)),
+            dict(enumerate(batches)),
+            dict(enumerate(consts)),
+            apply_inputs or {},
+            losses,
+            results,
+        )
+        owner = self.c.graph.owner
         grads = [accumulators.get(owner[k], {}).get(k) for k in range(len(params))]
         return losses, grads, applied, results
 
@@ -365,42 +329,13 @@ class LocalExecutor:
         p = c.num_stages
         split = c.config.split_backward and not c.graph.forward_only
         accumulates = {s for s in range(p) if c.compilers[s].acc_params}
-        for r, chunks in enumerate(self.ranks):
+        for r, chunks in self.ranks.items():
             names = program_variants(
                 c.programs[r], chunks, p - 1, split, c.fused, accumulates, recorded=True
             )
             for chunk, variants in names.items():
                 c.compilers[chunk].compile_variants(sorted(variants))
         self._recorded_ready = True
-
-    def _run_threads(self, program: Callable[[int], Any]) -> dict[int, Any]:
-        """Each rank's program in a thread of its own, blocking in its RECVs."""
-        if self._stages is None:
-            self._stages = ThreadPoolExecutor(
-                max_workers=len(self.ranks), thread_name_prefix="jaxreshard-stage"
-            )
-        done: dict[int, Any] = {}
-
-        def worker(r: int) -> None:
-            runner = program(r)
-            channels = self.channels_of[self.ranks[r][0]]
-            try:
-                with jax.set_mesh(self.c.meshes[self.ranks[r][0]]):
-                    while True:
-                        try:
-                            waiting = next(runner)
-                        except StopIteration as stop:
-                            done[r] = stop.value
-                            return
-                        channels.wait_any([waiting], time.monotonic() + channels.timeout_s)
-            except BaseException as e:
-                error = stage_failure(e, self._what(r))
-                for each in self._channels:
-                    each.fail(error)
-
-        futures = [self._stages.submit(worker, r) for r in range(len(self.ranks))]
-        wait_for_stages(futures, self._channels, self.c.config.timeout_s, "local runtime")
-        return done
 
 
 def emulated_end(emulator: LinkEmulator, cluster: Cluster, plan: Plan) -> float:

@@ -70,8 +70,9 @@ from jaxreshard.runtime._executor import (
     APPLY_EVENT,
     Event,
     PipelineError,
+    RankRunner,
     StageProgram,
-    wait_for_stages,
+    stage_failure,
 )
 from jaxreshard.runtime._host_channels import (
     HostChannels,
@@ -268,7 +269,7 @@ class HostPipeline:
             self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
         self.layout: PipelineLayout | None = None
         self.channels: _WatchedChannels | None = None
-        self.programs: dict[int, StageProgram] = {}
+        self.runner: RankRunner | None = None
         self._gid = {d: g for g, d in actor.devices.items()}
         self._step_id = ""
         self._running = 0  # step calls under way
@@ -302,12 +303,21 @@ class HostPipeline:
             for r in range(schedule.num_stages)
             if schedule.chunks_of(r)[0] in self.compilers
         }
-        self.programs = {
+        programs = {
             r: StageProgram(
                 {c: self.compilers[c] for c in chunks}, self.graph, layout, self.channels, r
             )
             for r, chunks in self.ranks.items()
         }
+        self.runner = RankRunner(
+            programs,
+            self.ranks,
+            dict.fromkeys(self.compilers, self.channels),
+            self.meshes,
+            self.graph.owner,
+            self.config.timeout_s,
+            where=f"host {actor.host}: ",
+        )
         return self._fused
 
     def drop(self, wait_s: float = 2.0) -> None:
@@ -326,7 +336,9 @@ class HostPipeline:
                              wait_s)  # fmt: skip
             if not self._running:  # (a running step's own receives may still read it)
                 channels.forget(self.key)
-        self.programs = {}
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
         self.compilers = {}
         self._segment_fns = {}
         self._fused = {}
@@ -456,10 +468,6 @@ class HostPipeline:
         recorder = events.append if events is not None else None
         losses: list[Any] = [None] * self.config.num_micro_batches
         outputs: dict[tuple[int, int], Any] = {}
-        results: dict[int, dict[int, Any]] = {}
-        applied: dict[int, list[Any]] = {}
-        channels.begin(list(self.compilers), step_id=step_id, record=recorder,
-                       signal_only=signal_only)  # fmt: skip
 
         def inputs(s: int) -> tuple[dict[int, Any], list[list[Any]], list[Any], Any]:
             """Stage (chunk) s's parameters, batch pieces, constants and fused optimizer
@@ -499,41 +507,26 @@ class HostPipeline:
                 ]
             return mine, per_mb, stage_consts, extra
 
-        def worker(r: int) -> None:
-            chunks = self.ranks[r]
+        assert self.runner is not None
+        self.runner.begin(step_id, record=recorder, signal_only=signal_only)
+        params_here: dict[int, Any] = {}
+        per_mb: dict[int, list[list[Any]]] = {}
+        stage_consts: dict[int, list[Any]] = {}
+        extra: dict[int, list[Any]] = {}
+        for c in self.compilers:
             try:
-                mine, per_mb, stage_consts, extra = {}, {}, {}, {}
-                for c in chunks:
-                    params_c, per_mb[c], stage_consts[c], extra_c = inputs(c)
-                    mine.update(params_c)
-                    if extra_c is not None:
-                        extra[c] = extra_c
-                program = self.programs[r]
-                program.record = recorder
-                with jax.set_mesh(self.meshes[chunks[0]]):
-                    accs, out = program.run(mine, per_mb, stage_consts, losses, extra, outputs)
-                results.update(accs)
-                applied.update(out)
+                mine, per_mb[c], stage_consts[c], extra_c = inputs(c)
             except BaseException as e:
-                what = f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
-                error = (
-                    e
-                    if isinstance(e, PipelineError)
-                    else PipelineError(
-                        f"host {self.actor.host}: {what} failed: {type(e).__name__}: {e}"
-                    )
-                )
-                error.__cause__ = e
-                channels.fail(error)
-
-        threads = [
-            threading.Thread(target=worker, args=(r,), name=f"jaxreshard-rank{r}", daemon=True)
-            for r in self.ranks
-        ]
-        for t in threads:
-            t.start()
-        wait_for_stages(threads, [channels], self.config.timeout_s, f"host {self.actor.host}")
-        channels.end()  # a step ends when its sends have: their errors and events belong to it
+                error = stage_failure(e, f"host {self.actor.host}: stage {c}'s inputs")
+                self.runner.fail(error)
+                raise error from e
+            params_here.update(mine)
+            if extra_c is not None:
+                extra[c] = extra_c
+        results, applied = self.runner.run(
+            params_here, per_mb, stage_consts, extra, losses, outputs,
+            wait=False,  # the driver's progress deadline watches this host (StepProgress)
+        )  # fmt: skip
         own_grads = {
             k: value
             for s, accs in results.items()

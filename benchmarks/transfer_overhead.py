@@ -65,7 +65,7 @@ def measure(label, shape, repeats):
     config = jr.PipelineConfig(stage_mesh_shape=(1, 2), mesh_axis_names=("data", "model"),
                                backend="local")  # fmt: skip
     pipeline = jr.parallelize(step, config=config, batch_argnums=(1,)).pipeline(params, batch)
-    channels = pipeline.executor.channels_of[0]
+    channels = pipeline.channels_of[0]
     ins = next(i for i in pipeline.layout.programs[0] if i.op == "SEND")
     transfer = pipeline.layout.transfers[transfer_key(ins)]
     src, dst = channels._shardings[transfer_key(ins)]

@@ -325,3 +325,33 @@ def _xla_client() -> Any:
     from jax._src.lib import xla_client
 
     return xla_client
+
+
+def cpu_collectives_on(hostname: str) -> None:
+    """Have this process's CPU client (made at its first computation, after
+    `jax.distributed.initialize`) run cross-process collectives over gloo's TCP transport bound
+    to `hostname`. JAX's own choice resolves the machine's host name, which on an emulated
+    cluster (network namespaces of one machine) names an address the namespace does not have.
+    See [Note: multi-host stages] in `runtime/_pipeline_ray.py`."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def factory() -> Any:
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=hostname
+        )
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+
+
+def enable_recoverability() -> bool:
+    """Let a multi-controller job go on when one of its processes dies (JAX otherwise ends
+    every process once the dead one misses its heartbeats); False where this JAX lacks it."""
+    import jax
+
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except (AttributeError, KeyError, ValueError):
+        return False
+    return True

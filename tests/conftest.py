@@ -80,7 +80,8 @@ def ray_runtime(_ray_session):
 def pytest_sessionfinish(session, exitstatus):
     """If the interpreter has not exited a minute after the last test (a worker thread of some
     pool still waiting, which would hold the interpreter's exit up), print every thread's stack
-    so the culprit is named, and exit with pytest's status instead of hanging CI."""
+    so the culprit is named, and fail (exit status 3 if the tests passed) instead of hanging CI
+    or hiding the leak."""
     import faulthandler
     import sys
     import threading
@@ -88,9 +89,13 @@ def pytest_sessionfinish(session, exitstatus):
 
     def watchdog():
         time.sleep(60)
-        print("\ntests ended a minute ago, the process is still here; threads:", file=sys.stderr)
+        print(
+            "\nFAILED: the tests ended a minute ago and the process is still here (a thread that "
+            "never ends); threads:",
+            file=sys.stderr,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        os._exit(int(exitstatus))
+        os._exit(int(exitstatus) or 3)
 
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

@@ -188,6 +188,8 @@ class World:
         head = queue_[0] if queue_ else None
         if head is None or not head.joined or head.rendezvous.error is not None:
             return None
+        if head.seq in head.rendezvous.finished:  # finished; its thread has not left it yet
+            return None
         return head
 
     def _cycle(self, device: Any) -> list[tuple[Call, Any]]:

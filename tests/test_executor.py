@@ -217,7 +217,7 @@ def test_a_silent_stage_is_named_after_timeout_s():
 def test_a_failing_stage_stops_every_stage():
     _, entry, leaves = compiled_step(num_micro_batches=2, timeout_s=60.0)
     pipeline, _ = emulated_hosts(entry, "mailbox")
-    compiler = pipeline.executor.programs[1].compilers[1]
+    compiler = pipeline.engine.runner.programs[1].compilers[1]
     real = compiler.call
 
     def broken(name, *args):
@@ -236,7 +236,7 @@ def test_a_failing_stage_stops_every_stage():
 def test_a_value_laid_out_other_than_planned_is_refused():
     _, entry, leaves = compiled_step(num_micro_batches=2)
     pipeline = entry.pipeline
-    channels = pipeline.executor.channels_of[0]
+    channels = pipeline.channels_of[0]
     real_move = type(channels)._move
 
     def relaid(self, ins, transfer, value):
@@ -273,7 +273,7 @@ def test_every_channel_sends_in_its_receivers_order(schedule, weight_delay):
 
 def test_the_last_stage_runs_forward_and_backward_as_one_executable():
     step, entry, leaves = compiled_step(num_micro_batches=4, schedule="1f1b")
-    fused = entry.pipeline.executor.programs[-1].fused_fb
+    fused = entry.pipeline.engine.runner.programs[max(entry.pipeline.engine.runner.programs)].fused_fb
     program = entry.pipeline.layout.programs[-1]
     assert fused and all(program[i].op == RUN and program[i].action.kind == "F" for i in fused)
     compiler = entry.pipeline.compiled.compilers[2]

@@ -215,7 +215,7 @@ def test_devices_a_host_actor_reports_must_be_the_planned_ones():
 
 
 def test_step_progress_counts_actions_once_their_outputs_are_ready():
-    from jaxreshard.runtime._pipeline_ray import StepProgress
+    from jaxreshard.runtime._host_pipeline import StepProgress
 
     progress = StepProgress()
     progress.begin("s:0")

@@ -23,8 +23,9 @@ from helpers import cluster_over, virtual
 from jax.sharding import PartitionSpec as P
 from nccl_standin import StandinBackend, World
 from test_executor import compiled_step, run
-from test_parallelize import reference
+from test_parallelize import make_batch, make_params, make_step, reference
 
+import jaxreshard as jr
 from jaxreshard.comm import plan_reshard
 from jaxreshard.comm._layout import device_key
 from jaxreshard.comm._nccl import DeviceData, NcclTransport
@@ -33,6 +34,7 @@ from jaxreshard.comm._transport import HostWork
 from jaxreshard.runtime._executor import PipelineError
 from jaxreshard.runtime._host_channels import (
     RECV,
+    SEND,
     HostChannels,
     ThreadSignal,
     check_nccl_items,
@@ -329,7 +331,7 @@ def test_receive_buffers_are_allocated_at_their_turn():
 def test_after_an_abort_mid_step_the_communicators_are_made_again_and_the_next_step_runs():
     _, entry, leaves = compiled_step(3, num_micro_batches=4, schedule="1f1b", timeout_s=30.0)
     hosts = nccl_hosts(entry)
-    compiler = hosts.pipeline.executor.programs[1].compilers[1]
+    compiler = hosts.pipeline.engine.runner.programs[1].compilers[1]
     real, calls = compiler.call, []
 
     def broken(name, *args):
@@ -357,3 +359,39 @@ def test_after_an_abort_mid_step_the_communicators_are_made_again_and_the_next_s
     _, losses = run(hosts.pipeline, entry, leaves, steps=1)
     np.testing.assert_allclose(losses, reference(3, True, True)[1][:1], rtol=1e-5)
     assert not hosts.world.deadlocks
+
+
+def test_the_issue_plan_of_stages_that_span_hosts():
+    """A stage that spans hosts (see [Note: multi-host stages]): every host of the sending
+    stage issues its side of each SEND and every host of the receiving stage its side of each
+    RECV, in the one order, and the plan passes its checks (order across communicators, and a
+    simulation of every host's issuer)."""
+    cfg = jr.PipelineConfig(
+        stage_mesh_shape=(1, 2),
+        mesh_axis_names=("data", "model"),
+        num_micro_batches=4,
+        schedule="1f1b",
+        devices_per_host=1,  # every device a host: each stage's mesh spans two
+    )
+    step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    entry, _ = step._entry((make_params(3), make_batch()))
+    compiled = entry.pipeline.compiled
+    host_of = compiled.cluster.host_of
+    hosts_of_stage = {
+        s: tuple(sorted({host_of(device_key(d)) for d in mesh.devices.flat}))
+        for s, mesh in enumerate(compiled.meshes)
+    }
+    assert all(len(hs) == 2 for hs in hosts_of_stage.values())
+    plan = nccl_issue_plan(compiled.layout, hosts_of_stage, recv_window=2)
+    for kind, tensor, mb, src, dst in plan.order:
+        key = (kind, tensor, mb, src, dst)
+        for h in hosts_of_stage[src]:
+            assert (key, SEND) in plan.items[h]
+        for h in hosts_of_stage[dst]:
+            assert (key, RECV) in plan.items[h]
+    assert set(plan.items) == {h for hs in hosts_of_stage.values() for h in hs}
+    # The lead host alone standing for each stage leaves the others' devices out of collectives
+    # they are members of: the static check refuses it.
+    leads = {s: hs[:1] for s, hs in hosts_of_stage.items()}
+    with pytest.raises(OrderError, match=r"is issued by .* but never by its member\(s\) device"):
+        nccl_issue_plan(compiled.layout, leads)

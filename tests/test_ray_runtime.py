@@ -227,7 +227,7 @@ def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
     np.testing.assert_allclose(float(loss), float(jax.jit(step)(w, batch)[1]), rtol=1e-5)
     (entry,) = pstep._cache.values()
     pipe = entry.pipeline
-    step_id = f"{pipe.key}:{pipe._steps - 1}"
+    step_id = pipe.last_step_id
     (host,) = pipe.hosts  # both stages' meshes (a device each) are on host 0
     report = pipe.runtime.actors[host].pipeline_call.remote(pipe.key, "progress", step_id)
     count, last, _ = ray.get(report, timeout=60)

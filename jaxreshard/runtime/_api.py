@@ -55,7 +55,9 @@ def init(
             `object_store` or `nccl`), `object_store_memory`, `cluster_links` (bandwidths for
             the planner's cost model, as in `Cluster`), `gpu_memory_fraction` (of each GPU that
             XLA may take in a host actor, default 0.6; the rest is for CuPy's receive buffers
-            and NCCL).
+            and NCCL), `distributed` (whether the host actors join one `jax.distributed`
+            runtime, so that a stage's mesh may span hosts: default True with two or more
+            hosts; the coordinator is host 0's actor, at an address Ray gives).
 
     Raises:
         RuntimeError: a runtime started by `init` is already running (call

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard.frontend._backward import StageBackward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._specs import spec_of
+from jaxreshard.runtime._specs import place, spec_of
 
 # The message of a compiled executable called with inputs laid out otherwise than it was compiled
 # for (it checks before running, so nothing was donated yet).
@@ -78,7 +78,7 @@ class StageCompiler:
         scalar on the stage's mesh, made once per micro-batch."""
         while len(self._mb_index) <= mb:
             index = np.int32(len(self._mb_index))
-            self._mb_index.append(jax.device_put(index, NamedSharding(self.mesh, P())))
+            self._mb_index.append(place(index, NamedSharding(self.mesh, P())))
         return self._mb_index[mb]
 
     def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:

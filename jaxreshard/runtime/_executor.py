@@ -92,10 +92,20 @@ from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 from jaxreshard.runtime._compile import StageCompiler
 from jaxreshard.runtime._layout import PipelineLayout, Transfer
 from jaxreshard.runtime._programs import program_fusion
+from jaxreshard.runtime._specs import place
 
 
 class PipelineError(RuntimeError):
     """A stage failed, or a transfer did not arrive in time."""
+
+
+class Stopped(PipelineError):
+    """What a stage raises when it stops because the step already failed elsewhere; `failure`
+    is that first failure (the one to report: `stage_failure` returns it)."""
+
+    def __init__(self, failure: BaseException | None):
+        super().__init__(f"stopped: another stage failed ({failure})")
+        self.failure = failure
 
 
 @dataclasses.dataclass
@@ -305,6 +315,8 @@ class Channels:
 
     def fail(self, error: BaseException) -> None:
         """Record the step's first failure and wake every wait."""
+        while isinstance(error, Stopped) and error.failure is not None:
+            error = error.failure  # (the failure that stopped a stage is the step's)
         with self._cond:
             first = self._failure is None
             if first:
@@ -337,7 +349,7 @@ class Channels:
         with self._cond:
             value = self._placeholders.get(key)
         if value is None:
-            value = jax.device_put(np.zeros(transfer.shape, transfer.dtype), sharding)
+            value = place(np.zeros(transfer.shape, transfer.dtype), sharding)
             with self._cond:
                 value = self._placeholders.setdefault(key, value)
         return value
@@ -395,7 +407,7 @@ class Channels:
 
     def _check_failure(self) -> None:
         if self._failure is not None:
-            raise PipelineError("stopped: another stage failed") from None
+            raise Stopped(self._failure) from None
 
     def _silent(self, waiting: Sequence[Instruction]) -> str:
         ins = waiting[0]
@@ -444,7 +456,10 @@ STOP_GRACE_S = 5.0  # how long stages get to notice that their step has failed
 
 
 def stage_failure(error: BaseException, what: str) -> PipelineError:
-    """The step's error for an exception raised while running `what` (`stage 2`)."""
+    """The step's error for an exception raised while running `what` (`stage 2`); a stage that
+    stopped because of an earlier failure gives that failure."""
+    if isinstance(error, Stopped) and isinstance(error.failure, PipelineError):
+        return error.failure
     if isinstance(error, PipelineError):
         return error
     wrapped = PipelineError(f"{what} failed: {type(error).__name__}: {error}")
@@ -715,7 +730,7 @@ class StageProgram:
 
         for position, ins in enumerate(self.program):
             if channels.stopped:
-                raise PipelineError("stopped: another stage failed")
+                raise Stopped(channels.failure)
             if ins.op == RECV_OP:
                 ch = chunks[ins.dst]
                 start = time.perf_counter()
@@ -835,166 +850,3 @@ class StageProgram:
             jax.block_until_ready(done)
             label = f"{c}FB{mb}" if kind == "FB" else str(action)
             self.record(Event(c, kind, mb, start, time.perf_counter(), label))
-
-
-# -- the engine: a process's ranks for one step ---------------------------------------------------
-
-
-class RankRunner:
-    """Runs the ranks a process holds for one step: the engine both runtimes run their stages
-    with (the local runtime every rank, a Ray host actor the ranks on its devices).
-
-    `begin` starts a step on the ranks' channels; `run` drives every rank's `StageProgram`, from
-    this thread (`dispatch`) or, where a channel needs it (profiles, emulated links, several
-    channel objects), one pooled thread per rank, ends the step on the channels, and with `wait`
-    waits for the step's outputs under a progress deadline (`Completion`). Errors name the
-    rank's stage, after `where` ("host 2: ").
-
-    Args:
-        programs: the rank's programs, by rank.
-        ranks: each rank's chunks (model stages), by rank.
-        channels_of: the channels of each chunk.
-        meshes: each chunk's mesh (a threaded rank runs under its first chunk's).
-        owner: the stage that owns each parameter.
-        timeout_s: `PipelineConfig.timeout_s`.
-        where: what the errors start with.
-    """
-
-    def __init__(
-        self,
-        programs: dict[int, StageProgram],
-        ranks: dict[int, Sequence[int]],
-        channels_of: dict[int, Channels],
-        meshes: Any,
-        owner: Sequence[int],
-        timeout_s: float,
-        where: str = "",
-    ):
-        self.programs, self.ranks, self.channels_of = programs, ranks, channels_of
-        self.meshes, self.owner, self.timeout_s, self.where = meshes, owner, timeout_s, where
-        self.channels = list({id(c): c for c in channels_of.values()}.values())
-        self._pool: ThreadPoolExecutor | None = None  # made at the first threaded step
-        self._completion = Completion()
-        self._record: Callable[[Event], None] | None = None
-
-    def what(self, r: int) -> str:
-        chunks = self.ranks[r]
-        rank = f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
-        return self.where + rank
-
-    @property
-    def threaded(self) -> bool:
-        """Whether the ranks run in threads of their own (see [Note: one dispatching thread])."""
-        return len(self.ranks) > 1 and (
-            len(self.channels) > 1 or any(getattr(c, "threaded", True) for c in self.channels)
-        )
-
-    def begin(
-        self,
-        step_id: str,
-        *,
-        record: Callable[[Event], None] | None = None,
-        signal_only: bool = False,
-    ) -> None:
-        """Start step `step_id` on the ranks' channels (their receives are posted)."""
-        chunks_here = [c for r in self.ranks for c in self.ranks[r]]
-        for channels in self.channels:
-            stages = [c for c in chunks_here if self.channels_of[c] is channels]
-            channels.begin(stages, step_id=step_id, record=record, signal_only=signal_only)
-        self._record = record
-
-    def fail(self, error: PipelineError) -> None:
-        """Fail the step on every channel (every rank, and the hosts they talk to, stop)."""
-        for channels in self.channels:
-            channels.fail(error)
-
-    def run(
-        self,
-        params: dict[int, Any],
-        batches: dict[int, list[list[Any]]],
-        consts: dict[int, list[Any]],
-        apply_inputs: dict[int, Sequence[Any]],
-        losses: list[Any],
-        results: dict[tuple[int, int], Any],
-        *,
-        wait: bool = True,
-    ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
-        """Run the step `begin` started: `params` by parameter index (each rank takes its
-        chunks'), `batches` / `consts` / `apply_inputs` by chunk. Fills `losses` (by
-        micro-batch) and `results` (by (result, micro-batch)); returns the gradient accumulators
-        and the fused optimizers' outputs, by chunk. A step that fails raises `PipelineError`
-        after failing the channels (so every other rank and host stops too)."""
-        record = self._record
-        log: list[tuple[str, Any]] = []
-
-        def program(r: int) -> Generator[Instruction, None, Any]:
-            chunks = self.ranks[r]
-            self.programs[r].record = record
-            return self.programs[r].steps(
-                {k: v for k, v in params.items() if self.owner[k] in chunks},
-                {c: batches[c] for c in chunks if c in batches},
-                {c: consts[c] for c in chunks if c in consts},
-                losses,
-                {c: v for c, v in apply_inputs.items() if c in chunks},
-                results,
-                log,
-            )
-
-        if self.threaded:
-            done = self._run_threads(program)
-        else:
-            done = dispatch({r: program(r) for r in self.ranks}, self.channels[0], self.what)
-        for channels in self.channels:
-            channels.end()  # a step ends when its sends have: their errors and events belong to it
-        accumulators: dict[int, dict[int, Any]] = {}
-        applied: dict[int, list[Any]] = {}
-        for accs, out in done.values():
-            accumulators.update(accs)
-            applied.update(out)
-        if wait and record is None:  # a recorded step has waited for every action already
-            try:
-                self._completion.wait((losses, accumulators, applied, results), log,
-                                      self.timeout_s)  # fmt: skip
-            except PipelineError as e:
-                self.fail(e)
-                raise
-        return accumulators, applied
-
-    def _run_threads(self, program: Callable[[int], Any]) -> dict[int, Any]:
-        """Each rank's program in a (pooled) thread of its own, blocking in its RECVs."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=len(self.ranks), thread_name_prefix="jaxreshard-stage"
-            )
-        done: dict[int, Any] = {}
-
-        def worker(r: int) -> None:
-            runner = program(r)
-            channels = self.channels_of[self.ranks[r][0]]
-            try:
-                with jax.set_mesh(self.meshes[self.ranks[r][0]]):
-                    while True:
-                        try:
-                            waiting = next(runner)
-                        except StopIteration as stop:
-                            done[r] = stop.value
-                            return
-                        channels.wait_any([waiting], time.monotonic() + channels.timeout_s)
-            except BaseException as e:
-                error = stage_failure(e, self.what(r))
-                for each in self.channels:
-                    each.fail(error)
-
-        futures = [self._pool.submit(worker, r) for r in self.ranks]
-        name = self.where.removesuffix(": ") or "local runtime"
-        wait_for_stages(futures, self.channels, self.timeout_s, name)
-        return done
-
-    def close(self) -> None:
-        """Free the threads and the channels (idempotent)."""
-        for channels in self.channels:
-            channels.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        self._completion.close()

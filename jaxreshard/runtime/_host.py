@@ -30,6 +30,7 @@ class HostActor:
         num_devices: int | None,
         platform: str,
         enable_x64: bool = False,
+        distributed: bool = False,
     ):
         import jax
 
@@ -38,18 +39,17 @@ class HostActor:
             jax.config.update("jax_num_cpu_devices", num_devices)
         # The driver's setting, so that 64-bit data is never narrowed on the way.
         jax.config.update("jax_enable_x64", enable_x64)
-
-        local = jax.local_devices(backend=platform) if platform != "auto" else jax.local_devices()
-        if num_devices is not None:
-            if len(local) < num_devices:
-                raise RuntimeError(
-                    f"host {host} ({socket.gethostname()}) has {len(local)} {local[0].platform} "
-                    f"devices, but {num_devices} were asked for"
-                )
-            local = local[:num_devices]
-        self.host = host
-        self.devices = {first_device + k: d for k, d in enumerate(local)}
-        self.platform = local[0].platform
+        self.host, self._first, self._count, self._platform = (
+            host,
+            first_device,
+            num_devices,
+            platform,
+        )
+        self.devices: dict[int, Any] = {}  # this host's, by global id
+        self.global_devices: dict[int, Any] = {}  # every host's, once joined (see `join`)
+        self.platform = platform
+        if not distributed:  # else the devices are there once `join` made the client
+            self._take_devices()
         self.arrays: dict[str, dict[int, Any]] = {}  # id -> shards by global device id
         self.whole: dict[str, Any] = {}  # id -> a jax.Array a pipeline step kept as it is
         self.peers: dict[int, Any] = {}
@@ -59,10 +59,87 @@ class HostActor:
         self._stream: Any = None  # the TCP transport, once `open_stream` made its listener
         self._emulator: Any = None
         self._nccl: Any = None
-        self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (see runtime/_pipeline_ray.py)
+        self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (runtime/_host_pipeline.py)
         self._dropped: collections.deque[str] = collections.deque(maxlen=64)  # for messages
 
     # -- setup ---------------------------------------------------------------------------------
+
+    def _take_devices(self) -> None:
+        import jax
+
+        platform, num_devices = self._platform, self._count
+        local = jax.local_devices(backend=platform) if platform != "auto" else jax.local_devices()
+        if num_devices is not None:
+            if len(local) < num_devices:
+                raise RuntimeError(
+                    f"host {self.host} ({socket.gethostname()}) has {len(local)} "
+                    f"{local[0].platform} devices, but {num_devices} were asked for"
+                )
+            local = local[:num_devices]
+        self.devices = {self._first + k: d for k, d in enumerate(local)}
+        self.platform = local[0].platform
+
+    def coordinator_address(self) -> str:
+        """Where this host (host 0) serves the hosts' jax.distributed runtime: its node's
+        address and a free port."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+            port = probe.getsockname()[1]
+        return f"{ip}:{port}"
+
+    def join(self, coordinator: str, num_hosts: int, timeout_s: float) -> None:
+        """Join the hosts' one jax.distributed runtime as process `host` (every host calls it
+        at once; host 0 serves it at `coordinator`), so that a stage's mesh can span hosts
+        (see [Note: multi-host stages] in `runtime/_pipeline_ray.py`). Collectives between
+        hosts run over gloo on this node's address (CPU) or NCCL (GPUs). Global device ids:
+        each host's devices in order, hosts in order, as the driver numbered them."""
+        import jax
+        import ray
+
+        from jaxreshard._jax_compat import cpu_collectives_on, enable_recoverability
+
+        enable_recoverability()  # a dead host must not take the others down with it
+        if self._platform == "cpu":
+            cpu_collectives_on(ray.util.get_node_ip_address())
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_hosts,
+            process_id=self.host,
+            cluster_detection_method="deactivate",
+            initialization_timeout=max(1, int(timeout_s)),
+        )
+        self._take_devices()
+        by_process: dict[int, list[Any]] = {}
+        for d in jax.devices():
+            by_process.setdefault(d.process_index, []).append(d)
+        first = 0
+        for p in sorted(by_process):
+            for k, d in enumerate(sorted(by_process[p], key=lambda d: d.id)):
+                self.global_devices[first + k] = d
+            first += len(by_process[p])
+        mine = {g: d for g, d in self.global_devices.items() if d.process_index == self.host}
+        if mine != self.devices:
+            raise RuntimeError(
+                f"host {self.host}: the distributed runtime numbers this host's devices "
+                f"{sorted(mine)}, but the driver numbered them {sorted(self.devices)}; every "
+                "host needs the same number of devices as planned"
+            )
+
+    def device(self, gid: int) -> Any:
+        """The JAX device of global id `gid`: one of this host's, or, once the hosts joined one
+        distributed runtime (`join`), another host's (for a stage whose mesh spans hosts)."""
+        found = self.devices.get(gid)
+        if found is None:
+            found = self.global_devices.get(gid)
+        if found is None:
+            raise KeyError(
+                f"host {self.host} cannot see device {gid}: it has {sorted(self.devices)}"
+                + ("" if self.global_devices else " and joined no distributed runtime")
+            )
+        return found
 
     def info(self) -> dict[str, Any]:
         return {
@@ -268,7 +345,7 @@ class HostActor:
         """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves);
         return its fingerprint."""
         from jaxreshard.frontend._trace import fingerprint
-        from jaxreshard.runtime._pipeline_ray import HostPipeline
+        from jaxreshard.runtime._host_pipeline import HostPipeline
 
         step, static = load_step(self.host, fun)
         pipeline = HostPipeline(

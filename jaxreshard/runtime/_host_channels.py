@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from numbers import Integral
 from typing import Any
 
 import jax
@@ -82,6 +83,14 @@ from jaxreshard.runtime._layout import PipelineLayout, Transfer
 # anywhere aborts them, and the consumer's RECV has the real deadline (timeout_s).
 _FAR = 7 * 24 * 3600.0
 
+HostsOfStage = Mapping[int, "int | Sequence[int]"]
+
+
+def hosts_of(host_of_stage: HostsOfStage) -> dict[int, tuple[int, ...]]:
+    """Every stage's hosts as a tuple (a stage whose mesh spans hosts has several; see
+    [Note: multi-host stages] in `_pipeline_ray.py`)."""
+    return {s: (int(h),) if isinstance(h, Integral) else tuple(h) for s, h in host_of_stage.items()}
+
 
 def nccl_channel(src_stage: int, dst_stage: int) -> str:
     """The NCCL channel (communicators and streams) of transfers from one stage to another."""
@@ -89,13 +98,14 @@ def nccl_channel(src_stage: int, dst_stage: int) -> str:
 
 
 def nccl_programs(
-    layout: PipelineLayout, host_of_stage: Mapping[int, int]
+    layout: PipelineLayout, host_of_stage: HostsOfStage
 ) -> list[tuple[str, dict[int, list[Any]]]]:
     """Per NCCL channel (stage -> stage), the host programs of its cross-host transfers: what
     its communicators are made from."""
+    hosts = hosts_of(host_of_stage)
     out: dict[str, dict[int, list[Any]]] = {}
     for (_, _, src, dst), t in sorted(layout.transfers.items()):
-        if host_of_stage[src] == host_of_stage[dst]:
+        if t.plan is None or hosts[src] == hosts[dst] == hosts[src][:1]:
             continue
         merged = out.setdefault(nccl_channel(src, dst), {})
         for h, steps in host_programs(t.plan, collectives=True).items():
@@ -128,19 +138,20 @@ Key = tuple[str, int, int, int, int]  # an instruction's key: (kind, tensor, mic
 
 
 def _crosses_hosts(
-    layout: PipelineLayout, host_of_stage: Mapping[int, int], ins: Instruction
+    layout: PipelineLayout, hosts: Mapping[int, tuple[int, ...]], ins: Instruction
 ) -> bool:
     transfer = layout.transfers.get(transfer_key(ins))
     return (
         transfer is not None
         and transfer.plan is not None
-        and host_of_stage[ins.src] != host_of_stage[ins.dst]
+        and not hosts[ins.src] == hosts[ins.dst] == hosts[ins.src][:1]
     )
 
 
-def nccl_issue_order(layout: PipelineLayout, host_of_stage: Mapping[int, int]) -> list[Key]:
+def nccl_issue_order(layout: PipelineLayout, host_of_stage: HostsOfStage) -> list[Key]:
     """The step's cross-host transfers (instruction keys) in the one order every host issues
     their collectives in (see [Note: NCCL issue order])."""
+    hosts = hosts_of(host_of_stage)
     programs = layout.programs
     position = [0] * len(programs)
     delivered: set[Key] = set()
@@ -156,7 +167,7 @@ def nccl_issue_order(layout: PipelineLayout, host_of_stage: Mapping[int, int]) -
                     if ins.op == RECV_OP and ins.key not in delivered:
                         break
                     if ins.op == SEND_OP:
-                        if _crosses_hosts(layout, host_of_stage, ins):
+                        if _crosses_hosts(layout, hosts, ins):
                             heapq.heappush(reached, (layout.need.get(ins.key, 0.0), ins.key))
                         else:
                             delivered.add(ins.key)
@@ -200,22 +211,27 @@ class NcclIssuePlan:
 
 
 def nccl_issue_plan(
-    layout: PipelineLayout, host_of_stage: Mapping[int, int], recv_window: int | None = None
+    layout: PipelineLayout, host_of_stage: HostsOfStage, recv_window: int | None = None
 ) -> NcclIssuePlan:
     """Derive the step's NCCL issue plan and check it (see [Note: NCCL issue order]); an
     `OrderError` names what would hang. `recv_window`: the issuers' bound on receives in
-    flight (None: unbounded), as the check should simulate it."""
-    order = nccl_issue_order(layout, host_of_stage)
+    flight (None: unbounded), as the check should simulate it. Every host of the sending
+    stage issues its side of a SEND, every host of the receiving stage its side of the RECV
+    (a stage that spans hosts runs the same programs on each)."""
+    hosts = hosts_of(host_of_stage)
+    order = nccl_issue_order(layout, hosts)
     items: dict[int, list[tuple[Key, str]]] = {}
     for key in order:
-        items.setdefault(host_of_stage[key[3]], []).append((key, SEND))
-        items.setdefault(host_of_stage[key[4]], []).append((key, RECV))
-    return check_nccl_items(layout, host_of_stage, items, recv_window, order)
+        for h in hosts[key[3]]:
+            items.setdefault(h, []).append((key, SEND))
+        for h in hosts[key[4]]:
+            items.setdefault(h, []).append((key, RECV))
+    return check_nccl_items(layout, hosts, items, recv_window, order)
 
 
 def check_nccl_items(
     layout: PipelineLayout,
-    host_of_stage: Mapping[int, int],
+    host_of_stage: HostsOfStage,
     items: Mapping[int, Sequence[tuple[Key, str]]],
     recv_window: int | None = None,
     order: Sequence[Key] = (),
@@ -261,13 +277,13 @@ def check_nccl_items(
         devices,
         {h: list(cs) for h, cs in communicators.items()},
     )
-    _check_issuers(layout, host_of_stage, result, collectives, host_of, recv_window)
+    _check_issuers(layout, hosts_of(host_of_stage), result, collectives, host_of, recv_window)
     return result
 
 
 def _check_issuers(
     layout: PipelineLayout,
-    host_of_stage: Mapping[int, int],
+    hosts: Mapping[int, tuple[int, ...]],
     plan: NcclIssuePlan,
     collectives: Mapping[Key, list[Collective]],
     host_of: Callable[[int], int] | None,
@@ -287,6 +303,7 @@ def _check_issuers(
     left = {key: len(cs) for key, cs in collectives.items()}
     key_of = {c: key for key, cs in collectives.items() for c in cs}
     in_flight = dict.fromkeys(plan.items, 0)
+    counted: set[tuple[int, Key]] = set()  # (host, RECV) counted in its window
     nccl = {key for sequence in plan.items.values() for key, _ in sequence}
     progress = True
     while progress:
@@ -309,6 +326,7 @@ def _check_issuers(
                     if recv_window is not None and in_flight[h] >= recv_window:
                         break
                     in_flight[h] += 1
+                    counted.add((h, key))
                 issued.add((h, key))
                 at_item[h] += 1
                 progress = True
@@ -329,8 +347,9 @@ def _check_issuers(
                 left[key] -= 1
                 if not left[key]:
                     delivered.add(key)
-                    receiver = host_of_stage[key[4]]
-                    in_flight[receiver] -= 1
+                    for receiver in hosts[key[4]]:
+                        if (receiver, key) in counted:
+                            in_flight[receiver] -= 1
                 progress = True
     stuck = [
         f"rank {r} waits at {programs[r][position[r]]}"
@@ -376,11 +395,12 @@ class HostChannels(Channels):
     Args:
         layout: the step.
         host: this host's index.
-        host_of_stage: every stage's host.
+        host_of_stage: every stage's host, or hosts (a stage whose mesh spans hosts).
         devices: this host's devices by global id.
-        meshes: the meshes of this host's stages.
+        meshes: the meshes of this host's stages (of several hosts' devices, for a stage that
+            spans hosts).
         transport: an `ObjectStoreTransport` or an `NcclTransport` of this host.
-        signal: `signal(host, step_id, key)` calls `signalled(step_id, key)` on that host's
+        signal: `signal(hosts, step_id, key)` calls `signalled(step_id, key)` on those hosts'
             channels (signal-only steps).
         timeout_s: the longest wait for any transfer.
     """
@@ -390,15 +410,15 @@ class HostChannels(Channels):
         layout: PipelineLayout,
         *,
         host: int,
-        host_of_stage: Mapping[int, int],
+        host_of_stage: HostsOfStage,
         devices: Mapping[int, Any],
         meshes: Mapping[int, Any],
         transport: Transport,
-        signal: Callable[[int, str, tuple[Any, ...]], None],
+        signal: Callable[[Sequence[int], str, tuple[Any, ...]], None],
         timeout_s: float,
     ):
         super().__init__(layout, timeout_s)
-        self.host, self.host_of_stage = host, dict(host_of_stage)
+        self.host, self.hosts_of_stage = host, hosts_of(host_of_stage)
         self.devices, self.meshes = dict(devices), dict(meshes)
         self.transport, self.signal = transport, signal
         self.nccl = transport.name == "nccl"
@@ -417,7 +437,7 @@ class HostChannels(Channels):
         self._communicators: list[tuple[str, tuple[int, ...]]] = []
         self._instructions: dict[Key, Instruction] = {}
         if self.nccl:  # derived and checked now, when the pipeline is built
-            plan = nccl_issue_plan(layout, self.host_of_stage, self.nccl_recv_window)
+            plan = nccl_issue_plan(layout, self.hosts_of_stage, self.nccl_recv_window)
             self._items = plan.items.get(host, [])
             self._nccl_sends = {key for key, role in self._items if role == SEND}
             self._communicators = plan.communicators.get(host, [])
@@ -439,7 +459,10 @@ class HostChannels(Channels):
     _poll_idle_s = 0.005
 
     def where(self, stage: int) -> str:
-        return f"stage {stage} (host {self.host_of_stage[stage]})"
+        hosts = self.hosts_of_stage[stage]
+        if len(hosts) == 1:
+            return f"stage {stage} (host {hosts[0]})"
+        return f"stage {stage} (hosts {', '.join(map(str, hosts))})"
 
     def begin(
         self,
@@ -545,9 +568,10 @@ class HostChannels(Channels):
         return HostData(work, shards, self.devices)
 
     def _assemble(self, transfer: Transfer, data: Any) -> jax.Array:
+        """The received value: this host's shards of it, as the (global) array they make."""
         sharding = NamedSharding(self.meshes[transfer.dst_stage], transfer.dst_spec)
         shards = data.finish()
-        arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat]
+        arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat if d in self._gid]
         return jax.make_array_from_single_device_arrays(transfer.shape, sharding, arrays)
 
     # Sending (in a sender thread) -----------------------------------------------------------------
@@ -562,19 +586,20 @@ class HostChannels(Channels):
         if not self.nccl:  # NCCL's stream waits for the value; the object store reads it now
             jax.block_until_ready(value)
         start = time.perf_counter()
-        peer = self.host_of_stage[ins.dst]
+        peers = self.hosts_of_stage[ins.dst]
+        local = peers == (self.host,)
         if self.signal_only:
-            if peer == self.host:
+            if local:
                 dst = NamedSharding(self.meshes[ins.dst], transfer.dst_spec)
                 self.deliver(ins.key, self.placeholder(transfer, dst))
-            else:
-                self.signal(peer, self.step_id, ins.key)
+            elif self.host == self.hosts_of_stage[ins.src][0]:  # (one signal per transfer)
+                self.signal(peers, self.step_id, ins.key)
             self._record_send(transfer, ins, start, 0)
             return
         work = self._work(ins, transfer)
         shards = {self._gid[s.device]: s.data for s in value.addressable_shards}
         data = self._data(work, shards, ins)
-        if peer == self.host:  # every op is a copy between this host's devices
+        if local:  # every op is a copy between this host's devices
             for step in work.steps:
                 assert step.role == LOCAL, step
                 data.local(work.ops[step.op])
@@ -609,7 +634,7 @@ class HostChannels(Channels):
                 if (
                     ins.op == RECV_OP
                     and ins.dst in mine
-                    and self.host_of_stage[ins.src] != self.host
+                    and self.host not in self.hosts_of_stage[ins.src]
                 ):
                     jobs.setdefault((ins.src, ins.dst), []).append(ins)
         for items in jobs.values():
@@ -814,5 +839,6 @@ class ThreadSignal:
     def __init__(self) -> None:
         self.hosts: dict[int, HostChannels] = {}
 
-    def __call__(self, host: int, step_id: str, key: tuple[Any, ...]) -> None:
-        self.hosts[host].signalled(step_id, key)
+    def __call__(self, hosts: Sequence[int], step_id: str, key: tuple[Any, ...]) -> None:
+        for host in hosts:
+            self.hosts[host].signalled(step_id, key)

@@ -44,7 +44,10 @@ PROBE_EVERY_S = 1.0  # how often a wait with a progress deadline asks the busy h
 
 
 class RuntimeBroken(RuntimeError):
-    """A host actor died; the runtime must be shut down and started again."""
+    """A host actor died (`host`, where known), or hosts of a stage that spans hosts may be
+    stuck in its collectives; the runtime must be shut down and started again."""
+
+    host: int | None = None
 
 
 class RayRuntime:
@@ -67,6 +70,7 @@ class RayRuntime:
         emulate_network_gbps: float | None = None,
         gpu_memory_fraction: float = 0.6,
         platform: str = "auto",
+        distributed: bool | None = None,
     ):
         import ray
 
@@ -82,6 +86,11 @@ class RayRuntime:
         if platform not in PLATFORMS:
             choices = ", ".join(map(repr, PLATFORMS))
             raise ValueError(f"init(platform={platform!r}): choose {choices}")
+        if distributed not in (None, True, False):
+            raise ValueError(
+                f"init(distributed={distributed!r}): True, False, or None (the default: the "
+                "host actors join one jax.distributed runtime when there are two or more)"
+            )
         local = address is None
         if nodes not in ("per_host", "single"):
             raise ValueError(f"init(nodes={nodes!r}): choose 'per_host' or 'single'")
@@ -150,10 +159,12 @@ class RayRuntime:
                 f"init(gpu_memory_fraction={gpu_memory_fraction!r}): a fraction in (0, 1]"
             )
         self.gpu_memory_fraction = gpu_memory_fraction
+        self.distributed = False  # whether the host actors joined one jax.distributed runtime
         try:
             self._start_actors(
-                local, num_hosts, devices_per_host, start_timeout_s, transport, platform
-            )
+                local, num_hosts, devices_per_host, start_timeout_s, transport, platform,
+                distributed,
+            )  # fmt: skip
         except BaseException:
             self._kill_all()
             ray.shutdown()
@@ -174,6 +185,7 @@ class RayRuntime:
         start_timeout_s: float,
         transport: str = "auto",
         platform: str = "auto",
+        distributed: bool | None = None,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -243,6 +255,7 @@ class RayRuntime:
                 counts = [devices_per_host] * len(counts)
             gpus = counts if use_gpu else [0] * len(nodes)
         platform = "gpu" if use_gpu else "cpu"
+        joining = len(counts) > 1 if distributed is None else distributed
         remote_cls = ray.remote(HostActor)
         self.actors: list[Any] = []
         hosts, first = [], 0
@@ -268,10 +281,26 @@ class RayRuntime:
                     count if not use_gpu else None,
                     platform if not use_gpu else "auto",
                     self.enable_x64,
+                    joining,
                 )
             )
             hosts.append(tuple(range(first, first + count)))
             first += count
+        if joining:  # see [Note: multi-host stages] in `_pipeline_ray.py`
+            coordinator = self._wait(
+                {0: self.actors[0].coordinator_address.remote()},
+                "choosing the jax.distributed coordinator",
+                start_timeout_s,
+            )[0]
+            self._wait(
+                {
+                    h: a.join.remote(coordinator, len(self.actors), start_timeout_s)
+                    for h, a in enumerate(self.actors)
+                },
+                f"joining the host actors' jax.distributed runtime (coordinator {coordinator})",
+                start_timeout_s,
+            )
+            self.distributed = True
         infos = self._wait(
             {h: a.info.remote() for h, a in enumerate(self.actors)},
             "starting the host actors",
@@ -649,10 +678,12 @@ class RayRuntime:
                 except ray.exceptions.RayActorError as e:
                     self._broken = f"host actor {h} died during {what}"
                     self._abort(work_id, self._broken)
-                    raise RuntimeBroken(
+                    broken = RuntimeBroken(
                         f"host actor {h} ({self._hostname(h)}) died during {what}: "
                         f"{_first_line(e)}. Call jaxreshard.shutdown() and jaxreshard.init() again."
-                    ) from None
+                    )
+                    broken.host = h
+                    raise broken from None
                 except ray.exceptions.RayTaskError as e:
                     self._abort(work_id, f"host {h} failed during {what}")
                     raise _named(e, h, what) from None

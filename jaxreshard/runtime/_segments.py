@@ -15,7 +15,7 @@ function instead, which compiles for what it gets.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,17 +27,13 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.runtime._compile import _MISMATCH
 from jaxreshard.runtime._specs import spec_of, transplant_spec
-from jaxreshard.runtime._step import donated, segment_function
+from jaxreshard.runtime._step import donated
 
 
-def placed(sharding: Any, aval: Any, mesh: Any) -> NamedSharding:
-    """The sharding `on_mesh` gives a value of `aval` held with `sharding` (None: on the host)
-    on `mesh`."""
-    devices = frozenset(mesh.devices.flat)
-    if sharding is not None and getattr(sharding, "device_set", None) == devices:
-        return sharding
-    spec = transplant_spec(spec_of(sharding), dict(mesh.shape), aval.shape)
-    return NamedSharding(mesh, spec)
+def placed(spec: Any, aval: Any, mesh: Any) -> NamedSharding:
+    """The sharding `on_mesh` gives a value of `aval` laid out with `spec` (None: host data)
+    on `mesh`: the spec where it fits, else replicated."""
+    return NamedSharding(mesh, transplant_spec(spec, dict(mesh.shape), aval.shape))
 
 
 class SegmentExecutables:
@@ -48,35 +44,38 @@ class SegmentExecutables:
         self.graph = graph
         self._donate = {j: donated(graph, j) for j in range(len(graph.segments))}
         self._compiled: dict[int, Future] = {}
-        self._jitted: set[int] = set()  # segments whose inputs came laid out otherwise
+        self._jitted: dict[int, Any] = {}  # segments whose inputs came laid out otherwise
         self._lock = threading.Lock()
 
     def warm(
         self,
-        meshes: Sequence[Any],
+        meshes: Mapping[int, Any],
         param_specs: Sequence[P],
-        leaves: Sequence[Any],
-        skip: set[int],
+        leaf_specs: Sequence[P | None],
+        only: set[int],
     ) -> None:
-        """Compile every segment but `skip` (those fused into a backward) for the shardings
-        its inputs will have at the first step; meant to run in a background thread."""
+        """Compile segments `only` (those that run in this process, on `meshes`, by stage)
+        for the shardings their inputs will have at the first step: parameters and gradients
+        with `param_specs`, the step's other arguments with `leaf_specs` (None: host data),
+        earlier segments' outputs as XLA lays them out."""
         g = self.graph
-        futures = {j: Future() for j in range(len(g.segments)) if j not in skip}
+        futures = {j: Future() for j in sorted(only)}
         if not futures:
             return
         with self._lock:
             self._compiled.update(futures)
         invars = g.outer.jaxpr.invars
-        home: dict[Any, Any] = {}
-        for v, leaf in zip(invars, leaves):
-            home[v] = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        home: dict[Any, P | None] = dict(zip(invars, leaf_specs))
         for k, i in enumerate(g.params):
-            mesh = meshes[g.owner[k]]
-            home[invars[i]] = home[g.grad_outputs[1 + k]] = NamedSharding(mesh, param_specs[k])
+            home[invars[i]] = home[g.grad_outputs[1 + k]] = param_specs[k]
         if g.grad_outputs:
-            home[g.grad_outputs[0]] = NamedSharding(meshes[g.num_stages - 1], P())
-        for j, future in futures.items():
-            seg = g.segments[j]
+            home[g.grad_outputs[0]] = P()
+        for j, seg in enumerate(g.segments):
+            future = futures.get(j)
+            if future is None or seg.stage not in meshes:
+                for v in seg.outputs:  # (run elsewhere: it arrives as its producer left it)
+                    home.setdefault(v, None)
+                continue
             mesh = meshes[seg.stage]
             try:
                 structs = [
@@ -88,7 +87,7 @@ class SegmentExecutables:
                 fn = jax.jit(jc.jaxpr_as_fun(seg.jaxpr), donate_argnums=self._donate[j])
                 compiled = fn.lower(*structs).compile()
                 for v, sharding in zip(seg.outputs, compiled.output_shardings):
-                    home[v] = sharding
+                    home[v] = spec_of(sharding)
                 future.set_result(compiled)
             except Exception as e:  # the step runs the jitted function instead
                 future.set_exception(e)
@@ -109,5 +108,9 @@ class SegmentExecutables:
                 except ValueError as e:
                     if _MISMATCH not in str(e):
                         raise
-            self._jitted.add(index)
-        return segment_function(self.graph.segments[index].jaxpr, self._donate[index])(*inputs)
+        fn = self._jitted.get(index)
+        if fn is None:  # jitted for this pipeline: its executables go with it
+            jaxpr = self.graph.segments[index].jaxpr
+            fn = jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=self._donate[index])
+            self._jitted[index] = fn
+        return fn(*inputs)

@@ -153,3 +153,24 @@ def check_meshes(meshes: Sequence[Any], num_meshes: int) -> None:
                     "own devices (cross-mesh pipelines move data between disjoint meshes)"
                 )
             seen[d] = s
+
+
+def place(x: Any, sharding: Any) -> Any:
+    """`x` (host data or a jax.Array) on `sharding`. A sharding over devices of several
+    processes (a stage that spans hosts, see [Note: multi-host stages] in `_pipeline_ray.py`)
+    takes host data as every process's own shards of it (each process holds the same value);
+    an array of this process alone goes there through host memory."""
+    import jax
+
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:  # already global: a collective reshard among them
+            return jax.device_put(x, sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            data = place(np.asarray(jax.random.key_data(x)), sharding)
+            return jax.random.wrap_key_data(data, impl=impl)
+        x = np.asarray(x)
+    data = np.asarray(x)
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])

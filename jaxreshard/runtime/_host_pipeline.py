@@ -1,0 +1,486 @@
+"""A pipeline's part in a Ray host actor: the host engine behind the actor's calls.
+
+The actor (`_host.py`) keeps one `HostPipeline` per pipeline the driver built; it traces the step
+again (the function travels by value, and a fingerprint proves the driver's and this trace
+agree), compiles its stages through its `HostEngine`, and turns the driver's step calls into the
+engine's: array ids into the arrays it keeps, host data into arrays; the engine's outputs into
+ids (with small values), kept here for the next step (see [Note: pipelines on Ray] in
+`_pipeline_ray.py`). It also reports progress for the driver's deadline ([Note: progress
+deadline]) and lets everything go when the driver drops the pipeline ([Note: pipeline
+lifetime]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxreshard._jax_compat import abstract_mesh, make_mesh
+from jaxreshard.frontend._trace import trace_step
+from jaxreshard.runtime._compile import StageCompiler
+from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._driver import StepCall
+from jaxreshard.runtime._engine import HostEngine, SegmentCall, StepInputs
+from jaxreshard.runtime._executor import PipelineError
+from jaxreshard.runtime._host_channels import HostChannels
+from jaxreshard.runtime._layout import PipelineLayout
+from jaxreshard.runtime._remote import SMALL_BYTES
+from jaxreshard.runtime._specs import spec_of
+
+
+class StepProgress:
+    """What a host's part of the running step has finished, for the driver's progress deadline
+    (see [Note: progress deadline]). Thread-safe; it holds only weak references to outputs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step_id = ""
+        self.count = 0
+        self.last = "nothing"
+        self._when = time.monotonic()
+        self._pending: list[tuple[str, list[Any]]] = []  # dispatched: (what, weakrefs of outputs)
+
+    def begin(self, step_id: str) -> None:
+        with self._lock:
+            self.step_id, self.count, self.last = step_id, 0, "nothing"
+            self._when, self._pending = time.monotonic(), []
+
+    def finished(self, what: str) -> None:
+        """Something of the step finished now."""
+        with self._lock:
+            self._finished(what)
+
+    def dispatched(self, what: str, outputs: Any) -> None:
+        """An action was dispatched: it has finished once `outputs` are ready (or gone)."""
+        refs = [  # (typed PRNG key arrays cannot say: their key data comes with other outputs)
+            weakref.ref(x)
+            for x in jax.tree.leaves(outputs)
+            if isinstance(x, jax.Array) and hasattr(x, "is_ready")
+        ]
+        with self._lock:
+            self._pending.append((what, refs))
+            self._sweep()
+
+    def report(self, step_id: str) -> tuple[int, str, float]:
+        """(how many things step `step_id` finished here, the last one, seconds since)."""
+        with self._lock:
+            if step_id != self.step_id:
+                return (0, "nothing", 0.0)
+            self._sweep()
+            return (self.count, self.last, time.monotonic() - self._when)
+
+    def _finished(self, what: str) -> None:
+        self.count += 1
+        self.last, self._when = what, time.monotonic()
+
+    def _sweep(self) -> None:
+        pending = []
+        for what, refs in self._pending:
+            if all(_done(ref()) for ref in refs):
+                self._finished(what)
+            else:
+                pending.append((what, refs))
+        self._pending = pending
+
+
+def _done(x: Any) -> bool:
+    return x is None or x.is_deleted() or x.is_ready()
+
+
+class _WatchedCompiler(StageCompiler):
+    """A `StageCompiler` whose calls report to the step's `StepProgress`."""
+
+    progress: StepProgress
+
+    def call(self, name: str, *args: Any) -> Any:
+        out = super().call(name, *args)
+        self.progress.dispatched(f"stage {self.s}'s {name}", out)
+        return out
+
+
+class _WatchedChannels(HostChannels):
+    """`HostChannels` whose arrivals report to the step's `StepProgress`."""
+
+    progress: StepProgress
+
+    def release(self, reason: str, running: bool, wait_s: float) -> None:
+        """Close for good (the pipeline is dropped): a step still `running` fails with `reason`
+        (its receives wake), the sender threads and the receive pool end (waited for at most
+        `wait_s`), and the values in flight and placeholders are let go."""
+        if running:
+            self.fail(PipelineError(reason))
+        self.close()
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            threads = list(self._senders.values())
+        threads += list(getattr(self._receivers, "_threads", ()))  # the pool's workers
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            self._senders.clear()
+            self._arrived.clear()
+            self._placeholders.clear()
+            self._nccl_works = []
+        self.signal = _no_signal  # (a bound method of the pipeline: a cycle)
+
+    def forget(self, work_id: str) -> None:
+        """Let the transport drop what it keeps of `work_id` and of the works under it."""
+        self.transport.forget(work_id)  # type: ignore[attr-defined]
+
+    def deliver(self, key: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+        super().deliver(key, *args, **kwargs)
+        if len(key) == 5:  # an instruction's key: (kind, tensor, micro-batch, from, to)
+            kind, tensor, mb, src, dst = key
+            what = f"receiving {kind} {tensor} of micro-batch {mb} (stage {src} to {dst})"
+        else:
+            what = f"receiving {key}"
+        self.progress.finished(what)
+
+
+def _no_signal(hosts: Any, step_id: str, key: tuple[Any, ...]) -> None:
+    """A dropped pipeline's channels signal nobody."""
+
+
+class HostPipeline:
+    """The stages of one pipelined step that run on this host (inside the host actor).
+
+    `stage_devices` gives, per stage this host runs, its mesh as a grid of global device ids;
+    a stage that spans hosts has devices of other hosts in it (every host of it runs it, see
+    [Note: multi-host stages] in `_pipeline_ray.py`)."""
+
+    def __init__(
+        self,
+        actor: Any,
+        key: str,
+        fun: Callable[..., Any],
+        static: dict[int, Any],
+        config: PipelineConfig,
+        in_tree: Any,
+        avals: Sequence[Any],
+        batch_leaves: Sequence[int],
+        input_specs: Sequence[P] | None,
+        stage_devices: dict[int, Any],
+    ):
+        self.actor, self.config, self.key = actor, config, key
+        self.meshes: dict[int, Mesh] = {s: self._mesh(grid) for s, grid in stage_devices.items()}
+        # Traced as the driver did (see [Note: mesh axis types]): with Explicit axes, under this
+        # host's own stage mesh, since JAX records the mesh in every equation.
+        trace_mesh = (
+            abstract_mesh(config.mesh_shapes(None)[0], config.mesh_axis_names, config.axis_types)
+            if input_specs is None
+            else next(iter(self.meshes.values())).abstract_mesh
+        )
+        self.graph, _ = trace_step(
+            fun,
+            in_tree,
+            avals,
+            batch_leaves,
+            config.num_micro_batches,
+            trace_mesh,
+            config.num_stages,
+            input_specs,
+            static=static,
+            loss_reduction=config.loss_reduction,
+        )
+        self.watch = StepProgress()
+        self.engine = HostEngine(
+            self.graph,
+            config,
+            self.meshes,
+            compiler=_WatchedCompiler,
+            where=f"host {actor.host}: ",
+        )
+        for compiler in self.engine.compilers.values():
+            compiler.progress = self.watch  # type: ignore[attr-defined]
+        self.compilers = self.engine.compilers
+        self.channels: _WatchedChannels | None = None
+        self._gid = {d: g for g, d in actor.devices.items()}
+        self._step_id = ""
+        self._running = 0  # step calls under way
+        self.dropped = False
+
+    def _mesh(self, grid: Any) -> Mesh:
+        """A mesh of global device ids as this process's JAX sees it."""
+        devices = np.vectorize(lambda g: self.actor.device(int(g)), otypes=[object])(
+            np.asarray(grid)
+        )
+        return make_mesh(devices, self.config.mesh_axis_names, self.config.axis_types)
+
+    def set_layout(
+        self,
+        layout: PipelineLayout,
+        hosts_of_stage: Mapping[int, Sequence[int]],
+        transport: str,
+        leaf_specs: Sequence[P | None],
+    ) -> dict[int, int]:
+        """Take the layout; make the channels and the programs, and compile the post-gradient
+        segments of this host's stages. Returns the optimizer segments fused into this host's
+        stages' last backwards (stage -> segment)."""
+        actor = self.actor
+        self.channels = _WatchedChannels(
+            layout,
+            host=actor.host,
+            host_of_stage=hosts_of_stage,
+            devices=actor.devices,
+            meshes=self.meshes,
+            transport=actor._nccl_transport() if transport == "nccl" else actor._transport,
+            signal=self._signal,
+            timeout_s=self.config.timeout_s,
+        )
+        self.channels.progress = self.watch
+        self.engine.warm_segments(layout.param_specs, leaf_specs)
+        self.engine.start(layout, dict.fromkeys(self.engine.compilers, self.channels))
+        return self.engine.fused
+
+    def drop(self, wait_s: float = 2.0) -> None:
+        """Free what this pipeline holds here (`HostActor.pipeline_drop`): a step still running
+        fails, the channels close and their threads end (waited for at most `wait_s`), and the
+        executables, the traced step and the arrays the pipeline keeps (in flight, placeholders)
+        are let go. Arrays kept for the driver's handles (`HostActor.whole`) stay until freed.
+        Idempotent."""
+        if self.dropped:
+            return
+        self.dropped = True
+        channels, self.channels = self.channels, None
+        if channels is not None:
+            host = self.actor.host
+            channels.release(f"host {host}: pipeline {self.key} was closed", self._running > 0,
+                             wait_s)  # fmt: skip
+            if not self._running:  # (a running step's own receives may still read it)
+                channels.forget(self.key)
+        self.engine.close()
+        self.compilers = {}
+
+    def _signal(self, hosts: Sequence[int], step_id: str, key: tuple[Any, ...]) -> None:
+        for h in hosts:
+            self.actor.peers[h].pipeline_call.remote(self.key, "signalled", step_id, key)
+
+    def progress(self, step_id: str) -> tuple[int, str, float]:
+        """What this host finished of step `step_id` so far (see [Note: progress deadline])."""
+        return self.watch.report(step_id)
+
+    def signalled(self, step_id: str, key: tuple[Any, ...]) -> None:
+        if self.channels is not None:
+            self.channels.signalled(step_id, key)
+
+    def abort(self, step_id: str, reason: str) -> None:
+        """Stop the running step `step_id` (a peer failed): every wait ends with `reason`."""
+        if self.channels is not None and step_id == self._step_id:
+            self.channels.fail(PipelineError(f"host {self.actor.host}: stopped: {reason}"))
+
+    # Values between the driver and the engine ---------------------------------------------------
+
+    def _held(self, array_id: str, shape: Sequence[int], sharding: NamedSharding) -> jax.Array:
+        """Array `array_id` with `sharding` (this host's shards of it): as a step kept it, when
+        it has that sharding (a parameter from the last step), else put together from its
+        shards here."""
+        whole = self.actor.whole.get(array_id)
+        if whole is not None and whole.sharding.is_equivalent_to(sharding, len(shape)):
+            return whole
+        shards = self.actor._array(array_id)
+        arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat if d in self._gid]
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+    def _value(self, item: tuple[str, Any], aval: Any) -> Any:
+        """A value a driver call describes: an array this host keeps (on its own mesh; the
+        engine moves it where it is needed), or host data."""
+        kind, value = item
+        if kind == "id":
+            array_id, spec, grid = value
+            return self._held(array_id, aval.shape, NamedSharding(self._mesh(grid), P(*spec)))
+        return from_wire(value)
+
+    def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
+        """Keep `value` here as `array_id`; describe it for the driver (with its value when it
+        is small, so the driver need not fetch it: an optimizer's step count, say)."""
+        self.actor._keep(array_id, value)
+        dtype = np.dtype(value.dtype)
+        small = None
+        if value.size * dtype.itemsize <= SMALL_BYTES:
+            small = local_value(value, required=False)
+        return (array_id, tuple(spec_of(value.sharding)), value.shape, dtype.name, small)
+
+    # A step ---------------------------------------------------------------------------------------
+
+    def step(self, call: StepCall) -> dict[str, Any]:
+        """Run this host's part of a step (the engine: its stages, then the post-gradient
+        segments the driver placed here); keep gradients and outputs; return losses (hosts of
+        the last stage), what was kept (described), aux outputs, events."""
+        if self.dropped:
+            raise PipelineError(f"host {self.actor.host}: pipeline {self.key} was closed")
+        assert self.channels is not None, "set_layout first"
+        channels = self.channels
+        self._running += 1
+        try:
+            return self._step(call)
+        finally:
+            self._running -= 1
+            if self.dropped and not self._running:  # dropped during the step: now it is over
+                channels.forget(self.key)
+
+    def _step(self, call: StepCall) -> dict[str, Any]:
+        g, step_id = self.graph, call.step_id
+        self._step_id = step_id
+        self.watch.begin(step_id)
+        avals = g.outer.in_avals
+        layout = self.engine.layout
+        assert layout is not None
+        params = {
+            k: self._held(
+                array_id,
+                avals[g.params[k]].shape,
+                NamedSharding(self.meshes[g.owner[k]], layout.param_specs[k]),
+            )
+            for k, array_id in call.params.items()
+        }
+        grad_vars = set(g.grad_outputs[1:])
+        apply_inputs = {}
+        for s, items in call.apply_inputs.items():
+            seg = g.segments[self.engine.fused[s]]
+            others = [v.aval for v in seg.inputs if v not in grad_vars]
+            apply_inputs[s] = [self._value(item, aval) for item, aval in zip(items, others)]
+        segments = []
+        for j, items in call.segments:
+            inputs = []
+            for (kind, value), var in zip(items, g.segments[j].inputs):
+                if kind in ("grad", "out"):
+                    inputs.append((kind, value))
+                else:
+                    inputs.append(("value", self._value((kind, value), var.aval)))
+            segments.append(SegmentCall(j, inputs))
+        out = self.engine.step(
+            StepInputs(
+                step_id,
+                params,
+                {f: from_wire(x) for f, x in call.feeds.items()},
+                {c: from_wire(x) for c, x in call.consts.items()},
+                apply_inputs,
+                segments,
+                call.record,
+                call.signal_only,
+            ),
+            wait=False,  # the driver's progress deadline watches this host (StepProgress)
+            on_segment=self.watch.dispatched,
+        )
+        result: dict[str, Any] = {
+            "grads": {k: self._describe(f"{step_id}:grad{k}", v)[0] for k, v in out.grads.items()},
+            "applied": {
+                s: [self._describe(f"{step_id}:fused{s}:{n}", v) for n, v in enumerate(values)]
+                for s, values in out.applied.items()
+            },
+            "segments": {
+                j: [self._describe(f"{step_id}:seg{j}:{n}", v) for n, v in enumerate(values)]
+                for j, values in out.segments.items()
+            },
+            "losses": None if out.losses is None else [local_value(v) for v in out.losses],
+            "results": {},
+        }
+        m = self.config.num_micro_batches
+        for j in sorted({j for j, _ in out.results}):
+            result["results"][j] = [to_wire(out.results[(j, mb)]) for mb in range(m)]
+        if call.record:
+            result["events"] = [e.__dict__ for e in out.events]
+            result["clock"] = time.time() - time.perf_counter()  # to align hosts' event times
+        return result
+
+    def segment(self, index: int, step_id: str, inputs: list[tuple[str, Any]]) -> list[Any]:
+        """Run post-gradient segment `index` here now; keep its outputs; describe them."""
+        seg = self.graph.segments[index]
+        values = [self._value(item, var.aval) for item, var in zip(inputs, seg.inputs)]
+        outs = self.engine.segment(index, values)
+        return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
+
+
+# -- values on the wire -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyData:
+    """A typed PRNG key array on its way between the driver and a host (numpy cannot hold one):
+    its key data and implementation."""
+
+    data: Any
+    impl: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """One host's pieces of an array sharded over several hosts' devices, on its way to the
+    driver: (global index, data) of each shard it holds a first replica of."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[tuple[tuple[tuple[int, int], ...], np.ndarray], ...]
+
+
+def is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def local_value(x: Any, required: bool = True) -> Any:
+    """A jax.Array's value as numpy, read in this process: whole if this process holds all of
+    it (every device, or a replica on one of its own); else None, or an error if `required`."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    if required:
+        raise ValueError(
+            f"an array of shape {x.shape} is sharded over other processes' devices too; "
+            "this process holds only its part of it (this is a jaxreshard bug, please report it)"
+        )
+    return None
+
+
+def to_wire(x: Any) -> Any:
+    """A value as a step call carries it: numpy, `KeyData` for typed keys, `Shards` for this
+    process's part of an array spread over several processes."""
+    if is_key(x):
+        return KeyData(to_wire(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        pieces = tuple(
+            (
+                tuple(_bounds(s.index, x.shape)),
+                np.asarray(s.data),
+            )
+            for s in x.addressable_shards
+            if s.replica_id == 0
+        )
+        return Shards(tuple(x.shape), np.dtype(x.dtype).name, pieces)
+    return local_value(x)
+
+
+def from_wire(x: Any) -> Any:
+    """The inverse of `to_wire` (`Shards` are merged by `merge_wire` first)."""
+    if isinstance(x, KeyData):
+        return jax.random.wrap_key_data(from_wire(x.data), impl=x.impl)
+    return x
+
+
+def merge_wire(parts: Sequence[Any]) -> Any:
+    """One value from the `to_wire` forms that each host of a stage sent (the same value from
+    each, or its `Shards`)."""
+    first = parts[0]
+    if isinstance(first, KeyData):
+        return KeyData(merge_wire([p.data for p in parts]), first.impl)
+    if not isinstance(first, Shards):
+        return first
+    out = np.empty(first.shape, first.dtype)
+    for part in parts:
+        for index, data in part.pieces:
+            out[tuple(slice(a, b) for a, b in index)] = data
+    return out
+
+
+def _bounds(index: Sequence[slice], shape: Sequence[int]) -> list[tuple[int, int]]:
+    return [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape)]

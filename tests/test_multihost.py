@@ -1,0 +1,172 @@
+"""Stages whose meshes span hosts on the Ray runtime (see [Note: multi-host stages]): one SPMD
+program per stage run jointly by its hosts' actors, boundary tensors moved by the planner's
+cross-host plans; the same numbers as jax.jit."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_parallelize import (
+    assert_same,
+    make_batch,
+    make_params,
+    make_step,
+    reference,
+    run_steps,
+)
+
+import jaxreshard as jr
+
+pytestmark = pytest.mark.ray
+
+
+def ray_config(**overrides):
+    base = dict(
+        stage_mesh_shape=(2, 2),
+        mesh_axis_names=("data", "model"),
+        num_micro_batches=2,
+        backend="ray",
+    )
+    return jr.PipelineConfig(**{**base, **overrides})
+
+
+def stage_hosts(pipe):
+    return {s: list(hs) for s, hs in pipe.hosts_of_stage.items()}
+
+
+def test_two_stages_that_each_span_two_hosts_equal_jax_jit(ray_runtime):
+    assert ray_runtime.distributed  # the host actors joined one jax.distributed runtime
+    step = jr.parallelize(make_step(2), config=ray_config(), batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(2), make_batch())
+    pipe = step.pipeline(params, make_batch())
+    assert stage_hosts(pipe) == {0: [0, 1], 1: [2, 3]}
+    # The boundary crosses from hosts 0-1 to hosts 2-3 by a plan between hosts.
+    plan = step.plan(params, make_batch())
+    (act,) = [t for t in plan.boundary_tensors() if t["kind"] == "act"]
+    assert act["strategy"] != "local"
+    assert isinstance(params["w1"], jr.RemoteArray)
+    assert {d.process_index for d in params["w1"].sharding.mesh.devices.flat} == {2, 3}
+    assert_same(params, losses, *reference(2, False, False))
+
+
+def test_a_layout_change_between_multi_host_meshes_with_skip_and_tied_parameters(ray_runtime):
+    """Stage 0 on a (1, 4) mesh over hosts 0-1, stage 1 on (2, 2) over hosts 2-3: the boundary
+    changes layout, the skip connection and the tied embedding's copy and gradient cross too;
+    eager-1F1B with weight delay over 4 micro-batches."""
+    cfg = ray_config(
+        stage_mesh_shape=[(1, 4), (2, 2)],
+        num_micro_batches=4,
+        schedule="eager_1f1b",
+        weight_delay=True,
+    )
+    step = jr.parallelize(make_step(2, skip=True, shared=True), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(2), make_batch(rows=16))
+    pipe = step.pipeline(params, make_batch(rows=16))
+    assert stage_hosts(pipe) == {0: [0, 1], 1: [2, 3]}
+    kinds = {t["kind"] for t in step.plan(params, make_batch(rows=16)).boundary_tensors()}
+    assert {"act", "param", "param_grad"} <= kinds
+    ref_step = jax.jit(make_step(2, skip=True, shared=True))
+    assert_same(params, losses, *run_steps(ref_step, make_params(2), make_batch(rows=16)))
+
+
+def test_single_host_and_multi_host_stages_in_one_pipeline(ray_runtime):
+    """Stage 0 on host 0, stage 1 across hosts 1-2, stage 2 on host 3; 1F1B, an Optax
+    optimizer whose state stays on each stage's hosts."""
+    import optax
+
+    optimizer = optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h)
+            h = jnp.tanh(h @ p["w1"] + p["b1"]) + h
+            h = jr.stage_boundary(h)
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    cfg = ray_config(stage_mesh_shape=[(1, 2), (2, 2), (1, 2)], num_micro_batches=4)
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(2,))
+    params = make_params(2)
+    state = optimizer.init(params)
+    ref = jax.jit(step)
+    p, s, rp, rs = params, state, params, state
+    for _ in range(3):
+        p, s, loss = pstep(p, s, make_batch())
+        rp, rs, ref_loss = ref(rp, rs, make_batch())
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(p[k]), np.asarray(rp[k]), rtol=1e-5, atol=1e-6)
+    pipe = pstep.pipeline(p, s, make_batch())
+    assert stage_hosts(pipe) == {0: [0], 1: [1, 2], 2: [3]}
+    # Adam's moments of the middle stage's weights stay on its two hosts.
+    mu_w1 = s[0].mu["w1"]
+    assert {d.process_index for d in mu_w1.sharding.mesh.devices.flat} == {1, 2}
+
+
+def test_a_mesh_that_takes_part_of_a_host_is_an_error(ray_runtime):
+    cfg = ray_config(stage_mesh_shape=[(1, 3), (1, 2)])
+    step = jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,))
+    with pytest.raises(ValueError, match=r"mesh 0 \(1, 3\) would take devices \[0, 1, 2\]: part "
+                       r"of host 1's \[2, 3\]; a stage mesh either fits in one host or takes "
+                       r"whole hosts"):  # fmt: skip
+        step(make_params(2), make_batch())
+
+
+def _sleep(x):
+    time.sleep(0.2)
+    return x
+
+
+@jax.custom_jvp
+def slow(x):  # an identity that takes 0.2 s on the host
+    return jax.pure_callback(_sleep, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+slow.defjvp(lambda primals, tangents: (slow(primals[0]), tangents[0]))
+
+
+def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_runtime):
+    """Host 3 (of stage 1, which spans hosts 2-3) dies in the middle of a step: the error names
+    it long before timeout_s, and after shutdown() + init() the step trains as jax.jit."""
+    import ray
+    from conftest import RAY_CONFIG
+
+    from jaxreshard.runtime._ray import RuntimeBroken
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h)
+            h = slow(jnp.tanh(h @ p["w1"] + p["b1"]))
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+    cfg = ray_config(num_micro_batches=8, timeout_s=60)
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(1,))
+    params, batch = make_params(2), make_batch(rows=16)
+    pstep(params, batch)  # compiled, and one step run
+    rt = ray_runtime
+    killer = threading.Timer(0.5, lambda: ray.kill(rt.actors[3], no_restart=True))
+    start = time.monotonic()
+    killer.start()
+    with pytest.raises(
+        RuntimeBroken,
+        match=r"host actor 3 \(.*\) died during running step .*\(host 3 runs stage 1 with "
+        r"hosts 2, 3\)",
+    ):
+        pstep(params, batch)
+    assert time.monotonic() - start < cfg.timeout_s / 2
+    killer.join()
+    jr.shutdown()
+    jr.init(**RAY_CONFIG)  # the next tests use this one
+    got = run_steps(pstep, params, batch)
+    assert_same(*got, *run_steps(jax.jit(step), params, batch))

@@ -273,7 +273,8 @@ def test_every_channel_sends_in_its_receivers_order(schedule, weight_delay):
 
 def test_the_last_stage_runs_forward_and_backward_as_one_executable():
     step, entry, leaves = compiled_step(num_micro_batches=4, schedule="1f1b")
-    fused = entry.pipeline.engine.runner.programs[max(entry.pipeline.engine.runner.programs)].fused_fb
+    programs = entry.pipeline.engine.runner.programs
+    fused = programs[max(programs)].fused_fb
     program = entry.pipeline.layout.programs[-1]
     assert fused and all(program[i].op == RUN and program[i].action.kind == "F" for i in fused)
     compiler = entry.pipeline.compiled.compilers[2]

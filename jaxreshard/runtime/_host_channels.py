@@ -68,7 +68,7 @@ from jaxreshard.comm._order import (
     host_programs,
 )
 from jaxreshard.comm._transport import HostData, HostWork, Transport, run_host_work
-from jaxreshard.pipeline._emit import RECV_OP, SEND_OP, Instruction
+from jaxreshard.pipeline._emit import RECV_OP, RUN, SEND_OP, Instruction
 from jaxreshard.runtime._executor import (
     ARRIVE,
     Channels,
@@ -78,10 +78,6 @@ from jaxreshard.runtime._executor import (
     transfer_key,
 )
 from jaxreshard.runtime._layout import PipelineLayout, Transfer
-
-# Receiving jobs wait for a sender that may legitimately be a whole step away; a failure
-# anywhere aborts them, and the consumer's RECV has the real deadline (timeout_s).
-_FAR = 7 * 24 * 3600.0
 
 HostsOfStage = Mapping[int, "int | Sequence[int]"]
 
@@ -427,7 +423,27 @@ class HostChannels(Channels):
         self._steps: dict[tuple[str, int, int, int], tuple[Any, ...]] = {}
         self._signals: set[tuple[str, tuple[Any, ...]]] = set()
         self._nccl_works: list[HostWork] = []  # the running step's, not known to be finished
-        self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="jaxreshard-recv")
+        # One receiving job per channel into this host runs for a whole step (TCP, object
+        # store); on NCCL the pool hands received values over, at most a window at a time.
+        channels_in = {
+            (ins.src, ins.dst)
+            for program in layout.programs
+            for ins in program
+            if ins.op == RECV_OP
+            and host in self.hosts_of_stage[ins.dst]
+            and host not in self.hosts_of_stage[ins.src]
+        }
+        workers = len(channels_in) + (self.nccl_recv_window if self.nccl else 0)
+        self._receivers = ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="jaxreshard-recv"
+        )
+        # Every action of a step finishes within timeout_s of the one before it or the step
+        # fails (the progress deadline), so no transfer of a step arrives later than this
+        # after the step began: the bound on a receiving job's wait (`_step_deadline`).
+        self._step_bound_s = timeout_s * (
+            1 + sum(ins.op == RUN for p in layout.programs for ins in p)
+        )
+        self._begun_at = time.monotonic()
         self._issuer: _Issuer | None = None
         self._begun = 0  # steps begun (an issuer of an older one stops)
         if not hasattr(self, "_local"):
@@ -479,6 +495,7 @@ class HostChannels(Channels):
             self._nccl_works = []
             self._issuer = None  # the last step's ends on its own (it sees the new step)
             self._begun += 1
+            self._begun_at = time.monotonic()
         super().begin(stages, step_id=step_id, record=record, signal_only=signal_only)
 
     def end(self) -> None:
@@ -660,18 +677,32 @@ class HostChannels(Channels):
                 self.fail(error)
                 return
 
+    def _step_deadline(self, ins: Instruction) -> float:
+        """When a receiving job stops waiting for `ins`: the step's bound (its actions times
+        timeout_s, from its start; see `__init__`). The consumer's RECV has the tighter, moving
+        deadline (timeout_s with no progress) and names the silent stage; this one only makes
+        sure no job outlives its step."""
+        return self._begun_at + self._step_bound_s
+
     def _receive(self, ins: Instruction) -> Any:
         transfer = self.layout.transfers[transfer_key(ins)]
+        deadline = self._step_deadline(ins)
         if self.signal_only:
             with self._cond:
                 while (self.step_id, tuple(ins.key)) not in self._signals:
                     self._check_failure()
-                    self._cond.wait(1.0)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PipelineError(
+                            f"{self.where(ins.dst)}: the signal of {ins} of step {self.step_id} "
+                            f"did not come within the step's bound ({self._step_bound_s:g} s: "
+                            "its actions times timeout_s)"
+                        )
+                    self._cond.wait(min(left, 1.0))
             dst = NamedSharding(self.meshes[ins.dst], transfer.dst_spec)
             return self.placeholder(transfer, dst)
         work = self._work(ins, transfer)
         data = self._data(work, {}, ins)
-        deadline = time.monotonic() + _FAR
         run_host_work(work, data, self.transport, deadline=deadline)
         self.transport.forget(work.work_id)
         return self._assemble(transfer, data)
@@ -772,7 +803,7 @@ class HostChannels(Channels):
         the result off this thread."""
         work = self._work(ins, transfer)
         data = self._data(work, {}, ins)
-        run_host_work(work, data, self.transport, deadline=time.monotonic() + _FAR, complete=False)
+        run_host_work(work, data, self.transport, deadline=self._step_deadline(ins), complete=False)
         with self._cond:
             issuer.receives.add(work.work_id)
             issuer.undelivered.add(work.work_id)

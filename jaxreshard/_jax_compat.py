@@ -355,3 +355,21 @@ def enable_recoverability() -> bool:
     except (AttributeError, KeyError, ValueError):
         return False
     return True
+
+
+def named_sharding_on(sharding: Any, mesh: Any, ndim: int) -> NamedSharding | None:
+    """`sharding` as a NamedSharding over `mesh`'s devices: itself if it is one; a GSPMD
+    sharding (what XLA gives an output whose layout does not match an input's, e.g. tiles in
+    a transposed device order) parsed into a PartitionSpec of `mesh`'s axes, for arrays of
+    `ndim` dims; None if it is over other devices or cannot be read so."""
+    if isinstance(sharding, NamedSharding):
+        return sharding
+    if sharding.device_set != set(mesh.devices.flat) or not hasattr(sharding, "_hlo_sharding"):
+        return None
+    from jax._src import sharding_impls
+
+    try:
+        named = sharding_impls._gspmd_to_named_sharding_via_mesh(sharding, mesh)
+    except Exception:  # a tiling the mesh's axes cannot express
+        return None
+    return named if named.is_equivalent_to(sharding, ndim) else None

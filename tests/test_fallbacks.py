@@ -228,3 +228,31 @@ def test_step_progress_counts_actions_once_their_outputs_are_ready():
     progress.finished("receiving activation 0")
     assert progress.report("s:0")[:2] == (2, "receiving activation 0")
     assert progress.report("s:1") == (0, "nothing", 0.0)  # another step: nothing of it yet
+
+
+def test_an_output_with_a_gspmd_sharding_becomes_named_on_its_mesh(cpu_devices):
+    """XLA gives some outputs of big programs a GSPMD sharding (tiles in a transposed device
+    order: seen on the U-Transformer's optimizer segments); read as a spec it was P(), so a Ray
+    host described a sharded parameter as replicated and the next step could not put it
+    together. The engine hands such outputs back as NamedShardings of their stage mesh (the
+    same buffers), and a stage's output specs are read the same way."""
+    from jax._src.sharding_impls import GSPMDSharding
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard._jax_compat import named_sharding_on
+    from jaxreshard.runtime._engine import as_named
+
+    mesh = Mesh(np.array(cpu_devices[:4]).reshape(2, 2), ("data", "model"))
+    named = NamedSharding(mesh, P("model", None))
+    gspmd = GSPMDSharding(tuple(mesh.devices.flat), named._to_xla_hlo_sharding(2))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), gspmd)
+    assert not isinstance(x.sharding, NamedSharding)
+    y = as_named(x, mesh)
+    assert isinstance(y.sharding, NamedSharding) and y.sharding.is_equivalent_to(named, 2)
+    assert {s.data.unsafe_buffer_pointer() for s in y.addressable_shards} == {
+        s.data.unsafe_buffer_pointer() for s in x.addressable_shards
+    }
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    other = Mesh(np.array(cpu_devices[4:8]).reshape(2, 2), ("data", "model"))
+    assert named_sharding_on(gspmd, other, 2) is None  # not over that mesh's devices

@@ -202,13 +202,13 @@ def schedule_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def resharding_variants(pc: ProfileConfig) -> list[tuple[str, dict[str, Any]]]:
-    """Point-to-point, Alpa's all-gather, and the paper's load-balanced broadcast."""
+    """Every resharding strategy: point-to-point and Alpa's all-gather (the baselines), the
+    broadcast variants (without load balancing, and each load balancer), and `auto` (ours:
+    the fastest plan per boundary tensor under the cluster model)."""
     del pc
-    return [
-        ("send_recv", {"resharding": "send_recv"}),
-        ("allgather", {"resharding": "allgather"}),
-        ("broadcast", {"resharding": "broadcast_greedy"}),
-    ]
+    from jaxreshard.comm import STRATEGY_NAMES
+
+    return [(name, {"resharding": name}) for name in STRATEGY_NAMES]
 
 
 CALIBRATION_STEPS = 4

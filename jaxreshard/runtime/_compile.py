@@ -13,6 +13,7 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxreshard._jax_compat import named_sharding_on
 from jaxreshard.frontend._backward import StageBackward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
@@ -106,9 +107,21 @@ class StageCompiler:
         """Compile the forward; return the specs of its outputs and of its residuals (its
         outputs' cotangents come back with the outputs' specs)."""
         outs, res = self.executable("forward").output_shardings
-        self._output_specs = [spec_of(x) for x in outs]
-        self.residual_specs = [spec_of(x) for x in res]
+        out_avals = self.bw.stage.jaxpr.out_avals
+        self._output_specs = [self._spec_of(x, a) for x, a in zip(outs, out_avals)]
+        self.residual_specs = [self._spec_of(x, a) for x, a in zip(res, self.bw.residuals)]
         return list(self._output_specs), list(self.residual_specs)
+
+    def _spec_of(self, sharding: Any, aval: Any) -> P:
+        """An output's spec on the stage mesh (XLA may give a GSPMD sharding)."""
+        named = named_sharding_on(sharding, self.mesh, len(aval.shape))
+        if named is None:
+            raise ValueError(
+                f"stage {self.s}: XLA laid an output of shape {aval.shape} out as {sharding}, "
+                "which no PartitionSpec of the stage mesh expresses; this is a jaxreshard bug, "
+                "please report it"
+            )
+        return spec_of(named)
 
     def act_grad_specs(self) -> list[P]:
         return [spec_of(sh) for sh in self.act_grad_shardings]

@@ -34,6 +34,7 @@ import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
+from jaxreshard._jax_compat import named_sharding_on
 from jaxreshard.frontend._backward import derive_backward, derive_forward
 from jaxreshard.frontend._split import BATCH, CONST, StepGraph
 from jaxreshard.pipeline._emit import Instruction
@@ -304,6 +305,7 @@ class HostEngine:
         # A gradient a segment here overwrote (it died there: `dead_gradients`) is gone.
         grads = {k: v for k, v in grads.items() if not _deleted(v)}
         last = self.layout.num_stages - 1 if self.layout is not None else -1
+        applied = {s: [as_named(x, self.meshes[s]) for x in xs] for s, xs in applied.items()}
         return StepOutputs(
             losses if last in self.compilers and not g.forward_only else None,
             grads,
@@ -336,7 +338,7 @@ class HostEngine:
                     x = value
                 values.append(on_mesh(x, mesh, aval=var.aval))
             start = time.perf_counter()
-            outs = list(self.segments.run(call.index, values))
+            outs = [as_named(x, mesh) for x in self.segments.run(call.index, values)]
             if record is not None:
                 jax.block_until_ready(outs)
                 record(Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply"))
@@ -351,7 +353,7 @@ class HostEngine:
         seg = self.graph.segments[index]
         mesh = self.meshes[seg.stage]
         values = [on_mesh(x, mesh, aval=v.aval) for x, v in zip(inputs, seg.inputs)]
-        return list(self.segments.run(index, values))
+        return [as_named(x, mesh) for x in self.segments.run(index, values)]
 
     def fail(self, error: PipelineError) -> None:
         if self.runner is not None:
@@ -676,6 +678,20 @@ def on_mesh(x: Any, mesh: Mesh, devices: frozenset[Any] | None = None, aval: Any
         x = x.astype(aval.dtype)
     spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
     return place(x, NamedSharding(mesh, spec))
+
+
+def as_named(x: Any, mesh: Mesh) -> Any:
+    """`x` with a NamedSharding on `mesh` (the same buffers): XLA hands some outputs back with
+    a GSPMD sharding, which has no `PartitionSpec` to plan with, compare or describe."""
+    if not isinstance(x, jax.Array) or isinstance(x.sharding, NamedSharding):
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    named = named_sharding_on(x.sharding, mesh, x.ndim)
+    if named is None:
+        return x
+    shards = [s.data for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, named, shards)
 
 
 def _deleted(x: Any) -> bool:

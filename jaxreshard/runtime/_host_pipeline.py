@@ -29,7 +29,7 @@ from jaxreshard.frontend._trace import trace_step
 from jaxreshard.runtime._compile import StageCompiler
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime._driver import StepCall
-from jaxreshard.runtime._engine import HostEngine, SegmentCall, StepInputs
+from jaxreshard.runtime._engine import HostEngine, SegmentCall, StepInputs, as_named
 from jaxreshard.runtime._executor import PipelineError
 from jaxreshard.runtime._host_channels import HostChannels
 from jaxreshard.runtime._layout import PipelineLayout
@@ -303,6 +303,22 @@ class HostPipeline:
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
         """Keep `value` here as `array_id`; describe it for the driver (with its value when it
         is small, so the driver need not fetch it: an optimizer's step count, say)."""
+        if not isinstance(value.sharding, NamedSharding) and not is_key(value):
+            mesh = next(
+                (
+                    m
+                    for m in self.meshes.values()
+                    if set(m.devices.flat) == value.sharding.device_set
+                ),
+                None,
+            )
+            value = as_named(value, mesh) if mesh is not None else value
+            if not isinstance(value.sharding, NamedSharding):
+                raise PipelineError(
+                    f"host {self.actor.host}: {array_id} has a {type(value.sharding).__name__} "
+                    "that no stage mesh expresses as a PartitionSpec; this is a jaxreshard bug, "
+                    "please report it"
+                )
         self.actor._keep(array_id, value)
         dtype = np.dtype(value.dtype)
         small = None

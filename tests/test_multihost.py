@@ -170,3 +170,45 @@ def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_r
     jr.init(**RAY_CONFIG)  # the next tests use this one
     got = run_steps(pstep, params, batch)
     assert_same(*got, *run_steps(jax.jit(step), params, batch))
+
+
+def test_optimizer_state_laid_out_by_the_caller_runs_the_segments_compiled_ahead(ray_runtime):
+    """Parameters and Adam's state as the caller placed them (sharded jax.Arrays of the
+    driver): the hosts lay them out with their specs, as the executables compiled before the
+    first step expect, so no optimizer segment compiles inside a step (on a deadline, and in
+    a profile's timed steps)."""
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    optimizer = optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h)
+            h = jnp.tanh(h @ p["w1"] + p["b1"])
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    specs = {"emb": P(None, "model"), "out": P("model", None), "w1": P(None, "model"), "b1": P()}
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in make_params(2).items()
+    }
+    state = optimizer.init(params)
+    pstep = jr.parallelize(step, config=ray_config(), batch_argnums=(2,))
+    ref = jax.jit(step)
+    p, s, rp, rs = params, state, params, state
+    for _ in range(3):
+        p, s, loss = pstep(p, s, make_batch())
+        rp, rs, ref_loss = ref(rp, rs, make_batch())
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    pipe = pstep.pipeline(p, s, make_batch())
+    import ray
+
+    reports = ray.get([ray_runtime.actors[h].held.remote() for h in pipe.hosts], timeout=60)
+    assert all(r["segments_compiled_in_steps"][pipe.key] == [] for r in reports), reports

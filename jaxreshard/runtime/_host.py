@@ -409,12 +409,18 @@ class HostActor:
 
     def held(self) -> dict[str, Any]:
         """What this host holds now: its pipelines' keys, its live `jaxreshard-*` threads (by
-        name), the ids of the arrays it keeps for the driver, and the number of live jax.Arrays
-        in the process (for tests and leak hunting)."""
+        name), the ids of the arrays it keeps for the driver, the number of live jax.Arrays in
+        the process, and per pipeline the post-gradient segments that had to compile in a step
+        because their inputs came laid out otherwise than expected (for tests and leak
+        hunting)."""
         import jax
 
         return {
             "pipelines": sorted(self._pipelines),
+            "segments_compiled_in_steps": {
+                key: pipeline.engine.segments.compiled_in_steps()
+                for key, pipeline in list(self._pipelines.items())
+            },
             "threads": sorted(
                 t.name for t in threading.enumerate() if t.name.startswith("jaxreshard")
             ),

@@ -34,7 +34,7 @@ from jaxreshard.runtime._executor import PipelineError
 from jaxreshard.runtime._host_channels import HostChannels
 from jaxreshard.runtime._layout import PipelineLayout
 from jaxreshard.runtime._remote import SMALL_BYTES
-from jaxreshard.runtime._specs import spec_of
+from jaxreshard.runtime._specs import place, spec_of, transplant_spec
 
 
 class StepProgress:
@@ -291,13 +291,19 @@ class HostPipeline:
         arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat if d in self._gid]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
-    def _value(self, item: tuple[str, Any], aval: Any) -> Any:
-        """A value a driver call describes: an array this host keeps (on its own mesh; the
-        engine moves it where it is needed), or host data."""
+    def _value(self, item: tuple[str, Any], aval: Any, mesh: Mesh) -> Any:
+        """A value a driver call describes, for a stage on `mesh`: an array this host keeps
+        (on its own mesh; the engine moves it where it is needed), host data laid out with a
+        spec (placed so on `mesh` where it fits, else replicated), or host data."""
         kind, value = item
         if kind == "id":
             array_id, spec, grid = value
             return self._held(array_id, aval.shape, NamedSharding(self._mesh(grid), P(*spec)))
+        if kind == "laid":
+            data, spec = value
+            data = np.asarray(data, aval.dtype)
+            fitted = transplant_spec(P(*spec), dict(mesh.shape), data.shape)
+            return place(data, NamedSharding(mesh, fitted))
         return from_wire(value)
 
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
@@ -364,7 +370,8 @@ class HostPipeline:
         for s, items in call.apply_inputs.items():
             seg = g.segments[self.engine.fused[s]]
             others = [v.aval for v in seg.inputs if v not in grad_vars]
-            apply_inputs[s] = [self._value(item, aval) for item, aval in zip(items, others)]
+            mesh = self.meshes[s]
+            apply_inputs[s] = [self._value(item, a, mesh) for item, a in zip(items, others)]
         segments = []
         for j, items in call.segments:
             inputs = []
@@ -372,7 +379,8 @@ class HostPipeline:
                 if kind in ("grad", "out"):
                     inputs.append((kind, value))
                 else:
-                    inputs.append(("value", self._value((kind, value), var.aval)))
+                    mesh = self.meshes[g.segments[j].stage]
+                    inputs.append(("value", self._value((kind, value), var.aval, mesh)))
             segments.append(SegmentCall(j, inputs))
         out = self.engine.step(
             StepInputs(
@@ -412,7 +420,8 @@ class HostPipeline:
     def segment(self, index: int, step_id: str, inputs: list[tuple[str, Any]]) -> list[Any]:
         """Run post-gradient segment `index` here now; keep its outputs; describe them."""
         seg = self.graph.segments[index]
-        values = [self._value(item, var.aval) for item, var in zip(inputs, seg.inputs)]
+        mesh = self.meshes[seg.stage]
+        values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
         outs = self.engine.segment(index, values)
         return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
 

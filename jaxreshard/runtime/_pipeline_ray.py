@@ -228,6 +228,12 @@ class RayHosts(Hosts):
         return [x.fetch() if isinstance(x, RemoteArray) else x for x in inputs]
 
     def ref(self, value: Any, hosts: Sequence[int], gather: bool = False) -> Any:
+        """("id", ...) for an array those hosts keep; host data otherwise: ("laid", (data,
+        spec)) for an array laid out with a spec, which the hosts place with that spec where it
+        fits, as the local runtime keeps an array's spec (the executables compiled ahead expect
+        it); ("data", data) for the rest."""
+        if isinstance(value, jax.Array) and not is_key(value):
+            return ("laid", (to_wire(value), tuple(spec_of(value.sharding))))
         if not isinstance(value, RemoteArray):
             return ("data", to_wire(value))
         if value.value is not None:  # small: it travels
@@ -236,7 +242,9 @@ class RayHosts(Hosts):
         if {d.process_index for d in mesh.devices.flat} == set(hosts):
             grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
             return ("id", (value.array_id, tuple(value.sharding.spec), grid))
-        return ("data", value.fetch()) if gather else NOT_THERE
+        if gather:
+            return ("laid", (value.fetch(), tuple(value.sharding.spec)))
+        return NOT_THERE
 
     def call(self, calls: Mapping[int, StepCall]) -> dict[int, HostResult]:
         rt = self.runtime

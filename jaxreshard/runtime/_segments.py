@@ -94,6 +94,10 @@ class SegmentExecutables:
                 for v in seg.outputs:
                     home.setdefault(v, None)
 
+    def compiled_in_steps(self) -> list[int]:
+        """The segments that compiled when they ran (inputs laid out otherwise than expected)."""
+        return sorted(self._jitted)
+
     def run(self, index: int, inputs: Sequence[Any]) -> Any:
         """Segment `index` on `inputs` (placed on its mesh)."""
         future = self._compiled.get(index)

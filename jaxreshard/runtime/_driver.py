@@ -38,7 +38,13 @@ from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.runtime._engine import literal_or
 from jaxreshard.runtime._executor import APPLY_EVENT, Event
 from jaxreshard.runtime._layout import PipelineLayout
-from jaxreshard.runtime._step import combine_losses, combine_results, donated, pre_values
+from jaxreshard.runtime._step import (
+    combine_losses,
+    combine_results,
+    donated,
+    pre_values,
+    step_value,
+)
 
 
 @dataclasses.dataclass
@@ -199,8 +205,8 @@ class PipelineDriver:
         host_leaves = hosts.pre_inputs(leaves)
         pre = pre_values(g, host_leaves, hosts.pre_place)
         values.update(pre)
-        feeds = [_value(self._index, host_leaves, pre, f.var) for f in g.feeds]
-        consts = [_value(self._index, host_leaves, pre, v) for v in g.consts]
+        feeds = [step_value(self._index, host_leaves, pre, f.var) for f in g.feeds]
+        consts = [step_value(self._index, host_leaves, pre, v) for v in g.consts]
         # 3. Where the post-gradient segments run.
         on_host, on_driver = self.place_segments(values)
         # 4. One call per host.
@@ -306,11 +312,3 @@ class PipelineDriver:
             for n, v in enumerate(seg.outputs):
                 made_on[v] = (here, ("out", (j, n)))
         return on_host, on_driver
-
-
-def _value(index: Mapping[Any, int], leaves: Sequence[Any], pre: Mapping[Any, Any], v: Any) -> Any:
-    from jax.extend import core as jc
-
-    if isinstance(v, jc.Literal):
-        return np.asarray(v.val)
-    return leaves[index[v]] if v in index else pre[v]

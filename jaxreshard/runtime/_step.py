@@ -1,8 +1,8 @@
 """What a step does around its pipeline, the same on every runtime.
 
-Before the stages run: the step's inputs become per-stage feeds (the batch, and what the `pre`
-part computes from it per example, split into micro-batches; the per-step constants computed
-once by the `pre` part). After them: the micro-batch losses and aux outputs are combined (see
+Before the stages run: the `pre` part computes what the loss needs from the whole batch, once;
+with the batch it gives the feeds (split into micro-batches by each host's engine) and the
+per-step constants. After them: the micro-batch losses and aux outputs are combined (see
 [Note: micro-batch semantics]), and the post-gradient segments (the optimizer) run on the stage
 that holds their inputs, each compiled once, overwriting gradients that die in it.
 """
@@ -10,7 +10,7 @@ that holds their inputs, each compiled once, overwriting gradients that die in i
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,12 +18,12 @@ import numpy as np
 from jax.extend import core as jc
 
 from jaxreshard.frontend._batch import CONCAT, REDUCE
-from jaxreshard.frontend._split import BATCH, CONST, Result, StepGraph
+from jaxreshard.frontend._split import Result, StepGraph
 
 
 @functools.lru_cache(maxsize=256)
 def segment_function(jaxpr: Any, donate: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """A post-gradient segment (or the `pre` part), jitted once."""
+    """The `pre` part (code before the loss on the whole batch), jitted once per step shape."""
     return jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=donate)
 
 
@@ -62,51 +62,14 @@ def pre_values(
     return dict(zip(g.pre_outputs, outs))
 
 
-def _value(index: dict[Any, int], leaves: Sequence[Any], pre: dict[Any, Any], v: Any) -> Any:
+def step_value(
+    index: Mapping[Any, int], leaves: Sequence[Any], pre: Mapping[Any, Any], v: Any
+) -> Any:
+    """The value of a variable of the step's outer jaxpr before the loss: an argument leaf (by
+    `index`), a `pre` output, or a literal."""
     if isinstance(v, jc.Literal):
         return np.asarray(v.val)
     return leaves[index[v]] if v in index else pre[v]
-
-
-def feed_values(g: StepGraph, leaves: Sequence[Any], pre: dict[Any, Any]) -> list[Any]:
-    """Every feed's whole value for the step (a batch leaf, or a `pre` output)."""
-    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    return [_value(index, leaves, pre, f.var) for f in g.feeds]
-
-
-def stage_feeds(
-    g: StepGraph,
-    leaves: Sequence[Any],
-    pre: dict[Any, Any],
-    num_micro_batches: int,
-    split: bool = True,
-) -> tuple[list[list[list[Any]]], list[list[Any]]]:
-    """Per stage: its batch inputs per micro-batch (none without `split`), and its per-step
-    constants (host or device arrays, not yet placed)."""
-    index = {v: i for i, v in enumerate(g.outer.jaxpr.invars)}
-    pieces = [
-        split_rows(value, num_micro_batches if split else 1, f.dim)
-        for f, value in zip(g.feeds, feed_values(g, leaves, pre))
-    ]
-    consts_all = [_value(index, leaves, pre, v) for v in g.consts]
-    batches, consts = [], []
-    for stage in g.loss.stages:
-        per_mb: list[list[Any]] = [[] for _ in range(num_micro_batches)]
-        for ref in stage.inputs:
-            if ref.kind == BATCH and split:
-                for mb, piece in enumerate(pieces[ref.index]):
-                    per_mb[mb].append(piece)
-        batches.append(per_mb)
-        consts.append([consts_all[r.index] for r in stage.inputs if r.kind == CONST])
-    return batches, consts
-
-
-def split_rows(x: Any, m: int, dim: int = 0) -> list[Any]:
-    """`x` cut into `m` micro-batches along `dim` (views for numpy, slices for JAX)."""
-    if isinstance(x, jax.Array):
-        rows = x.shape[dim] // m
-        return [jax.lax.slice_in_dim(x, j * rows, (j + 1) * rows, axis=dim) for j in range(m)]
-    return np.split(np.asarray(x), m, axis=dim)
 
 
 def combine_results(

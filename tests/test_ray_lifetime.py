@@ -206,10 +206,10 @@ def test_a_pipeline_dropped_by_the_driver_is_an_error_on_its_hosts(ray_runtime):
     step.close()
     actor = rt.actors[host]
     assert ray.get(actor.pipeline_drop.remote(key), timeout=60) is False  # gone already
-    assert ray.get(actor.pipeline_call.remote(key, "progress", f"{key}:0"), timeout=60) == (
+    assert ray.get(actor.pipeline_progress.remote(key, f"{key}:0"), timeout=60) == (
         0,
         "nothing",
         0.0,
     )
     with pytest.raises(ray.exceptions.RayTaskError, match="closed by the driver"):
-        ray.get(actor.pipeline_call.remote(key, "segment", 0, f"{key}:1", []), timeout=60)
+        ray.get(actor.pipeline_segment.remote(key, 0, f"{key}:1", []), timeout=60)

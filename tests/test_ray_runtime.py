@@ -229,7 +229,7 @@ def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
     pipe = entry.pipeline
     step_id = pipe.last_step_id
     (host,) = pipe.hosts  # both stages' meshes (a device each) are on host 0
-    report = pipe.runtime.actors[host].pipeline_call.remote(pipe.key, "progress", step_id)
+    report = pipe.runtime.actors[host].pipeline_progress.remote(pipe.key, step_id)
     count, last, _ = ray.get(report, timeout=60)
     assert count >= 16 and last  # at least every stage's forwards finished, one by one
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import collections
 import gc
-import math
 import os
 import socket
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from jaxreshard.runtime._host_naive import NaiveBaseline
 
-class HostActor:
+
+class HostActor(NaiveBaseline):
     """Ray actor body (wrapped with `ray.remote` by the driver; threaded, so deliveries from
     peers arrive while a plan runs)."""
 
@@ -260,59 +260,6 @@ class HostActor:
             self.arrays.setdefault(work.dst_array, {}).update(result)
         return stats
 
-    # -- the naive baseline of the executed benchmark ------------------------------------------
-
-    def publish(self, array_id: str, devices: list[int]) -> dict[int, list[Any]]:
-        """Put these source shards into the object store once; return their references."""
-        import ray
-
-        shards = self._array(array_id)
-        return {d: [ray.put(np.asarray(shards[d]))] for d in devices}
-
-    def pull_whole(
-        self,
-        array_id: str,
-        dtype: str,
-        refs: list[tuple[Any, list[Any]]],
-        regions: Mapping[int, Any],
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Fetch every source region (the whole tensor) and keep this host's regions of it."""
-        import jax
-        import ray
-
-        from jaxreshard.comm._emulate import sleep_until
-        from jaxreshard.comm._local import POOL, aligned_empty, relative_slices
-        from jaxreshard.comm._transport import book_link
-
-        deadline = time.monotonic() + timeout_s  # for the whole pull
-        buffers = {  # from the same pool as the planned reshardings' (HostData), to be fair
-            d: aligned_empty([b - a for a, b in r], jax.numpy.dtype(dtype), pool=POOL)
-            for d, r in regions.items()
-        }
-        for src_index, (ref,), src_host in refs:
-            if self._emulator is not None and src_host != self.host:
-                nbytes = math.prod(b - a for a, b in src_index) * jax.numpy.dtype(dtype).itemsize
-                sleep_until(book_link(self._emulator, src_host, self.host, nbytes))
-            try:
-                data = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(
-                    f"host {self.host}: pulling {array_id}'s region {list(src_index)} from host "
-                    f"{src_host} did not finish within timeout_s={timeout_s:g} s of the pull's "
-                    "start"
-                ) from None
-            for d, region in regions.items():
-                part = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(src_index, region))
-                if all(b > a for a, b in part):
-                    np.copyto(
-                        buffers[d][relative_slices(part, region)],
-                        data[relative_slices(part, src_index)],
-                    )
-        result = {d: jax.device_put(buffers[d], self.devices[d], may_alias=True) for d in buffers}
-        with self._lock:
-            self.arrays[array_id] = result
-
     # -- NCCL ----------------------------------------------------------------------------------
 
     def _nccl_transport(self) -> Any:
@@ -369,21 +316,53 @@ class HostActor:
             raise KeyError(f"host {self.host}: pipeline {key!r} was closed by the driver")
         return fingerprint(pipeline.graph)
 
-    def pipeline_call(self, key: str, method: str, *args: Any) -> Any:
-        """Call `method` of pipeline `key` (prepare, compile_forward and compile_variants of a
-        stage; set_layout, step, segment, progress, signalled)."""
+    def _pipeline(self, key: str) -> Any:
+        """Pipeline `key` of this host; an error that says why it is not here."""
         pipeline = self._pipelines.get(key)
         if pipeline is None:
-            if method == "signalled":  # a peer's late signal to a pipeline dropped here
-                return None
-            if method == "progress":  # nothing more of a dropped pipeline's step will finish
-                return (0, "nothing", 0.0)
             why = "it was closed by the driver" if key in self._dropped else "never made here"
             raise KeyError(f"host {self.host} has no pipeline {key!r} ({why})")
-        if method.startswith("compile_") or method == "prepare":
-            s, *rest = args
-            return getattr(pipeline.compilers[s], method)(*rest)
-        return getattr(pipeline, method)(*args)
+        return pipeline
+
+    def pipeline_prepare_stage(
+        self, key: str, stage: int, specs: Any, loss_scale: float | None
+    ) -> None:
+        """Stage `stage`'s input specs (and the last stage's loss cotangent), to compile for."""
+        self._pipeline(key).compilers[stage].prepare(specs, loss_scale)
+
+    def pipeline_compile_forward(self, key: str, stage: int) -> Any:
+        """Compile stage `stage`'s forward; its output and residual specs."""
+        return self._pipeline(key).compilers[stage].compile_forward()
+
+    def pipeline_compile_variants(self, key: str, stage: int, names: Any, extra_specs: Any) -> None:
+        """Compile the executables `names` of stage `stage` (see [Note: stage executables])."""
+        self._pipeline(key).compilers[stage].compile_variants(names, extra_specs)
+
+    def pipeline_set_layout(
+        self, key: str, layout: Any, hosts_of_stage: Any, transport: str, leaf_specs: Any
+    ) -> dict[int, int]:
+        """Take the layout (`HostPipeline.set_layout`); the optimizer segments fused here."""
+        return self._pipeline(key).set_layout(layout, hosts_of_stage, transport, leaf_specs)
+
+    def pipeline_step(self, key: str, call: Any) -> dict[str, Any]:
+        """This host's part of a step (`HostPipeline.step`)."""
+        return self._pipeline(key).step(call)
+
+    def pipeline_segment(self, key: str, index: int, step_id: str, inputs: Any) -> list[Any]:
+        """Run a post-gradient segment the driver placed here now (`HostPipeline.segment`)."""
+        return self._pipeline(key).segment(index, step_id, inputs)
+
+    def pipeline_progress(self, key: str, step_id: str) -> tuple[int, str, float]:
+        """What this host finished of step `step_id` (nothing, for a pipeline dropped here:
+        nothing more of its step will finish)."""
+        pipeline = self._pipelines.get(key)
+        return pipeline.progress(step_id) if pipeline is not None else (0, "nothing", 0.0)
+
+    def pipeline_signalled(self, key: str, step_id: str, transfer: Any) -> None:
+        """A peer's signal-only transfer (quietly ignored for a pipeline dropped here)."""
+        pipeline = self._pipelines.get(key)
+        if pipeline is not None:
+            pipeline.signalled(step_id, transfer)
 
     def pipeline_drop(self, key: str) -> bool:
         """Drop pipeline `key` (the driver closed it, or dropped it): its channels close, their

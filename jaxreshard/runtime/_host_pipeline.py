@@ -263,7 +263,7 @@ class HostPipeline:
 
     def _signal(self, hosts: Sequence[int], step_id: str, key: tuple[Any, ...]) -> None:
         for h in hosts:
-            self.actor.peers[h].pipeline_call.remote(self.key, "signalled", step_id, key)
+            self.actor.peers[h].pipeline_signalled.remote(self.key, step_id, key)
 
     def progress(self, step_id: str) -> tuple[int, str, float]:
         """What this host finished of step `step_id` so far (see [Note: progress deadline])."""

@@ -102,7 +102,7 @@ class _RemoteCompiler:
 
     def _call(self, method: str, what: str, *args: Any) -> Any:
         calls = {
-            h: self.runtime.actors[h].pipeline_call.remote(self.key, method, self.s, *args)
+            h: getattr(self.runtime.actors[h], method).remote(self.key, self.s, *args)
             for h in self.hosts
         }
         answers = self.runtime._wait(calls, f"{what} of stage {self.s}")
@@ -117,13 +117,15 @@ class _RemoteCompiler:
         return lead
 
     def prepare(self, specs: Sequence[P], loss_scale: float | None) -> None:
-        self._call("prepare", "preparing the executables", list(specs), loss_scale)
+        self._call("pipeline_prepare_stage", "preparing the executables", list(specs), loss_scale)
 
     def compile_forward(self) -> tuple[list[P], list[P]]:
-        return self._call("compile_forward", "compiling the forward")
+        return self._call("pipeline_compile_forward", "compiling the forward")
 
     def compile_variants(self, names: Sequence[str], extra_specs: Sequence[P] | None) -> None:
-        self._call("compile_variants", "compiling the executables", list(names), extra_specs)
+        self._call(
+            "pipeline_compile_variants", "compiling the executables", list(names), extra_specs
+        )
 
 
 def stage_placement(
@@ -266,14 +268,11 @@ class RayHosts(Hosts):
 
         try:
             answers = rt._wait(
-                {
-                    h: rt.actors[h].pipeline_call.remote(self.key, "step", c)
-                    for h, c in wire.items()
-                },
+                {h: rt.actors[h].pipeline_step.remote(self.key, c) for h, c in wire.items()},
                 f"running step {step_id}",
                 self.config.timeout_s + STEP_GRACE_S,
                 work_id=step_id,
-                progress=lambda h: rt.actors[h].pipeline_call.remote(self.key, "progress", step_id),
+                progress=lambda h: rt.actors[h].pipeline_progress.remote(self.key, step_id),
             )
         except RuntimeBroken as e:
             raise RuntimeBroken(f"{e} ({self._stages_text(e.host)})") from None
@@ -349,7 +348,7 @@ class RayHosts(Hosts):
         hosts = self.hosts_of_stage[stage]
         described = rt._wait(
             {
-                h: rt.actors[h].pipeline_call.remote(self.key, "segment", index, step_id, inputs)
+                h: rt.actors[h].pipeline_segment.remote(self.key, index, step_id, inputs)
                 for h in hosts
             },
             f"post segment {index}",
@@ -444,8 +443,8 @@ class RayPipeline(PipelineDriver):
             leaf_specs = [_leaf_spec(x) for x in leaves]
             hosts_fused = runtime._wait(
                 {
-                    h: runtime.actors[h].pipeline_call.remote(
-                        key, "set_layout", layout, hosts_of_stage, hosts.transport, leaf_specs
+                    h: runtime.actors[h].pipeline_set_layout.remote(
+                        key, layout, hosts_of_stage, hosts.transport, leaf_specs
                     )
                     for h in stages_of
                 },

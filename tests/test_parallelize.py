@@ -551,3 +551,30 @@ def test_virtual_stages_on_the_ray_runtime(ray_runtime, schedule, weight_delay):
     step = jr.parallelize(make_step(4, skip=True, shared=True), config=cfg, batch_argnums=(1,))
     params, losses = run_steps(step, make_params(4), make_batch())
     assert_same(params, losses, *reference(4, True, True))
+
+
+def test_a_gradient_read_after_the_pipeline_and_again_later_equals_jax_jit():
+    """Post-gradient code that reads a gradient with the loss (which exists only after the
+    pipeline: it runs after the step) and reads the same gradient again later: the later read
+    must not run first and overwrite the gradient where it dies."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h)
+            h = jnp.tanh(h @ p["w1"] + p["b1"])
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, g = jr.value_and_grad(loss_fn)(params)
+        # On stage 1 (a tie of bytes goes to the later stage), with the loss: after the step.
+        mix = g["w1"][:6, :] * g["emb"] * loss
+        new = dict(params)
+        new["w1"] = params["w1"] - 0.05 * g["w1"] - 0.01 * mix.sum()
+        new["emb"] = params["emb"] - 0.05 * g["emb"]  # stage 0: the last read of g["emb"]
+        new["b1"] = params["b1"] - 0.05 * g["b1"]
+        new["out"] = params["out"] - 0.05 * g["out"]
+        return new, loss
+
+    pstep = jr.parallelize(step, config=config(num_micro_batches=2), batch_argnums=(1,))
+    got = run_steps(pstep, make_params(2), make_batch())
+    assert_same(*got, *run_steps(jax.jit(step), make_params(2), make_batch()))

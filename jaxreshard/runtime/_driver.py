@@ -41,7 +41,6 @@ from jaxreshard.runtime._layout import PipelineLayout
 from jaxreshard.runtime._step import (
     combine_losses,
     combine_results,
-    donated,
     pre_values,
     step_value,
 )
@@ -120,8 +119,9 @@ class Hosts:
 
     def ref(self, value: Any, hosts: Sequence[int], gather: bool = False) -> Any:
         """How `hosts` (one stage's) take `value` in a step call, tagged: ("value", x)
-        locally, ("id", ...) or ("data", x) on Ray; `NOT_THERE` if they cannot without the
-        driver, unless `gather` (the driver brings it over)."""
+        locally; on Ray ("id", ...) for an array they keep, ("laid", (data, spec)) for an array
+        laid out with a spec, ("data", x) for other host data; `NOT_THERE` if they cannot
+        without the driver, unless `gather` (the driver brings it over)."""
         raise NotImplementedError
 
     def call(self, calls: Mapping[int, StepCall]) -> dict[int, HostResult]:
@@ -136,6 +136,11 @@ class Hosts:
     def zeros(self, aval: Any, like: Any) -> Any:
         """The gradient of a parameter the loss does not use."""
         return np.zeros(aval.shape, aval.dtype)
+
+    def loss_value(self, loss: Any, aval: Any) -> Any:
+        """The step's loss as it returns it (from the micro-batches' host values: of the
+        loss's dtype, as `jax.jit` gives it)."""
+        return np.asarray(loss, dtype=aval.dtype)
 
 
 NOT_THERE = object()  # `Hosts.ref`: the value cannot reach those hosts within the step call
@@ -167,7 +172,6 @@ class PipelineDriver:
             s: [v for v in g.segments[j].inputs if v not in grad_vars]
             for s, j in self.fused.items()
         }
-        self._donate = {j: donated(g, j) for j in range(len(g.segments))}
         self._stages_of: dict[int, list[int]] = {}
         for s, hs in hosts.hosts_of_stage.items():
             for h in hs:
@@ -215,9 +219,10 @@ class PipelineDriver:
             apply_inputs = {}
             for s in stages:
                 if s in self.fused:
-                    refs = [hosts.ref(values[v], self.processes.hosts_of_stage[s])
-                            for v in self._apply_vars[s]]  # fmt: skip
-                    apply_inputs[s] = refs
+                    here = hosts.hosts_of_stage[s]
+                    apply_inputs[s] = [
+                        hosts.ref(values[v], here, gather=True) for v in self._apply_vars[s]
+                    ]
             calls[h] = StepCall(
                 step_id,
                 {k: params[k] for k in params if g.owner[k] in stages},
@@ -240,7 +245,8 @@ class PipelineDriver:
             return [literal_or(values, v) for v in g.outer.jaxpr.outvars]
         losses = results[lead[self.layout.num_stages - 1]].losses
         assert losses is not None and len(losses) == m
-        values[g.grad_outputs[0]] = combine_losses(losses, self.config.loss_reduction)
+        loss = combine_losses(losses, self.config.loss_reduction)
+        values[g.grad_outputs[0]] = hosts.loss_value(loss, g.grad_outputs[0].aval)
         for k, v in enumerate(g.grad_outputs[1:]):
             owner = g.owner[k]
             grad = results[lead[owner]].grads.get(k)
@@ -281,12 +287,19 @@ class PipelineDriver:
         on_host: list[tuple[int, list[Any]]] = []
         on_driver: list[int] = []
         fused = set(self.fused.values())
+        # What a driver-run segment reads: a later segment that reads it too runs by the driver,
+        # after it (in the step's order; on its hosts it could overwrite a gradient that dies
+        # there before the driver's segment has read it).
+        read_later: set[Any] = set()
         for j, seg in enumerate(g.segments):
             if j in fused:
                 continue
             here = hosts.hosts_of_stage[seg.stage]
             items: list[Any] | None = []
             for v in seg.inputs:
+                if v in read_later:
+                    items = None
+                    break
                 if v in made_on:
                     where, item = made_on[v]
                     ok = where == here
@@ -307,6 +320,7 @@ class PipelineDriver:
                 items.append(item)
             if items is None:
                 on_driver.append(j)
+                read_later.update(seg.inputs)
                 continue
             on_host.append((j, items))
             for n, v in enumerate(seg.outputs):

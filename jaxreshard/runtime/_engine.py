@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -172,8 +173,8 @@ class HostEngine:
     def warm_segments(self, param_specs: Sequence[Any], leaf_specs: Sequence[Any]) -> None:
         """Compile the post-gradient segments of this process's stages (not fused into a
         backward) for the specs their inputs will have at the first step: `param_specs` by
-        parameter, `leaf_specs` by argument leaf (None for host data). Can run beside the
-        stages' compiles."""
+        parameter, `leaf_specs` by argument leaf (None for host data). The local runtime runs
+        it in a thread beside the stages' compiles; a Ray host when it takes the layout."""
         fused = set(self.fused.values())
         only = {
             j
@@ -232,8 +233,9 @@ class HostEngine:
 
     def compile_recorded(self) -> None:
         """Compile what a recorded step (a profile) calls that a plain one does not (the last
-        stage's forward and backward apart), before the step: nothing compiles while peers
-        wait with deadlines."""
+        stage's forward and backward apart), before the step's programs start (locally before
+        anything of the step; on Ray at the start of the host's step call, so the first
+        recorded step's peers may wait for it: a profile's warm-up step, not a timed one)."""
         if self._recorded_ready or self.layout is None or self.runner is None:
             return
         layout = self.layout
@@ -354,10 +356,6 @@ class HostEngine:
         mesh = self.meshes[seg.stage]
         values = [on_mesh(x, mesh, aval=v.aval) for x, v in zip(inputs, seg.inputs)]
         return [as_named(x, mesh) for x in self.segments.run(index, values)]
-
-    def fail(self, error: PipelineError) -> None:
-        if self.runner is not None:
-            self.runner.fail(error)
 
     def close(self) -> None:
         """Free the threads, the channels and the executables (idempotent)."""
@@ -689,6 +687,12 @@ def as_named(x: Any, mesh: Mesh) -> Any:
         return x
     named = named_sharding_on(x.sharding, mesh, x.ndim)
     if named is None:
+        warnings.warn(
+            f"an output of shape {x.shape} has a sharding no PartitionSpec of its stage mesh "
+            f"{dict(mesh.shape)} expresses ({x.sharding}); it is kept as it is, and may be "
+            "moved again at the next step (please report it to jaxreshard)",
+            stacklevel=2,
+        )
         return x
     shards = [s.data for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, named, shards)

@@ -101,7 +101,15 @@ class HostActor(NaiveBaseline):
 
         from jaxreshard._jax_compat import cpu_collectives_on, enable_recoverability
 
-        enable_recoverability()  # a dead host must not take the others down with it
+        if not enable_recoverability():  # a dead host must not take the others down with it
+            import warnings
+
+            warnings.warn(
+                f"host {self.host}: this JAX has no jax_enable_recoverability: a host that dies "
+                "will end every other host's actor once it misses its heartbeats (then "
+                "jaxreshard.shutdown() and init() start afresh)",
+                stacklevel=2,
+            )
         if self._platform == "cpu":
             cpu_collectives_on(ray.util.get_node_ip_address())
         jax.distributed.initialize(

@@ -302,6 +302,9 @@ class LocalHosts(Hosts):
     def zeros(self, aval: Any, like: Any) -> Any:
         return jax.numpy.zeros_like(like)
 
+    def loss_value(self, loss: Any, aval: Any) -> Any:
+        return loss  # (a jax.Array of the loss's dtype, as jax.jit gives it)
+
 
 class LocalPipeline(PipelineDriver):
     """A step compiled for this process's devices, and its driver (see [Note: one step]).

@@ -90,6 +90,9 @@ from jaxreshard.runtime._remote import RemoteArray
 from jaxreshard.runtime._specs import spec_of
 
 STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
+# How long tracing and compiling a pipeline on the hosts may take (a big stage or optimizer
+# compiles for minutes); the runtime's `timeout_s` bounds its data movement, not XLA.
+COMPILE_WAIT_S = 900.0
 DROP_WAIT_S = 5.0  # how long `RayPipeline.close` waits for the hosts to have dropped it
 
 
@@ -105,7 +108,7 @@ class _RemoteCompiler:
             h: getattr(self.runtime.actors[h], method).remote(self.key, self.s, *args)
             for h in self.hosts
         }
-        answers = self.runtime._wait(calls, f"{what} of stage {self.s}")
+        answers = self.runtime._wait(calls, f"{what} of stage {self.s}", COMPILE_WAIT_S)
         lead = answers[self.hosts[0]]
         for h in self.hosts[1:]:
             if answers[h] != lead:
@@ -193,9 +196,6 @@ class RayHosts(Hosts):
         self.layout: PipelineLayout | None = None
         self.transport = runtime.transport
         self._lead = {s: hs[0] for s, hs in self.hosts_of_stage.items()}
-        self._mesh_hosts = [
-            frozenset(d.process_index for d in mesh.devices.flat) for mesh in self.meshes
-        ]
 
     def sharding(self, s: int, spec: P) -> VirtualSharding:
         return VirtualSharding(self.meshes[s], spec)
@@ -264,31 +264,14 @@ class RayHosts(Hosts):
             )
             for h, c in calls.items()
         }
-        from jaxreshard.runtime._ray import RuntimeBroken
-
-        try:
-            answers = rt._wait(
-                {h: rt.actors[h].pipeline_step.remote(self.key, c) for h, c in wire.items()},
-                f"running step {step_id}",
-                self.config.timeout_s + STEP_GRACE_S,
-                work_id=step_id,
-                progress=lambda h: rt.actors[h].pipeline_progress.remote(self.key, step_id),
-            )
-        except RuntimeBroken as e:
-            raise RuntimeBroken(f"{e} ({self._stages_text(e.host)})") from None
-        except TimeoutError as e:
-            spanning = {s: hs for s, hs in self.hosts_of_stage.items() if len(hs) > 1}
-            if not spanning:
-                raise
-            # A host of a stage that spans hosts stopped in the middle of the stage's program:
-            # the others wait in its collectives, which nothing can interrupt.
-            stages = "; ".join(self._stages_text(hs[0]) for hs in spanning.values())
-            rt._broken = f"step {step_id} timed out with stages that span hosts ({stages})"
-            raise RuntimeBroken(
-                f"{e}. Stages that span hosts ({stages}) run collectives across their hosts: "
-                "a host that stops holds the others of its stage in them, so this runtime cannot "
-                "run more steps; call jaxreshard.shutdown() and jaxreshard.init() again"
-            ) from None
+        refs = {h: rt.actors[h].pipeline_step.remote(self.key, c) for h, c in wire.items()}
+        answers = self._wait(
+            refs,
+            f"running step {step_id}",
+            self.config.timeout_s + STEP_GRACE_S,
+            work_id=step_id,
+            progress=lambda h: rt.actors[h].pipeline_progress.remote(self.key, step_id),
+        )
         here = time.time() - time.perf_counter()
         g = self.graph
         out = {}
@@ -307,6 +290,8 @@ class RayHosts(Hosts):
             results = {}
             for j, per_mb in r["results"].items():
                 hosts = self.hosts_of_stage[g.loss.result_homes[j]]
+                if hosts[0] != h:  # (the lead's answer carries the stage's, merged once)
+                    continue
                 results[j] = [
                     from_wire(merge_wire([answers[x]["results"][j][mb] for x in hosts]))
                     for mb in range(len(per_mb))
@@ -330,6 +315,41 @@ class RayHosts(Hosts):
             out[h] = HostResult(r["losses"], grads, applied, segments, results, events)
         return out
 
+    def _wait(self, refs: dict[int, Any], what: str, *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """`RayRuntime._wait` for calls that run stages (a step, a segment), and what a failure
+        means with stages that span hosts: a host of such a stage that failed or stopped may
+        leave the others in its collectives, which nothing can interrupt; if any is still busy
+        a few seconds after the failure, the runtime is marked broken (it could not run another
+        step) and the error says so. A dead host's error names its stage."""
+        import ray
+
+        from jaxreshard.runtime._executor import STOP_GRACE_S
+        from jaxreshard.runtime._ray import RuntimeBroken
+
+        rt = self.runtime
+        spanning = {s: hs for s, hs in self.hosts_of_stage.items() if len(hs) > 1}
+        try:
+            return rt._wait(refs, what, *args, **kwargs)
+        except RuntimeBroken as e:
+            broken = RuntimeBroken(f"{e} ({self._stages_text(e.host)})")
+            broken.host = e.host
+            raise broken from None
+        except Exception as e:
+            if not spanning:
+                raise
+            busy = [h for h in refs if any(h in hs for hs in spanning.values())]
+            done, _ = ray.wait([refs[h] for h in busy], num_returns=len(busy), timeout=STOP_GRACE_S)
+            if len(done) == len(busy) and not isinstance(e, TimeoutError):
+                raise  # every host of those stages got out: nothing is stuck
+            stages = "; ".join(self._stages_text(hs[0]) for hs in spanning.values())
+            rt._broken = f"{what} failed with stages that span hosts ({stages})"
+            raise RuntimeBroken(
+                f"{e}. Stages that span hosts ({stages}) run collectives across their hosts, "
+                "and hosts of them are still busy: one that stopped holds the others in its "
+                "collectives, so this runtime cannot run more steps; call jaxreshard.shutdown() "
+                "and jaxreshard.init() again"
+            ) from e
+
     def _stages_text(self, host: int | None) -> str:
         """Which stages a host runs, with their hosts (for messages)."""
         stages = [s for s, hs in self.hosts_of_stage.items() if host in hs]
@@ -346,12 +366,13 @@ class RayHosts(Hosts):
     def segment(self, stage: int, index: int, step_id: str, inputs: list[Any]) -> list[Any]:
         rt = self.runtime
         hosts = self.hosts_of_stage[stage]
-        described = rt._wait(
+        described = self._wait(
             {
                 h: rt.actors[h].pipeline_segment.remote(self.key, index, step_id, inputs)
                 for h in hosts
             },
-            f"post segment {index}",
+            f"post segment {index} of step {step_id}",
+            self.config.timeout_s + STEP_GRACE_S,
         )[hosts[0]]
         return self._remote(stage, described)
 
@@ -419,6 +440,7 @@ class RayPipeline(PipelineDriver):
                     for h, stages in stages_of.items()
                 },
                 "tracing the step on the hosts",
+                COMPILE_WAIT_S,
             )
             mine = fingerprint(graph)
             for h, theirs in prints.items():
@@ -448,7 +470,8 @@ class RayPipeline(PipelineDriver):
                     )
                     for h in stages_of
                 },
-                "sending the layout",
+                "sending the layout (the hosts compile their optimizer segments)",
+                COMPILE_WAIT_S,
             )
             theirs = {s: j for per_host in hosts_fused.values() for s, j in per_host.items()}
             assert theirs == fused, (theirs, fused)

@@ -6,8 +6,9 @@ mesh, with the layout's specs), the step's other arguments (optimizer state, as 
 it), the loss and aux outputs, and earlier segments' outputs; the runtime moves each onto the
 segment's mesh (`on_mesh`: kept where it already is, else with its spec where that fits, else
 replicated). Those shardings are known before the first step, so `SegmentExecutables.warm`
-compiles every segment ahead of it, in a background thread beside the stages' compiles (earlier
-segments first: their outputs' shardings are later ones' inputs). A call whose inputs turn out
+compiles every segment of a process's stages ahead of it (earlier segments first: their outputs'
+shardings are later ones' inputs): locally in a background thread beside the stages' compiles, in
+a Ray host when it takes the layout. A call whose inputs turn out
 laid out otherwise (an optimizer state the caller placed differently) runs the segment's jitted
 function instead, which compiles for what it gets.
 """

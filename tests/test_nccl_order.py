@@ -372,6 +372,7 @@ def test_the_issue_plan_of_stages_that_span_hosts():
         num_micro_batches=4,
         schedule="1f1b",
         devices_per_host=1,  # every device a host: each stage's mesh spans two
+        backend="local",
     )
     step = jr.parallelize(make_step(3, skip=True, shared=True), config=cfg, batch_argnums=(1,))
     entry, _ = step._entry((make_params(3), make_batch()))

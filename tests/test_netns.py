@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -38,7 +39,7 @@ NIC_GBPS = 0.1
 def cluster():
     jaxreshard.shutdown()  # a Ray runtime of earlier tests would hold this process's Ray
     with emulated(
-        hosts=2,
+        hosts=4,
         nic_gbps=NIC_GBPS,
         cpus_per_host=1,
         devices_per_host=2,
@@ -62,7 +63,7 @@ def test_the_cluster_is_up_with_shaped_nics_in_both_directions(cluster):
     (info,) = status(NAME)
     assert info["state"] == "up", info
     assert info["format"] == "jaxreshard-cluster/1" and info["nic_gbps"] == NIC_GBPS
-    assert [n["name"] for n in info["nodes"]] == ["head", "h0", "h1", "driver"]
+    assert [n["name"] for n in info["nodes"]] == ["head", "h0", "h1", "h2", "h3", "driver"]
     assert info["planner_links"]["inter_host_gbytes_per_s"] == NIC_GBPS
     for host in cluster.hosts:
         netns, link = _netns.host_names(NAME, host.name)
@@ -90,7 +91,7 @@ def test_a_reshard_across_the_cluster_is_correct(cluster):
         assert rt.transport == "tcp"
         assert rt.description["name"] == NAME
         assert rt.cluster.inter_host_gbytes_per_s == NIC_GBPS  # the shaped NIC, from the cluster
-        assert rt.cluster.hosts == ((0, 1), (2, 3))
+        assert rt.cluster.hosts == ((0, 1), (2, 3), (4, 5), (6, 7))
         src = rt.sharding(rt.mesh((2,), ("x",), [0, 1]), P("x"))
         dst = rt.sharding(rt.mesh((2,), ("x",), [2, 3]), P(None, "x"))
         value = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
@@ -98,6 +99,32 @@ def test_a_reshard_across_the_cluster_is_correct(cluster):
         for strategy in ("auto", "send_recv", "broadcast_naive"):
             assert np.array_equal(rt.reshard(x, dst, strategy=strategy).fetch(), value), strategy
         assert np.array_equal(rt.reshard_naive(x, dst).fetch(), value)
+    finally:
+        jaxreshard.shutdown()
+
+
+def test_stages_that_span_hosts_train_over_the_shaped_links(cluster):
+    """Stage 0 on a (1, 4) mesh over hosts 0-1, stage 1 on (2, 2) over hosts 2-3 (see
+    [Note: multi-host stages]): the host actors joined one jax.distributed runtime in their
+    namespaces, each stage's collectives (gloo) and the boundary tensors (a layout change, a
+    skip connection, a tied parameter) cross the shaped NICs; the same numbers as jax.jit."""
+    from test_parallelize import assert_same, make_batch, make_params, make_step, run_steps
+
+    rt = jaxreshard.init("ray", address=cluster.address, timeout_s=60)
+    try:
+        assert rt.distributed
+        cfg = jaxreshard.PipelineConfig(
+            stage_mesh_shape=[(1, 4), (2, 2)],
+            mesh_axis_names=("data", "model"),
+            num_micro_batches=2,
+            backend="ray",
+        )
+        model = make_step(2, skip=True, shared=True)
+        step = jaxreshard.parallelize(model, config=cfg, batch_argnums=(1,))
+        got = run_steps(step, make_params(2), make_batch())
+        pipe = step.pipeline(got[0], make_batch())
+        assert pipe.hosts_of_stage == {0: (0, 1), 1: (2, 3)}
+        assert_same(*got, *run_steps(jax.jit(model), make_params(2), make_batch()))
     finally:
         jaxreshard.shutdown()
 
@@ -166,7 +193,7 @@ def test_a_killed_driver_leaves_a_usable_cluster(cluster, tmp_path):
 
 def test_down_leaves_no_namespace_link_or_ray_process(cluster):
     namespaces, links, pids = _ours(NAME)
-    assert len(namespaces) == 3 and links and pids  # head + 2 hosts; bridge; Ray processes
+    assert len(namespaces) == 5 and links and pids  # head + 4 hosts; bridge; Ray processes
     removed = _emulated.down(NAME)
     assert sorted(removed["namespaces"]) == namespaces and not removed["stuck_pids"]
     assert _ours(NAME) == ([], [], [])

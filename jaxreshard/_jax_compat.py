@@ -364,7 +364,11 @@ def named_sharding_on(sharding: Any, mesh: Any, ndim: int) -> NamedSharding | No
     `ndim` dims; None if it is over other devices or cannot be read so."""
     if isinstance(sharding, NamedSharding):
         return sharding
-    if sharding.device_set != set(mesh.devices.flat) or not hasattr(sharding, "_hlo_sharding"):
+    if sharding.device_set != set(mesh.devices.flat):
+        return None
+    if sharding.is_fully_replicated:  # (a SingleDeviceSharding on a 1-device mesh, say)
+        return NamedSharding(mesh, PartitionSpec())
+    if not hasattr(sharding, "_hlo_sharding"):
         return None
     from jax._src import sharding_impls
 
@@ -373,3 +377,16 @@ def named_sharding_on(sharding: Any, mesh: Any, ndim: int) -> NamedSharding | No
     except Exception:  # a tiling the mesh's axes cannot express
         return None
     return named if named.is_equivalent_to(sharding, ndim) else None
+
+
+def _indivisible_error() -> type[Exception]:
+    try:
+        from jax._src.sharding import IndivisibleError
+    except ImportError:  # (another JAX: nothing to tell apart)
+        return ValueError
+    return IndivisibleError
+
+
+# What jax >= 0.12 raises while compiling when it reads an output sharding XLA chose against the
+# trace's abstract mesh of another shape (see `StageCompiler.executable`).
+IndivisibleError = _indivisible_error()

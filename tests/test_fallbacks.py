@@ -256,3 +256,19 @@ def test_an_output_with_a_gspmd_sharding_becomes_named_on_its_mesh(cpu_devices):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     other = Mesh(np.array(cpu_devices[4:8]).reshape(2, 2), ("data", "model"))
     assert named_sharding_on(gspmd, other, 2) is None  # not over that mesh's devices
+
+
+def test_a_single_device_output_is_named_on_its_one_device_mesh(cpu_devices):
+    import warnings
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard.runtime._engine import as_named
+
+    mesh = Mesh(np.array(cpu_devices[:1]).reshape(1, 1), ("data", "model"))
+    x = jax.device_put(np.ones((8, 8), np.float32), cpu_devices[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = as_named(x, mesh)
+    assert y.sharding == NamedSharding(mesh, P())

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_parallelize import (
+    adam_step,
     assert_same,
     make_batch,
     make_params,
     make_step,
+    mlp_loss,
     reference,
     run_steps,
 )
@@ -35,6 +37,17 @@ def ray_config(**overrides):
 
 def stage_hosts(pipe):
     return {s: list(hs) for s, hs in pipe.hosts_of_stage.items()}
+
+
+def train_against_jit(pstep, step, params, state, steps=3):
+    """`steps` steps of the parallelized and the jitted step side by side, each loss equal;
+    both final (params, state)."""
+    p, s, rp, rs = params, state, params, state
+    for _ in range(steps):
+        p, s, loss = pstep(p, s, make_batch())
+        rp, rs, ref_loss = jax.jit(step)(rp, rs, make_batch())
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    return (p, s), (rp, rs)
 
 
 def test_two_stages_that_each_span_two_hosts_equal_jax_jit(ray_runtime):
@@ -79,28 +92,18 @@ def test_single_host_and_multi_host_stages_in_one_pipeline(ray_runtime):
 
     optimizer = optax.adam(1e-2)
 
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["emb"])
-            h = jr.stage_boundary(h)
-            h = jnp.tanh(h @ p["w1"] + p["b1"]) + h
-            h = jr.stage_boundary(h)
-            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+    def loss_fn(p, batch):
+        h = jnp.tanh(batch["x"] @ p["emb"])
+        h = jr.stage_boundary(h)
+        h = jnp.tanh(h @ p["w1"] + p["b1"]) + h
+        h = jr.stage_boundary(h)
+        return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
 
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = adam_step(loss_fn, optimizer)
     cfg = ray_config(stage_mesh_shape=[(1, 2), (2, 2), (1, 2)], num_micro_batches=4)
     pstep = jr.parallelize(step, config=cfg, batch_argnums=(2,))
     params = make_params(2)
-    state = optimizer.init(params)
-    ref = jax.jit(step)
-    p, s, rp, rs = params, state, params, state
-    for _ in range(3):
-        p, s, loss = pstep(p, s, make_batch())
-        rp, rs, ref_loss = ref(rp, rs, make_batch())
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    (p, s), (rp, _) = train_against_jit(pstep, step, params, optimizer.init(params))
     for k in params:
         np.testing.assert_allclose(np.asarray(p[k]), np.asarray(rp[k]), rtol=1e-5, atol=1e-6)
     pipe = pstep.pipeline(p, s, make_batch())
@@ -182,31 +185,14 @@ def test_optimizer_state_laid_out_by_the_caller_runs_the_segments_compiled_ahead
     from jax.sharding import PartitionSpec as P
 
     optimizer = optax.adam(1e-2)
-
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["emb"])
-            h = jr.stage_boundary(h)
-            h = jnp.tanh(h @ p["w1"] + p["b1"])
-            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
-
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = adam_step(mlp_loss, optimizer)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     specs = {"emb": P(None, "model"), "out": P("model", None), "w1": P(None, "model"), "b1": P()}
     params = {
         k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in make_params(2).items()
     }
-    state = optimizer.init(params)
     pstep = jr.parallelize(step, config=ray_config(), batch_argnums=(2,))
-    ref = jax.jit(step)
-    p, s, rp, rs = params, state, params, state
-    for _ in range(3):
-        p, s, loss = pstep(p, s, make_batch())
-        rp, rs, ref_loss = ref(rp, rs, make_batch())
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    (p, s), _ = train_against_jit(pstep, step, params, optimizer.init(params))
     pipe = pstep.pipeline(p, s, make_batch())
     import ray
 

@@ -35,6 +35,27 @@ def make_step(num_stages, *, skip=False, shared=False):
     return step
 
 
+def mlp_loss(p, batch):
+    """`make_step(2)`'s loss, for steps that write their own post-gradient code."""
+    h = jnp.tanh(batch["x"] @ p["emb"])
+    h = jr.stage_boundary(h)
+    h = jnp.tanh(h @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+
+def adam_step(loss_fn, optimizer):
+    """A train step: `loss_fn(params, batch)`'s gradient through Optax's `optimizer` (defined
+    here, with `mlp_loss`, so that a step of it travels to Ray hosts whole)."""
+    import optax
+
+    def step(params, opt_state, batch):
+        loss, grads = jr.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def make_params(num_stages, seed=0):
     rng = np.random.default_rng(seed)
     p = {
@@ -559,13 +580,7 @@ def test_a_gradient_read_after_the_pipeline_and_again_later_equals_jax_jit():
     must not run first and overwrite the gradient where it dies."""
 
     def step(params, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["emb"])
-            h = jr.stage_boundary(h)
-            h = jnp.tanh(h @ p["w1"] + p["b1"])
-            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
-
-        loss, g = jr.value_and_grad(loss_fn)(params)
+        loss, g = jr.value_and_grad(mlp_loss)(params, batch)
         # On stage 1 (a tie of bytes goes to the later stage), with the loss: after the step.
         mix = g["w1"][:6, :] * g["emb"] * loss
         new = dict(params)

@@ -13,7 +13,7 @@ from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard._jax_compat import named_sharding_on
+from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
 from jaxreshard.frontend._backward import StageBackward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
@@ -232,7 +232,18 @@ class StageCompiler:
         fn, args, out_shardings, donate = self._spec(name, extra)
         with jax.set_mesh(self.mesh):
             jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
-            compiled = jitted.lower(*args).compile()
+            try:
+                compiled = jitted.lower(*args).compile()
+            except IndivisibleError:
+                # jax >= 0.12 reads an output's XLA-chosen sharding against the abstract mesh
+                # its value was traced under (the step's, of stage 0's shape) and refuses one
+                # that mesh cannot express, though the stage's own mesh can. Outputs left to
+                # XLA are then pinned replicated on the stage mesh: correct, and only where the
+                # stage meshes differ in shape on that JAX.
+                shapes = jax.eval_shape(fn, *args)
+                pinned = _filled(out_shardings, shapes, NamedSharding(self.mesh, P()))
+                jitted = jax.jit(fn, donate_argnums=donate, out_shardings=pinned)
+                compiled = jitted.lower(*args).compile()
         with self._lock:
             return self._ready.setdefault(key, compiled)
 
@@ -321,6 +332,15 @@ class StageCompiler:
     def acc_slot(self) -> dict[int, int]:
         """A parameter's position among the accumulators."""
         return {k: i for i, k in enumerate(self.acc_params)}
+
+
+def _filled(out_shardings: Any, shapes: Any, default: Any) -> Any:
+    """`out_shardings` (None for outputs left to XLA) with those outputs given `default`."""
+    if out_shardings is None:
+        return jax.tree.map(lambda _: default, shapes)
+    if isinstance(out_shardings, (tuple, list)):
+        return type(out_shardings)(_filled(o, s, default) for o, s in zip(out_shardings, shapes))
+    return out_shardings
 
 
 def backward_functions(

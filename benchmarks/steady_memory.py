@@ -4,7 +4,9 @@ Two checks on the local runtime, with the tiny NNX LM of `action_overhead.py` (2
 micro-batches, 1F1B, 1x1 meshes of fake CPU devices):
 1. Steady state: after a warm-up, 150 (``--steps``) training steps; the process's resident
    memory (``/proc/self/statm``) is sampled every 10 steps. Reports its growth from the end of
-   the warm-up, and the number of live ``jaxreshard-*`` threads.
+   the warm-up, and the number of live ``jaxreshard-*`` threads. The same step under
+   ``jax.jit`` runs the same way first, in the same process, as the baseline: JAX and the
+   allocator grow the resident set a little by themselves.
 2. Build, run and drop: 6 parallelized steps (different schedules and micro-batch counts), each
    compiled, run 3 steps and dropped; then the ``jaxreshard-*`` threads still alive.
 
@@ -49,6 +51,23 @@ def config(schedule: str = "1f1b", m: int = 4) -> jr.PipelineConfig:
     )  # fmt: skip
 
 
+def steady(fn, state, batches, args) -> tuple[list[tuple[int, float]], float]:
+    """Warm up, then run ``args.steps`` steps sampling the resident set every 10."""
+    for i in range(args.warmup):
+        *state, loss = fn(*state, batches[i % len(batches)])
+        float(loss)
+    gc.collect()
+    samples = [(0, rss_mib())]
+    start = time.perf_counter()
+    for i in range(1, args.steps + 1):
+        *state, loss = fn(*state, batches[i % len(batches)])
+        float(loss)
+        if i % 10 == 0:
+            gc.collect()
+            samples.append((i, rss_mib()))
+    return samples, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -61,24 +80,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, VOCAB, size=(ROWS, SEQ + 1)).astype(np.int32) for _ in range(8)]
     step, params, opt = make(2)
+    jit_samples, jit_seconds = steady(jax.jit(step), (params, opt), batches, args)
     fn = jr.parallelize(step, config=config(), batch_argnums=(2,))
-    state = (params, opt)
-    for i in range(args.warmup):
-        *state, loss = fn(*state, batches[i % len(batches)])
-        float(loss)
-    gc.collect()
-    base = rss_mib()
-    samples = [(0, base)]
-    start = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        *state, loss = fn(*state, batches[i % len(batches)])
-        float(loss)
-        if i % 10 == 0:
-            gc.collect()
-            samples.append((i, rss_mib()))
-    seconds = time.perf_counter() - start
+    samples, seconds = steady(fn, (params, opt), batches, args)
     steady_threads = our_threads()
-    del fn, state, loss
+    del fn
     gc.collect()
 
     before = set(our_threads())
@@ -97,7 +103,9 @@ def main() -> None:
         time.sleep(0.05)
     left = sorted(set(our_threads()) - before)
 
+    base = samples[0][1]
     growth = samples[-1][1] - base
+    jit_growth = jit_samples[-1][1] - jit_samples[0][1]
     table = Table(title="resident memory and threads, NNX LM, 2 stages x 4 micro-batches")
     table.add_column("check")
     table.add_column("result")
@@ -105,7 +113,11 @@ def main() -> None:
     table.add_row(f"RSS after {args.steps} more steps (MiB)", f"{samples[-1][1]:.1f}")
     table.add_row("growth (MiB)", f"{growth:+.1f}")
     table.add_row("largest sample (MiB)", f"{max(r for _, r in samples):.1f}")
-    table.add_row("ms per step", f"{seconds / args.steps * 1e3:.1f}")
+    table.add_row("growth under jax.jit, same steps (MiB)", f"{jit_growth:+.1f}")
+    table.add_row(
+        "ms per step (jax.jit)",
+        f"{seconds / args.steps * 1e3:.1f} ({jit_seconds / args.steps * 1e3:.1f})",
+    )
     table.add_row("jaxreshard threads while running", str(len(steady_threads)))
     table.add_row(
         "threads left by 6 built-run-dropped steps", str(len(left)) + (f" {left}" if left else "")
@@ -123,6 +135,8 @@ def main() -> None:
                     "warmup": args.warmup,
                     "rss_mib": samples,
                     "growth_mib": growth,
+                    "jit_rss_mib": jit_samples,
+                    "jit_growth_mib": jit_growth,
                     "threads_running": steady_threads,
                     "threads_left_after_drop": left,
                 },

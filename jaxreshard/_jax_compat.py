@@ -5,6 +5,7 @@ Everything version-sensitive sits here so that a JAX upgrade touches one file.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -311,14 +312,23 @@ def copy_shards(x: Any, dst: NamedSharding) -> Any:
     This is the copy `jax.device_put` makes between device sets, without its per-call Python
     checks (about 150 us each on a small CPU box; this takes about 15 us): jaxlib's batched
     copy, where this JAX has it."""
-    copy = getattr(_xla_client(), "batched_copy_array_to_devices_with_sharding", None)
+    copy, semantics, device_list = _batched_copy()
     if copy is None:
         import jax
 
         return jax.device_put(x, dst)
-    semantics = _xla_client().ArrayCopySemantics.REUSE_INPUT
-    devices = _xla_client().DeviceList(tuple(dst.mesh.devices.flat))
-    return copy([x], [devices], [dst], [semantics])[0]
+    return copy([x], [device_list(tuple(dst.mesh.devices.flat))], [dst], [semantics])[0]
+
+
+@functools.cache
+def _batched_copy() -> tuple[Any, Any, Any]:
+    """jaxlib's batched copy, its reuse-input semantics and `DeviceList` (None first where
+    this JAX lacks it); looked up once (a step makes a copy per boundary tensor)."""
+    client = _xla_client()
+    copy = getattr(client, "batched_copy_array_to_devices_with_sharding", None)
+    if copy is None:
+        return None, None, None
+    return copy, client.ArrayCopySemantics.REUSE_INPUT, client.DeviceList
 
 
 def _xla_client() -> Any:

@@ -56,6 +56,7 @@ batch) are copied into every stage that uses them instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -144,7 +145,16 @@ class LossSplit:
         return len(self.stages)
 
     def users(self, kind: str, index: int) -> tuple[int, ...]:
-        return tuple(s.index for s in self.stages if Ref(kind, index) in s.inputs)
+        """The stages whose forward reads `Ref(kind, index)`, in order."""
+        return self._users.get(Ref(kind, index), ())
+
+    @functools.cached_property
+    def _users(self) -> dict[Ref, tuple[int, ...]]:  # asked per parameter in every step
+        users: dict[Ref, list[int]] = {}
+        for s in self.stages:
+            for ref in dict.fromkeys(s.inputs):
+                users.setdefault(ref, []).append(s.index)
+        return {ref: tuple(stages) for ref, stages in users.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,8 +93,19 @@ def combine_results(
 
 
 def combine_losses(losses: Sequence[Any], reduction: str) -> Any:
-    """The step's loss from its micro-batches' (`mean` or `sum`)."""
+    """The step's loss from its micro-batches' (`mean` or `sum`): added in micro-batch order,
+    then divided. Device arrays are combined by one jitted call (the same operations in the
+    same order, so the same bits; four eager operations cost four dispatches each step)."""
+    if all(isinstance(x, jax.Array) for x in losses):
+        return _combine_jitted(tuple(losses), reduction)
+    return _combine(losses, reduction)
+
+
+def _combine(losses: Sequence[Any], reduction: str) -> Any:
     total = losses[0]
     for value in losses[1:]:
         total = total + value
     return total / len(losses) if reduction == "mean" else total
+
+
+_combine_jitted = jax.jit(_combine, static_argnums=1)

@@ -96,6 +96,8 @@ def combine_losses(losses: Sequence[Any], reduction: str) -> Any:
     """The step's loss from its micro-batches' (`mean` or `sum`): added in micro-batch order,
     then divided. Device arrays are combined by one jitted call (the same operations in the
     same order, so the same bits; four eager operations cost four dispatches each step)."""
+    if len(losses) == 1:  # x / 1 == x exactly: no dispatch at all
+        return losses[0]
     if all(isinstance(x, jax.Array) for x in losses):
         return _combine_jitted(tuple(losses), reduction)
     return _combine(losses, reduction)

@@ -1,3 +1,5 @@
-from jaxreshard._cli import main
+import sys
 
-raise SystemExit(main())
+from jaxreshard.cli import main
+
+sys.exit(main())

@@ -1,6 +1,6 @@
 import json
 
-from jaxreshard._cli import main
+from jaxreshard.cli import main
 from jaxreshard.comm import STRATEGY_NAMES
 
 

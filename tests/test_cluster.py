@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxreshard import _cli
+from jaxreshard import cli as _cli
 from jaxreshard.cluster import _describe, _emulated, _netns
 from jaxreshard.cluster._describe import EmulatedCluster, HostInfo, links_of
 from jaxreshard.comm import Cluster

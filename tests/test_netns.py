@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard
-from jaxreshard import _cli
+from jaxreshard import cli as _cli
 from jaxreshard.cluster import _emulated, _netns, emulated, measure_tcp, status
 from jaxreshard.cluster._describe import state_file
 

@@ -1,11 +1,18 @@
 """`jaxreshard profile` configuration: TOML tables, flag overrides and their errors."""
 
+import dataclasses
+import json
+
 import jax.numpy as jnp
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from jaxreshard._cli import main
-from jaxreshard.profiler import load_profile_config
+from jaxreshard.cli import main
+from jaxreshard.profiler import RunConfig, load_profile_config
+from jaxreshard.profiler._config import TABLES
+from jaxreshard.runtime._config import PipelineConfig
 
 
 def write(tmp_path, text):
@@ -83,7 +90,10 @@ def test_flag_values_are_parsed_by_field_type():
         ("[model]\nhidden = 30\n", ["hidden=30", "heads=4"]),
         ("not toml = = 1", ["not valid TOML"]),
         ("[pipeline]\ncost_forward = [1, -2]\n", ["cost_forward=(1, -2)", "> 0", "per model"]),
-        ("[pipeline]\ncost_comm = 'fast'\n", ["cost_comm='fast'", "a number", "per stage"]),
+        (
+            "[pipeline]\ncost_comm = 'fast'\n",
+            ["cost_comm='fast'", "a number or a list", "without quotes"],
+        ),
         ("[run]\nplacement_costs = 'guess'\n", ["placement_costs='guess'", "measured"]),
     ],
 )
@@ -112,8 +122,7 @@ def test_bad_flags_exit_2_with_the_flag_named(capsys):
 
 
 def test_unknown_model_is_an_argparse_error(capsys):
-    with pytest.raises(SystemExit):
-        main(["profile", "bert"])
+    assert main(["profile", "bert"]) == 2
     assert "gpt" in capsys.readouterr().err
 
 
@@ -220,3 +229,76 @@ def test_per_stage_costs_from_file_and_flags(tmp_path):
         schedule_costs(p, 3)
     with pytest.raises(ValueError, match=r"cost_weight_grad=.*exceeds cost_backward"):
         p.replace(cost_weight_grad=(0.5, 2.6))
+
+
+# -- property tests: any file loads or is refused with one ValueError ----------------------------
+
+
+def _toml(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    return str(value)
+
+
+_KEYS = sorted(
+    {f.name for f in dataclasses.fields(PipelineConfig)}
+    | {f.name for f in dataclasses.fields(RunConfig)}
+    | {"name", "preset", "layers", "hidden", "heads", "seq", "vocab", "nonsense"}
+)
+_SCALARS = (
+    st.integers(-(2**66), 2**66)
+    | st.sampled_from([0, 1, 2, 4, 8, 10**12])
+    | st.floats()
+    | st.booleans()
+    | st.text(st.characters(codec="ascii", exclude_characters="\x7f"), max_size=12)
+    | st.sampled_from(["gpt", "tiny", "1f1b", "eager_1f1b", "data", "none", "1,2"])
+)
+FIXTURE = HealthCheck.function_scoped_fixture  # the test rewrites one file each example
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
+_TABLES = st.dictionaries(
+    st.sampled_from([*TABLES, "optimizer"]),
+    st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=5),
+    max_size=3,
+)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(tables=_TABLES)
+def test_any_profile_config_loads_or_is_one_value_error(tmp_path, tables):
+    text = "".join(
+        f"[{table}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
+        for table, values in tables.items()
+    )
+    path = write(tmp_path, text)
+    try:
+        pc = load_profile_config("gpt", path)
+    except ValueError as e:
+        assert str(e) and "\n" not in str(e).strip(), str(e)
+        return
+    assert isinstance(pc.pipeline, PipelineConfig) and pc.run.learning_rate > 0
+    assert all(isinstance(n, str) for n in pc.pipeline.mesh_axis_names)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_any_bytes_load_or_are_one_value_error(tmp_path, raw):
+    path = tmp_path / "profile.toml"
+    path.write_bytes(raw)
+    try:
+        load_profile_config("utransformer", path)
+    except ValueError as e:
+        assert str(path) in str(e) or "[" in str(e), str(e)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxreshard import profiler
-from jaxreshard._cli import main
+from jaxreshard.cli import main
 from jaxreshard.profiler import load_profile_config
 
 SCHEDULES = [

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jaxreshard._cli import main
+from jaxreshard.cli import main
 
 
 def test_schedule_cli_writes_json_trace_and_png(tmp_path, capsys):

@@ -38,3 +38,24 @@ def split_evenly(num_layers: int, num_stages: int) -> set[int]:
 def default_optimizer() -> optax.GradientTransformation:
     """The models' optimizer unless told otherwise: Adam with Optax's defaults."""
     return optax.adam(1e-3)
+
+
+# A layer count or width past these is a typo, not a model (and counting its parameters, or
+# building it abstractly, would itself take minutes): refused before anything is built.
+MAX_DIM = 2**20
+MAX_LAYERS = 4096
+
+
+def check_sizes(owner: str, values: dict[str, Any], limits: dict[str, int]) -> None:
+    """Every size in `values` is an int in [1, its limit]; the error names the field."""
+    for name, value in values.items():
+        high = limits.get(name, MAX_DIM)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ValueError(
+                f"{owner}: {name}={value!r} must be an integer from 1 to {high:,}"
+                + (" (a larger model would not fit any machine)" if _over(value, high) else "")
+            )
+
+
+def _over(value: Any, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > high

@@ -19,11 +19,27 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend import stage_boundary, value_and_grad
-from jaxreshard.models._common import default_optimizer, layer_norm, split_evenly
+from jaxreshard.models._common import (
+    MAX_LAYERS,
+    check_sizes,
+    default_optimizer,
+    layer_norm,
+    split_evenly,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    """The sizes of a GPT (pre-LN decoder-only transformer).
+
+    Attributes:
+        vocab: tokens in the vocabulary.
+        seq: tokens per sequence (the context length).
+        hidden: the model width (embedding and residual stream).
+        layers: transformer blocks.
+        heads: attention heads per block; must divide hidden.
+    """
+
     vocab: int
     seq: int
     hidden: int
@@ -31,6 +47,11 @@ class GPTConfig:
     heads: int
 
     def __post_init__(self) -> None:
+        check_sizes(
+            "GPTConfig",
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            {"layers": MAX_LAYERS},
+        )
         if self.hidden % self.heads:
             raise ValueError(
                 f"GPTConfig: hidden={self.hidden} is not a multiple of heads={self.heads}"
@@ -41,6 +62,13 @@ class GPTConfig:
         h = self.hidden
         per_block = 12 * h * h + 13 * h
         return self.vocab * h + self.seq * h + self.layers * per_block + 2 * h
+
+    def activation_bytes(self, batch_size: int) -> int:
+        """A rough f32 training-memory estimate of the activations a batch keeps for the
+        backward (per layer about 68 s h + 10 a s^2 bytes a sample, as Korthikanti et al.
+        count for 16-bit, doubled), plus the logits."""
+        b, s, h, a = batch_size, self.seq, self.hidden, self.heads
+        return b * s * (self.layers * 2 * (34 * h + 5 * a * s) + 12 * self.vocab)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 N plus attention's 12 L h s (Kaplan et al.)."""

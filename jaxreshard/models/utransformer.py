@@ -23,14 +23,33 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend import stage_boundary, value_and_grad
-from jaxreshard.models._common import default_optimizer, group_norm, split_evenly
+from jaxreshard.models._common import (
+    check_sizes,
+    default_optimizer,
+    group_norm,
+    split_evenly,
+)
+
+MAX_LEVELS = 16
+MAX_BLOCKS = 256  # per level
 
 
 @dataclasses.dataclass(frozen=True)
 class UTransformerConfig:
     """Sizes. Level l has `blocks` residual conv blocks of `base * channel_mult[l]` channels
     at resolution `image / 2**l`; attention follows them at levels `attention_from` and up (the
-    low resolutions) and in the middle."""
+    low resolutions) and in the middle.
+
+    Attributes:
+        image: height and width of the square images, in pixels.
+        channels: channels of the input images.
+        base: channels at the first level.
+        channel_mult: each level's channels as a multiple of `base` (one entry per level).
+        blocks: residual conv blocks per level.
+        attention_from: the first level with attention (levels count from 0).
+        heads: attention heads; must divide base.
+        groups: GroupNorm groups; must divide base.
+    """
 
     image: int = 32
     channels: int = 3
@@ -42,7 +61,26 @@ class UTransformerConfig:
     groups: int = 32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "channel_mult", tuple(self.channel_mult))  # from TOML lists
+        mult = self.channel_mult
+        if not isinstance(mult, (list, tuple)) or not 1 <= len(mult) <= MAX_LEVELS:
+            raise ValueError(
+                f"UTransformerConfig: channel_mult={mult!r} must be a list of 1 to {MAX_LEVELS} "
+                "integers (one per level), e.g. [1, 2, 4, 8]"
+            )
+        object.__setattr__(self, "channel_mult", tuple(mult))  # from TOML lists
+        sizes = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("channel_mult", "attention_from")
+        }
+        sizes |= {f"channel_mult[{i}]": m for i, m in enumerate(self.channel_mult)}
+        check_sizes("UTransformerConfig", sizes, {"blocks": MAX_BLOCKS, "image": 2**16})
+        a = self.attention_from
+        if not isinstance(a, int) or isinstance(a, bool) or a < 0:
+            raise ValueError(
+                f"UTransformerConfig: attention_from={a!r} must be an integer >= 0 (a level; "
+                f"{self.levels} or more: attention only in the middle)"
+            )
         if self.image % 2 ** (self.levels - 1):
             raise ValueError(
                 f"UTransformerConfig: image={self.image} must be divisible by "
@@ -67,6 +105,17 @@ class UTransformerConfig:
     @property
     def num_units(self) -> int:
         return 2 * self.levels + 1
+
+    def activation_bytes(self, batch_size: int) -> int:
+        """A rough f32 estimate of the activations a batch keeps for the backward: about a
+        dozen tensors of each block's size on the way down and up, and the attention maps."""
+        total = 0
+        for level in range(self.levels):
+            pixels = (self.image // 2**level) ** 2
+            total += 2 * 12 * 4 * pixels * self.width(level) * (self.blocks + 1)
+            if level >= self.attention_from:
+                total += 2 * 4 * 4 * self.heads * pixels * pixels
+        return batch_size * total
 
     @property
     def num_params(self) -> int:

@@ -22,6 +22,7 @@ from jaxreshard.profiler._config import (
     PROFILE_PIPELINE,
     ProfileConfig,
     RunConfig,
+    check_fits,
     load_profile_config,
 )
 from jaxreshard.profiler._profile import run_profile, runtime_for, write_json
@@ -37,6 +38,7 @@ __all__ = [
     "ProfileConfig",
     "RunConfig",
     "Session",
+    "check_fits",
     "compare",
     "devices_needed",
     "load_profile_config",

@@ -16,7 +16,10 @@ error names the key, where it came from, the value and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -29,6 +32,7 @@ from jaxreshard.models import ModelSpec, get_model
 from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
+MAX_STEPS = 10**6  # a profile is minutes of steps; more is a typo (and would run for days)
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 PLACEMENT_COSTS = ("auto", "measured", "config")
 
@@ -70,11 +74,25 @@ class RunConfig:
     placement_costs: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "steps", "warmup_steps"):
+        for name in ("batch_size", "steps", "warmup_steps", "seed"):
             value = getattr(self, name)
-            low = 0 if name == "warmup_steps" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"[run] {name}={value!r}: must be an int >= {low}")
+            low = 0 if name in ("warmup_steps", "seed") else 1
+            high = MAX_STEPS if name.endswith("steps") else 2**31 - 1
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(
+                    f"[run] {name}={value!r}: must be an integer from {low} to {high:,}"
+                )
+        for name in ("learning_rate", "weight_decay", "momentum", "clip_norm"):
+            value = getattr(self, name)
+            if value is None and name != "learning_rate":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"[run] {name}={value!r}: must be a number")
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"[run] {name}={value!r}: must be finite (training with it would turn every "
+                    "parameter into inf or nan)"
+                )
         if self.optimizer not in OPTIMIZER_NAMES:
             raise ValueError(
                 f"[run] optimizer={self.optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}"
@@ -136,6 +154,10 @@ class ProfileConfig:
     model_config: Any
     run: RunConfig
     pipeline: PipelineConfig
+    # Where each (table, key) was set: a file's table or a flag (for error messages).
+    origin: Mapping[tuple[str, str], str] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def spec(self) -> ModelSpec:
@@ -190,13 +212,13 @@ def load_profile_config(
 
     model_table = dict(data["model"])
     name = model_table.pop("name", model)
-    if name != model:
+    if not isinstance(name, str) or name != model:
         raise ValueError(
             f"{origin[('model', 'name')]}: name={name!r} but the command profiles {model!r}; "
             f"run `jaxreshard profile {name}` or change the name"
         )
     preset = model_table.pop("preset", "tiny")
-    if preset not in spec.presets:
+    if not isinstance(preset, str) or preset not in spec.presets:
         raise ValueError(
             f"{origin.get(('model', 'preset'), '[model]')}: preset={preset!r} is not a {model} "
             f"preset; choose one of {', '.join(spec.presets)}"
@@ -210,7 +232,9 @@ def load_profile_config(
                 f"{where}: unknown key {key!r} for {model}; valid keys: name, preset, "
                 f"{', '.join(model_fields)}"
             )
-        model_table[key] = coerce(value, _hint(spec.config_type, key), f"{where} {key}")
+        model_table[key] = coerce(
+            value, _hint(spec.config_type, key), f"{where} {key}", text=where.startswith("--")
+        )
     model_config = _build(
         lambda: dataclasses.replace(base, **model_table), origin, "model", model_table
     )
@@ -239,7 +263,59 @@ def load_profile_config(
             f"of num_micro_batches={pipeline.num_micro_batches}"
             f"{_from(origin, 'pipeline', 'num_micro_batches')}; make it one"
         )
-    return ProfileConfig(model, preset, model_config, run, pipeline)
+    return ProfileConfig(model, preset, model_config, run, pipeline, origin)
+
+
+def check_fits(pc: ProfileConfig) -> None:
+    """Refuse a model and batch whose training state and activations (estimated) need more
+    memory than this machine has available, before anything is allocated: for runs whose
+    devices are this machine's CPU (fake devices share its memory)."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    cfg = pc.model_config
+    slots = {"adam": 2, "adamw": 2, "sgd": 0 if pc.run.momentum is None else 1}[pc.run.optimizer]
+    state = cfg.num_params * 4 * (2 + slots)  # parameters, gradients, optimizer slots (f32)
+    activations = cfg.activation_bytes(pc.run.batch_size)
+    if state + activations <= available:
+        return
+    origin = pc.origin
+    set_by = [
+        f"{key}={value!r} from {origin[(table, key)]}"
+        for table, config in (("model", cfg), ("run", pc.run))
+        for key, value in vars(config).items()
+        if (table, key) in origin and (table == "model" or key == "batch_size")
+    ]
+    raise ValueError(
+        f"{pc.model} {pc.preset}"
+        + (f" with {', '.join(set_by)}" if set_by else "")
+        + f": {cfg.num_params:.3g} parameters need ~{_bytes(state)} for parameters, gradients "
+        f"and {pc.run.optimizer} state, and a batch of {pc.run.batch_size} needs "
+        f"~{_bytes(activations)} of activations (estimates), but this machine has "
+        f"{_bytes(available)} available; use a smaller preset, fewer layers or a smaller batch"
+    )
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine has available now (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
@@ -264,7 +340,7 @@ def _checked(
         where = origin[(table, key)]
         if key not in fields:
             raise ValueError(f"{where}: unknown key {key!r}; valid keys: {', '.join(fields)}")
-        out[key] = coerce(value, _hint(cls, key), f"{where} {key}")
+        out[key] = coerce(value, _hint(cls, key), f"{where} {key}", text=where.startswith("--"))
     return out
 
 
@@ -291,50 +367,67 @@ def _hint(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
-def coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check (and convert, for flags' strings) a value against a field's type."""
+def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
+    """Check a value against a field's type; with `text` (a flag's value), convert it from the
+    flag's string first. A file's value must have the TOML type the field takes: a string where
+    a number or a list is meant is an error, not parsed."""
     args = typing.get_args(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() == "none")
+        is_none = value is None or (text and isinstance(value, str) and value.lower() == "none")
         if is_none and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        errors = []
+        kinds = []
         for a in inner:
             try:
-                return coerce(value, a, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[-1] + (" or none" if type(None) in args else ""))
+                return coerce(value, a, where, text=text)
+            except _WrongType as e:
+                kinds.append(e.kind)
+            # any other ValueError: the value has this type but is refused; say why
+        kinds += ["none"] if type(None) in args else []
+        raise _WrongType(where, value, " or ".join(kinds))
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
+        if text and isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise ValueError(f"{where}={value!r}: must be true or false")
+        raise _WrongType(where, value, "true or false")
     if hint in (int, float):
         accepted = (int,) if hint is int else (int, float)
-        if isinstance(value, str):
-            try:
-                return hint(value)
-            except ValueError:
-                pass
+        if text and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = hint(value)
         if isinstance(value, accepted) and not isinstance(value, bool):
+            if hint is float and not math.isfinite(value):
+                raise ValueError(f"{where}={value!r}: must be a finite number")
             return hint(value)
-        kind = "an integer" if hint is int else "a number"
-        raise ValueError(f"{where}={value!r}: must be {kind}")
+        raise _WrongType(where, value, "an integer" if hint is int else "a number")
     if hint is str:
         if isinstance(value, str):
             return value
-        raise ValueError(f"{where}={value!r}: must be a string")
+        raise _WrongType(where, value, "a string")
     if origin is tuple:
-        if isinstance(value, str):
+        if text and isinstance(value, str):
             return parse_tuple(value, args, where)
         if isinstance(value, (list, tuple)):
             return tuple(value)
-        raise ValueError(f"{where}={value!r}: must be a list, e.g. [1, 2]")
+        example = '["data", "model"]' if args and args[0] is str else "[1, 2]"
+        raise _WrongType(where, value, f"a list, e.g. {example}")
     return value
+
+
+class _WrongType(ValueError):
+    """A value of another type than its field takes (a union tries its other types)."""
+
+    def __init__(self, where: str, value: Any, kind: str):
+        self.kind = kind
+        quoted = (
+            " (a TOML number or list is written without quotes)"
+            if isinstance(value, str) and ("number" in kind or "integer" in kind or "list" in kind)
+            else ""
+        )
+        super().__init__(f"{where}={value!r}: must be {kind}{quoted}")
 
 
 def parse_tuple(text: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:

@@ -26,6 +26,11 @@ RESHARDING = (
     "auto",
 )
 AXIS_TYPES = ("auto", "explicit")
+# Counts past these are typos, not pipelines: the schedule alone would need more memory and time
+# than a machine has (a step of p stages and m micro-batches runs about 3 p m actions).
+MAX_STAGES = 1024
+MAX_MICRO_BATCHES = 100_000
+MAX_MESH_DEVICES = 2**16
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("auto", "local", "ray")
 
@@ -96,7 +101,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
-        object.__setattr__(self, "mesh_axis_names", tuple(self.mesh_axis_names))
+        object.__setattr__(self, "mesh_axis_names", _axis_names(self.mesh_axis_names))
         _choice("schedule", self.schedule, SCHEDULES)
         check_virtual_stages(
             self.schedule,
@@ -106,11 +111,11 @@ class PipelineConfig:
         _choice("resharding", self.resharding, RESHARDING)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _choice("backend", self.backend, BACKENDS)
-        _positive_int("num_micro_batches", self.num_micro_batches)
+        _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         if self.num_stages is not None:
-            _positive_int("num_stages", self.num_stages)
+            _positive_int("num_stages", self.num_stages, MAX_STAGES)
         if self.devices_per_host is not None:
-            _positive_int("devices_per_host", self.devices_per_host)
+            _positive_int("devices_per_host", self.devices_per_host, MAX_MESH_DEVICES)
         if not isinstance(self.weight_delay, bool):
             raise ValueError(
                 f"PipelineConfig(weight_delay={self.weight_delay!r}): use True or False"
@@ -142,8 +147,12 @@ class PipelineConfig:
                 f"PipelineConfig(batch_axis={self.batch_axis!r}): not one of mesh_axis_names="
                 f"{self.mesh_axis_names}; name one of them or pass None"
             )
-        if not self.timeout_s > 0:
-            raise ValueError(f"PipelineConfig(timeout_s={self.timeout_s!r}): must be > 0")
+        if not _finite_number(self.timeout_s) or not self.timeout_s > 0:
+            raise ValueError(
+                f"PipelineConfig(timeout_s={self.timeout_s!r}): must be a finite number of "
+                "seconds > 0 (every wait needs a bound, so a hang is named instead of lasting "
+                "forever)"
+            )
         for name, positive in (("cost_forward", True), ("cost_backward", True),
                                ("cost_weight_grad", False), ("cost_comm", False)):  # fmt: skip
             value = _costs(name, getattr(self, name), positive)
@@ -156,9 +165,11 @@ class PipelineConfig:
                 f"PipelineConfig: cost_weight_grad={w} exceeds cost_backward={b}, of which it "
                 "is a part (per stage)"
             )
-        if self.emulate_network_gbps is not None and not self.emulate_network_gbps > 0:
+        gbps = self.emulate_network_gbps
+        if gbps is not None and not (_finite_number(gbps) and gbps > 0):
             raise ValueError(
-                f"PipelineConfig(emulate_network_gbps={self.emulate_network_gbps!r}): must be > 0"
+                f"PipelineConfig(emulate_network_gbps={gbps!r}): must be a finite number > 0 "
+                "(GB/s), or None for no emulation"
             )
 
     @property
@@ -231,6 +242,10 @@ class PipelineConfig:
         path = Path(path)
         data = read_toml(path, what="pipeline config")
         table = data.get("pipeline", data)
+        if not isinstance(table, dict):
+            raise ValueError(
+                f"pipeline config {path}: 'pipeline' must be a table ([pipeline]), not {table!r}"
+            )
         return cls.from_dict({**table, **overrides}, where=f"{path} [pipeline]")
 
 
@@ -250,26 +265,51 @@ def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     """A cost field as a float or a tuple of floats (per stage or boundary), checked."""
     listed = isinstance(value, (list, tuple, np.ndarray))
     values = tuple(np.ravel(value)) if listed else (value,)
-    ok = bool(values) and all(
-        isinstance(v, numbers.Real)
-        and not isinstance(v, (bool, np.bool_))
-        and (v > 0 if positive else v >= 0)
-        for v in values
-    )
+    ok = bool(values) and all(_finite_number(v) and (v > 0 if positive else v >= 0) for v in values)
     if not ok:
         rule = "> 0" if positive else ">= 0"
         per = "boundary between model stages" if name == "cost_comm" else "model stage"
         raise ValueError(
-            f"PipelineConfig({name}={value!r}): must be a number {rule}, or a non-empty list of "
-            f"such numbers (one per {per})"
+            f"PipelineConfig({name}={value!r}): must be a finite number {rule}, or a non-empty "
+            f"list of such numbers (one per {per})"
         )
     floats = tuple(float(v) for v in values)
     return floats if listed else floats[0]
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"PipelineConfig({name}={value!r}): must be an int >= 1")
+def _positive_int(name: str, value: Any, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from 1 to {high:,}")
+
+
+def _finite_number(value: Any) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, (bool, np.bool_))
+        and math.isfinite(value)
+    )
+
+
+def _axis_names(value: Any) -> tuple[str, ...]:
+    """Mesh axis names as a tuple of names; a bare string is refused, not read letter by
+    letter (`"dm"` is not `("d", "m")`)."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"PipelineConfig(mesh_axis_names={value!r}): give a tuple of names, one per mesh "
+            f"axis, e.g. ({value!r},) for one axis or ('data', 'model') for two"
+        )
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"PipelineConfig(mesh_axis_names={value!r}): give a non-empty tuple of names, one "
+            "per mesh axis, e.g. ('data', 'model')"
+        )
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(
+                f"PipelineConfig(mesh_axis_names={tuple(value)!r}): {name!r} is not a name; "
+                "each axis name is a string like 'data' (letters, digits, _)"
+            )
+    return tuple(value)
 
 
 def _tuples(value: Any) -> Any:
@@ -277,8 +317,18 @@ def _tuples(value: Any) -> Any:
 
 
 def _shape_or_shapes(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, str):
+        raise ValueError(
+            f"PipelineConfig(stage_mesh_shape={value!r}): a mesh shape is a tuple of ints, "
+            "e.g. (1, 2), not a string; or give one such tuple per stage"
+        )
     value = _tuples(value if isinstance(value, (list, tuple)) else (value,))
     flat = [value] if not (value and isinstance(value[0], tuple)) else list(value)
+    if len(flat) > MAX_STAGES:
+        raise ValueError(
+            f"PipelineConfig(stage_mesh_shape=...): {len(flat):,} per-stage shapes; at most "
+            f"{MAX_STAGES:,} stages"
+        )
     for shape in flat:
         if not shape or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape
@@ -287,14 +337,44 @@ def _shape_or_shapes(value: Any) -> tuple[Any, ...]:
                 f"PipelineConfig(stage_mesh_shape={value!r}): a mesh shape is a tuple of ints "
                 ">= 1, e.g. (1, 2); or give one such tuple per stage"
             )
+        if math.prod(shape) > MAX_MESH_DEVICES:
+            raise ValueError(
+                f"PipelineConfig(stage_mesh_shape={value!r}): the mesh {shape} has "
+                f"{math.prod(shape):,} devices; a stage mesh has at most {MAX_MESH_DEVICES:,}"
+            )
     return value
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a megabyte is not one
 
 
 def read_toml(path: Path, *, what: str) -> dict[str, Any]:
     """Parse a TOML file; errors name `what` (how the user gave the file) and the path."""
     try:
-        return tomllib.loads(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path}: no such file") from None
+        raise FileNotFoundError(f"{what} {path}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path}: is a directory; give a TOML file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot be read ({e.strerror or e})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{what} {path}: larger than {MAX_CONFIG_BYTES // 1024} KiB, so not a config; give "
+            "the TOML file with the [pipeline] table (and [model], [run] for profiles)"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{what} {path}: not UTF-8 text (byte {e.start}); give a TOML file"
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{what} {path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise ValueError(
+            f"{what} {path}: nested too deeply to read; a config nests two levels at most"
+        ) from None

@@ -14,16 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-def floats(text: str) -> float | list[float]:
-    """`1.5` or a per-stage / per-boundary list `1,1.2,0.9`."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number or a comma-separated list of numbers (e.g. 1.5 or 1,2,1)"
-        ) from None
-    return values[0] if len(values) == 1 else values
+from jaxreshard.cli._console import CommandError, floats, make_console, write_json
 
 
 def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
@@ -103,14 +94,12 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_schedule(args: argparse.Namespace) -> int:
     """The `jaxreshard schedule` command."""
-    from jaxreshard._cli import make_console
-
     console = make_console()
     if args.name == "import":
         schedule = _import(args)
     else:
         if args.file is not None:
-            raise ValueError(
+            raise CommandError(
                 f"FILE={args.file!r} is only read by 'import' (jaxreshard schedule import FILE)"
             )
         for flag, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches)):
@@ -231,8 +220,3 @@ def _compare(args: argparse.Namespace, console: Any) -> int:
         write_json(args.json, compare_json(p, m, costs, rows))
         console.print(f"wrote {args.json}")
     return 0
-
-
-def write_json(path: str, data: object) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1))

@@ -1,0 +1,233 @@
+"""What every command shares: the console, writing outputs, argument types, and the one error
+path of the command line.
+
+[Note: one error path]
+Every failure a user can cause ends as one line on stderr, `jaxreshard COMMAND: error: ...`,
+and a non-zero exit code; never a Python traceback. The library raises `ValueError` (or a
+subclass) whose text names the file, key, row or argument, the value, the rule and the fix;
+`describe` turns the rest into such a line too: the operating system's errors name the path and
+what to do, a nesting or memory limit says which, and anything else is reported as a bug of ours
+(with `JAXRESHARD_TRACEBACK=1` to print where). Exit codes: 2 for input the command refuses, 1 for
+a run that failed, 3 for an emulated cluster that cannot be made here, 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+TRACEBACK_ENV = "JAXRESHARD_TRACEBACK"
+_MESSAGE_CHARS = 2000  # one line, not a dump of a hostile input
+
+
+def make_console():
+    """A rich console; off a terminal (logs, CI, pipes) wide enough for our tables."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+class CommandError(ValueError):
+    """A refusal of the command line itself (flags that do not go together); exit code 2."""
+
+
+def describe(e: BaseException) -> tuple[str, int]:
+    """One line for a failure, and the exit code (see [Note: one error path])."""
+    if isinstance(e, OSError) and not isinstance(e, (TimeoutError, ConnectionError)):
+        return _os_error(e), 2
+    if isinstance(e, RecursionError):
+        return (
+            f"the input is nested too deeply to read ({e}); flatten it (a config, schedule or "
+            "case file nests a few levels at most)",
+            2,
+        )
+    if isinstance(e, MemoryError):
+        return (
+            "ran out of memory; the input asks for more than this machine has (use smaller "
+            "counts or sizes)",
+            2,
+        )
+    if isinstance(e, (ValueError, TypeError)):  # the library's refusals (and tomllib's, json's)
+        return _one_line(str(e) or type(e).__name__), 2
+    if isinstance(e, (RuntimeError, TimeoutError, ConnectionError)):  # a run that failed
+        return _one_line(str(e) or type(e).__name__), 1
+    return (
+        f"internal error ({type(e).__name__}: {_one_line(str(e))}); this is a bug in jaxreshard: "
+        f"please report it with the command line (set {TRACEBACK_ENV}=1 to print where)",
+        1,
+    )
+
+
+def _os_error(e: OSError) -> str:
+    if e.errno is None:  # raised by our code, with its own message
+        return _one_line(str(e))
+    path = e.filename if e.filename is not None else ""
+    fixes = {
+        errno.ENOENT: "no such file or directory; check the path",
+        errno.EISDIR: "is a directory; give a file",
+        errno.ENOTDIR: "a part of the path is not a directory; check the path",
+        errno.EACCES: "permission denied; give a path you may read (or write, for an output)",
+        errno.EPERM: "operation not permitted; give a path you own",
+        errno.ENOSPC: "no space left on the device; free some or write elsewhere",
+        errno.EROFS: "read-only file system; write elsewhere",
+        errno.ELOOP: "too many symbolic links (or a link where none is followed); give the "
+        "real path",
+        errno.ENAMETOOLONG: "file name too long; use a shorter one",
+        errno.EEXIST: "already exists; remove it or give another path",
+    }
+    why = fixes.get(e.errno, e.strerror or str(e))
+    return _one_line(f"{path}: {why}" if path else f"{why} ({e})")
+
+
+def _one_line(text: str) -> str:
+    text = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    if len(text) > _MESSAGE_CHARS:
+        text = text[:_MESSAGE_CHARS] + f"... ({len(text) - _MESSAGE_CHARS} more characters)"
+    return text
+
+
+def print_error(command: str, e: BaseException) -> int:
+    """Print the one line for `e` (and its traceback when asked for); return the exit code."""
+    message, code = describe(e)
+    print(f"jaxreshard {command}: error: {message}", file=sys.stderr)
+    if os.environ.get(TRACEBACK_ENV):
+        import traceback
+
+        traceback.print_exception(e)
+    return code
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def write_json(path: str | Path, data: object) -> None:
+    """Write `data` as JSON to the path the user gave, whole or not at all (a temporary file in
+    the same folder, then renamed over it)."""
+    write_text(path, json.dumps(data, indent=1))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    if path.is_dir():
+        raise CommandError(f"{path}: is a directory; give a file name to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+# -- argument types -----------------------------------------------------------------------------
+
+
+def floats(text: str) -> float | list[float]:
+    """`1.5` or a per-stage / per-boundary list `1,1.2,0.9`: finite numbers."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number or a comma-separated list of numbers (e.g. 1.5 or 1,2,1)"
+        ) from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every number must be finite (not inf/nan)")
+    return values[0] if len(values) == 1 else values
+
+
+def count(low: int, high: int):
+    """An argparse type: an int in [low, high] (bounded, so a typo cannot ask for 10**12)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
+
+
+# -- help from docstrings -----------------------------------------------------------------------
+
+_ATTRIBUTE = re.compile(r"^(\s+)([a-z_][a-z0-9_, ]*):\s*(.*)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The `Attributes:` section of a dataclass's docstring, field -> one line of text (a line
+    like `a, b: ...` documents both)."""
+    lines = (cls.__doc__ or "").splitlines()
+    docs: dict[str, str] = {}
+    inside, indent, names = False, None, []
+    for line in lines:
+        if line.strip() == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if not line.strip():
+            continue
+        m = _ATTRIBUTE.match(line)
+        if m and (indent is None or len(m.group(1)) == indent):
+            indent = len(m.group(1))
+            names = [n.strip() for n in m.group(2).split(",") if n.strip()]
+            for n in names:
+                docs[n] = m.group(3).strip()
+        elif indent is not None and len(line) - len(line.lstrip()) > indent:
+            for n in names:
+                docs[n] += " " + line.strip()
+        else:
+            break
+    return docs
+
+
+MAX_CPU_DEVICES = 512  # fake CPU devices: each is a client with its own threads
+
+
+def cpu_devices(n: int, what: str = "the pipeline") -> None:
+    """Give JAX's CPU backend `n` devices (before it starts) when it is the platform."""
+    import contextlib
+
+    import jax
+
+    on_cpu = jax.config.jax_platforms in (None, "", "cpu")
+    if on_cpu and n > MAX_CPU_DEVICES:
+        raise CommandError(
+            f"{what} needs {n:,} devices; on the CPU JAX gets at most {MAX_CPU_DEVICES} fake "
+            "devices here; use smaller stage meshes (stage_mesh_shape) or fewer stages"
+        )
+    if on_cpu and n > jax.config.jax_num_cpu_devices:
+        # JAX already started (a library caller): keep what it has.
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", n)

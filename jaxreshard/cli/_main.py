@@ -1,0 +1,58 @@
+"""The `jaxreshard` command line: its parser and `main`, the one place where a command's failure
+becomes a message (see [Note: one error path] in `_console.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from jaxreshard.cli._bench import add_bench_parser
+from jaxreshard.cli._cluster import add_cluster_parser
+from jaxreshard.cli._console import print_error
+from jaxreshard.cli._profile import add_profile_parser
+from jaxreshard.cli._schedule import add_schedule_parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its refusals as one line (the usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command (`bench`, `schedule`, `profile`, `cluster`)."""
+    parser = _Parser(
+        prog="jaxreshard",
+        description="Pipeline-parallel JAX across device meshes with optimised resharding.",
+        epilog="Errors are one line; set JAXRESHARD_TRACEBACK=1 to also print where they came "
+        "from.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_bench_parser(commands)
+    add_schedule_parser(commands)
+    add_profile_parser(commands)
+    add_cluster_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit code (0 on success; see [Note: one error path])."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own one-line usage error (exit code 2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"jaxreshard {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        return print_error(args.command, e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""`jaxreshard profile MODEL`: train a model on synthetic data as a pipeline and profile it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxreshard.cli._console import cpu_devices, field_docs, make_console, write_json
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from jaxreshard import profiler
+
+    overrides: dict[str, dict[str, object]] = {"model": {}, "run": {}, "pipeline": {}}
+    for dest, value in vars(args).items():
+        if value is not None and dest.startswith(("model__", "run__", "pipeline__")):
+            table, key = dest.split("__", 1)
+            overrides[table][key] = value
+    pc = profiler.load_profile_config(args.model, args.config, overrides)
+    cpu_devices(profiler.devices_needed(pc))
+    if _on_this_machines_cpu(pc):
+        profiler.check_fits(pc)
+    console = make_console()
+    cache = _compile_cache(args.compile_cache)
+    if cache:
+        console.print(f"XLA compile cache: {cache} (--compile-cache off to compile afresh)")
+    progress = not args.no_progress
+    if args.compare_schedules or args.compare_resharding:
+        kinds = [k for k in ("schedules", "resharding") if getattr(args, f"compare_{k}")]
+        results = {}
+        for kind in kinds:
+            variants = (
+                profiler.schedule_variants(pc)
+                if kind == "schedules"
+                else profiler.resharding_variants(pc)
+            )
+            title = (
+                f"{pc.model} {pc.preset}: {kind} compared, {pc.num_stages} stages x "
+                f"{pc.pipeline.num_micro_batches} micro-batches, {pc.run.steps} steps each "
+                "(interleaved); speedup over the first row"
+            )
+            rows = profiler.compare(
+                pc,
+                variants,
+                bound=pc.pipeline.backend != "ray",
+                console=console,
+                progress=progress,
+                title=title,
+                measure_placement=kind == "schedules" and profiler.measures_placement(pc),
+            )
+            results[kind] = profiler.compare_json(pc, kind, rows)
+        if args.json:
+            write_json(args.json, results[kinds[0]] if len(kinds) == 1 else results)
+            console.print(f"wrote {args.json}")
+        return 0
+    profiler.run_profile(
+        pc,
+        bound=args.bound,
+        console=console,
+        progress=progress,
+        json_path=args.json,
+        trace_path=args.trace,
+        plot_path=args.plot,
+    )
+    return 0
+
+
+def _on_this_machines_cpu(pc) -> bool:
+    """Whether the run's devices are this machine's CPU (not GPUs, not another cluster's)."""
+    import jax
+
+    if pc.pipeline.backend == "ray" and pc.run.address is not None:
+        return False
+    return jax.config.jax_platforms in (None, "", "cpu") and jax.default_backend() == "cpu"
+
+
+def _compile_cache(where: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (identical stage programs, e.g. of schedule
+    variants or of the previous run, then load instead of compiling)."""
+    import os
+
+    import jax
+
+    if where == "off":
+        return None
+    if where is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "jaxreshard", "xla")
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return where
+
+
+def add_profile_parser(commands: argparse._SubParsersAction) -> None:
+    from jaxreshard.models import MODEL_NAMES, get_model
+    from jaxreshard.profiler import RunConfig
+    from jaxreshard.profiler._config import PROFILE_PIPELINE
+    from jaxreshard.runtime._config import PipelineConfig
+
+    profile = commands.add_parser(
+        "profile",
+        help="train GPT or U-Transformer as a pipeline and profile it end to end",
+        description="Train a model on synthetic data with parallelize and report step time, "
+        "throughput, per-stage compute/blocked/bubble, and every boundary tensor's transfer.",
+    )
+    models = profile.add_subparsers(dest="model", required=True, metavar="MODEL")
+    for name in MODEL_NAMES:
+        spec = get_model(name)
+        sub = models.add_parser(
+            name,
+            help=f"profile {name} (presets: {', '.join(spec.presets)})",
+            description=f"Profile {name} training. Settings come from defaults < --preset < "
+            "--config FILE.toml ([model], [run], [pipeline] tables) < flags.",
+        )
+        sub.add_argument("--config", default=None, metavar="FILE.toml", help="profile config")
+        out = sub.add_argument_group("outputs and comparisons")
+        out.add_argument("--json", default=None, metavar="OUT", help="write the profile JSON")
+        out.add_argument("--trace", default=None, metavar="TRACE.json", help="Chrome trace")
+        out.add_argument("--plot", default=None, metavar="PNG", help="measured timeline PNG")
+        out.add_argument(
+            "--compare-schedules",
+            action="store_true",
+            help="1f1b vs eager_1f1b vs eager_1f1b + weight delay vs zb_h1, with the "
+            "signal-only bound",
+        )
+        out.add_argument(
+            "--compare-resharding",
+            action="store_true",
+            help="send_recv vs allgather vs broadcast resharding, with the signal-only bound",
+        )
+        out.add_argument(
+            "--bound",
+            action="store_true",
+            help="also time signal-only steps (the bound with free transfers; local backend)",
+        )
+        out.add_argument("--no-progress", action="store_true", help="no progress bar")
+        out.add_argument(
+            "--compile-cache",
+            default=None,
+            metavar="DIR|off",
+            help="JAX's persistent compilation cache (default ~/.cache/jaxreshard/xla)",
+        )
+        model_group = sub.add_argument_group(
+            f"[model] ({name}; each field's default is the preset's value)"
+        )
+        model_group.add_argument(
+            "--preset",
+            dest="model__preset",
+            default=None,
+            metavar="NAME",
+            help=f"the model's size: {', '.join(spec.presets)} (default: tiny)",
+        )
+        model_docs = field_docs(spec.config_type)
+        for f in dataclasses.fields(spec.config_type):
+            _field_flag(model_group, "model", f.name, model_docs.get(f.name, f.name), None)
+        run_group = sub.add_argument_group("[run] (RunConfig)")
+        run_docs = field_docs(RunConfig)
+        for f in dataclasses.fields(RunConfig):
+            _field_flag(run_group, "run", f.name, run_docs[f.name], _default(f, {}))
+        pipe_group = sub.add_argument_group("[pipeline] (PipelineConfig)")
+        pipe_docs = field_docs(PipelineConfig)
+        for f in dataclasses.fields(PipelineConfig):
+            if f.name == "emulate_network_gbps":
+                pipe_group.add_argument(
+                    "--emulate-network",
+                    "--emulate-network-gbps",
+                    dest="pipeline__emulate_network_gbps",
+                    default=None,
+                    metavar="GBPS",
+                    help="delay every transfer between hosts as a NIC of GBPS gigabytes/s "
+                    "would (the paper's 10 Gbit/s is 1.25); each stage is its own host unless "
+                    "--devices-per-host says otherwise (default: none)",
+                )
+                continue
+            default = _default(f, PROFILE_PIPELINE)
+            _field_flag(pipe_group, "pipeline", f.name, pipe_docs[f.name], default)
+        sub.set_defaults(run=_profile)
+
+
+def _default(f: dataclasses.Field, overrides: dict[str, object]) -> str:
+    if f.name in overrides:
+        value = overrides[f.name]
+    elif f.default is not dataclasses.MISSING:
+        value = f.default
+    else:
+        return "-"
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _field_flag(
+    group: argparse._ArgumentGroup, table: str, name: str, doc: str, default: str | None
+) -> None:
+    flag = "--" + name.replace("_", "-")
+    dest = f"{table}__{name}"
+    # argparse formats help with %: a literal % in a docstring must not read as a placeholder.
+    text = doc.rstrip(".").replace("%", "%%")
+    text += f" (default: {default})" if default is not None else ""
+    if name in ("weight_delay",):
+        group.add_argument(
+            flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=text
+        )
+        return
+    group.add_argument(flag, dest=dest, default=None, metavar="V", help=text)

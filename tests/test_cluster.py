@@ -2,6 +2,8 @@
 driver reads the description. (The cluster itself: tests/test_netns.py, root only.)"""
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -55,7 +57,9 @@ def test_the_planner_model_comes_from_the_description():
     assert links_of({"latency_ms": 0}) == {"latency_s": 0.0}  # unshaped: the default bandwidth
 
 
-@pytest.mark.parametrize("name", ["", "Emu", "1abc", "abcdefgh", "a-b", "a b", None])
+@pytest.mark.parametrize(
+    "name", ["", "Emu", "1abc", "abcdefgh", "a-b", "a b", None, "ab\n", "abc\n\n", "\nab"]
+)
 def test_bad_cluster_names_say_the_rule(name):
     with pytest.raises(ValueError, match="1-7 lowercase letters or digits"):
         _netns.check_name(name)
@@ -134,3 +138,158 @@ def test_host_actors_go_to_the_nodes_marked_as_hosts_in_order():
     assert _host_nodes([head, h1, driver, h0]) == [h0, h1]
     # A cluster nobody described: every node, by address.
     assert _host_nodes([head, driver]) == [driver, head]
+
+
+# -- private state (issue 25): see [Note: private state] and [Note: Ray token] ------------------
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    """A state directory of this test's own (made by `state_dir(create=True)`)."""
+    monkeypatch.setenv(_describe.STATE_DIR_ENV, str(tmp_path / "jrs"))
+    return _describe.state_dir(create=True)
+
+
+def test_the_state_directory_is_made_private(state):
+    assert stat.S_IMODE(os.lstat(state).st_mode) == 0o700
+    folder = _describe.cluster_dir("emu", create=True)
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+
+
+def test_a_state_directory_that_is_a_link_is_refused(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv(_describe.STATE_DIR_ENV, str(tmp_path / "link"))
+    message = (
+        rf"the cluster state directory {tmp_path}/link is a symbolic link \(to {real}\); it must "
+        rf"be a real directory .*: remove the link \(`rm {tmp_path}/link`\) or point "
+        "JAXRESHARD_CLUSTER_DIR at a directory of your own"
+    )
+    uses = (
+        _describe.state_dir,
+        lambda: _describe.state_dir(create=True),
+        _describe.known_names,
+        lambda: _describe.read_state("emu"),
+        lambda: _describe.driver_ip_for("10.213.1.2:6379"),
+    )
+    for use in uses:
+        with pytest.raises(PermissionError, match=message):
+            use()
+
+
+def test_a_state_directory_others_may_write_to_is_refused(state):
+    os.chmod(state, 0o777)
+    with pytest.raises(
+        PermissionError,
+        match=rf"{state} is writable by group or others \(mode 0777\).*`chmod 700 {state}`",
+    ):
+        _describe.state_dir()
+    os.chmod(state, 0o755)  # readable is fine: the token file itself is 0600
+    assert _describe.state_dir() == state
+
+
+def test_a_state_directory_of_another_user_is_refused(state, monkeypatch):
+    owner = os.getuid()
+    monkeypatch.setattr(_describe.os, "getuid", lambda: owner + 4242)
+    with pytest.raises(
+        PermissionError,
+        match=rf"{state} belongs to uid {owner}, not to this user \(uid {owner + 4242}\).*"
+        rf"remove it as its owner \(`rm -r {state}`\)",
+    ):
+        _describe.state_dir()
+
+
+def test_a_file_where_the_state_directory_should_be_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "jrs").write_text("")
+    monkeypatch.setenv(_describe.STATE_DIR_ENV, str(tmp_path / "jrs"))
+    with pytest.raises(PermissionError, match="jrs is not a directory"):
+        _describe.state_dir(create=True)
+
+
+def test_a_cluster_folder_that_is_a_link_is_refused(state, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (state / "emu").symlink_to(elsewhere)
+    with pytest.raises(
+        PermissionError, match=r"the state directory of cluster 'emu' .* is a symbolic link"
+    ):
+        _describe.read_state("emu")
+
+
+def test_state_files_are_written_whole_and_links_in_their_place_never_followed(state, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    folder = _describe.cluster_dir("emu", create=True)
+    (folder / "cluster.json").symlink_to(victim)
+    with pytest.raises(PermissionError, match=r"cluster.json is a symbolic link \(to .*victim\)"):
+        _describe.read_state("emu")
+    c = example()
+    _describe.write_state(c)  # replaces the link itself, not what it points to
+    assert victim.read_text() == "keep me"
+    assert _describe.read_state("emu") == c
+    info = os.lstat(folder / "cluster.json")
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+    assert sorted(p.name for p in folder.iterdir()) == ["cluster.json"]  # no temporary file left
+
+
+def test_the_lock_never_truncates_what_a_planted_link_points_to(state, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (state / ".lock").symlink_to(victim)
+    with pytest.raises(PermissionError, match=r"\.lock is a symbolic link"), _emulated._lock():
+        pass
+    assert victim.read_text() == "keep me"
+    (state / ".lock").unlink()
+    with _emulated._lock():
+        assert stat.S_IMODE(os.lstat(state / ".lock").st_mode) == 0o600
+
+
+def test_every_node_starts_with_the_clusters_own_ray_token(state, monkeypatch):
+    c = example()
+    _describe.cluster_dir("emu", create=True)
+    _emulated._make_token("emu")
+    token = _describe.token_file("emu")
+    assert stat.S_IMODE(os.lstat(token).st_mode) == 0o600
+    assert len(token.read_text()) == 64 and int(token.read_text(), 16) >= 0  # 256 random bits
+    started = []
+    monkeypatch.setattr(
+        _emulated.subprocess, "Popen", lambda command, **kw: started.append((command, kw))
+    )
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a token of someone else")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    _emulated._ray_start(c, c.hosts[0], ["--address=10.213.1.2:6379"])
+    ((command, kw),) = started
+    assert command[:3] == ["ip", "netns", "exec"] and "--address=10.213.1.2:6379" in command
+    env = kw["env"]
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(token)
+    assert "RAY_AUTH_TOKEN" not in env
+    log = _describe.cluster_dir("emu") / "h0" / "ray-start.log"
+    assert stat.S_IMODE(os.lstat(log).st_mode) == 0o600
+    assert stat.S_IMODE(os.lstat(log.parent).st_mode) == 0o700
+
+
+def test_a_driver_of_this_machine_finds_the_clusters_token(state):
+    c = example(name="here")
+    _describe.cluster_dir("here", create=True)
+    _describe.write_state(c)
+    assert _describe.ray_token_for(c.address) is None  # a cluster without one
+    _emulated._make_token("here")
+    assert _describe.ray_token_for(c.address) == _describe.token_file("here")
+    assert _describe.ray_token_for("10.9.9.9:6379") is None
+
+
+def test_ray_auth_holds_the_token_only_while_inside(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "mine")
+    token = tmp_path / "token"
+    token.write_text("0" * 64)
+    with _describe.ray_auth(token):
+        assert os.environ["RAY_AUTH_MODE"] == "token"
+        assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(token)
+        assert "RAY_AUTH_TOKEN" not in os.environ
+    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ
+    assert os.environ["RAY_AUTH_TOKEN"] == "mine"
+    with _describe.ray_auth(None):  # no token: nothing changes
+        assert "RAY_AUTH_MODE" not in os.environ

@@ -76,6 +76,35 @@ def test_the_cluster_is_up_with_shaped_nics_in_both_directions(cluster):
         assert pids and all(os.sched_getaffinity(p) == set(host.cpus) for p in pids), host
 
 
+PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_get(b"cluster", b"jaxreshard", timeout=10)
+    print("read")
+except Exception as e:
+    print("refused:", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("auth", ["none", "wrong", "the cluster's"])
+def test_ray_serves_only_who_holds_the_clusters_token(cluster, auth):
+    token = state_file(NAME).parent / "ray-token"
+    assert oct(os.lstat(token).st_mode & 0o777) == "0o600"
+    assert oct(os.lstat(token.parent).st_mode & 0o777) == "0o700"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    if auth == "wrong":
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    elif auth == "the cluster's":
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    probe = [sys.executable, "-c", PROBE, cluster.address]
+    out = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=120).stdout
+    if auth == "the cluster's":
+        assert out.strip() == "read", out
+    else:
+        assert "refused:" in out and "InvalidAuthToken" in out, out
+
+
 def test_a_plain_tcp_transfer_runs_at_the_set_rate(cluster):
     # The issue's explicit check: within +-20% of the set rate (16 MiB, one retry for noise).
     for _ in range(2):

@@ -8,15 +8,40 @@ has the head's address learns the NIC model when it joins: `RayRuntime` reads it
 planner's `Cluster` with the shaped NIC rate and latency (unless `cluster_links` says otherwise),
 and places host actor i on the node that carries the resource `jaxreshard_host_<i>`. Anyone can
 describe a real cluster the same way (`publish`), and the planner then uses its numbers.
+
+[Note: private state]
+The state directory (`JAXRESHARD_CLUSTER_DIR`, default /tmp/jrs) says which processes `down`
+stops and holds the Ray token of each cluster (`<name>/ray-token`, see [Note: Ray token]), so
+only its user may write there: `state_dir` makes it 0700 and refuses one that is a symbolic link,
+belongs to another user or is writable by group or others (in /tmp, anyone could have made it
+first), naming the path, what is wrong and the fix. Inside it, files are opened with O_NOFOLLOW
+(a planted link is an error, never followed), created 0600 without truncating what a link points
+to, and the description is replaced atomically (a temporary file, then `os.replace`), so a
+reader never sees half of one.
+
+[Note: Ray token]
+Every Ray node of an emulated cluster runs with Ray's token authentication (`RAY_AUTH_MODE=token`,
+the token in `<state dir>/<name>/ray-token`, 0600): Ray's servers listen on every interface of
+their namespace, the drivers' node on every interface of this machine (Ray has no setting to
+bind them to one address; `--node-ip-address` only says which address to advertise), and
+without a token anything that reaches them may run code in the cluster. A process of this
+machine that joins the cluster at that address finds the token here (`ray_token_for`) and holds
+it in Ray's settings only while it connects (`ray_auth`): Ray reads `RAY_AUTH_*` from the
+environment, and a setting left behind would send the token to, or demand one from, the next
+Ray this process starts or joins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import socket
-from collections.abc import Mapping
+import stat
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +51,8 @@ KV_KEY = b"cluster"
 HOST_RESOURCE = "jaxreshard_host_"  # the same custom resource the local runtime uses
 STATE_DIR_ENV = "JAXRESHARD_CLUSTER_DIR"
 DEFAULT_STATE_DIR = "/tmp/jrs"
+TOKEN_FILE = "ray-token"
+_RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,20 +160,114 @@ def links_of(description: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def state_dir() -> Path:
-    return Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+def state_dir(create: bool = False) -> Path:
+    """This machine's folder of cluster states (`JAXRESHARD_CLUSTER_DIR`, default /tmp/jrs),
+    made 0700 if missing and `create`.
+
+    Raises:
+        PermissionError: it is a symbolic link, another user's, or writable by group or
+            others (see [Note: private state]).
+    """
+    path = Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    _check_private(path, "the cluster state directory")
+    return path
+
+
+def cluster_dir(name: str, create: bool = False) -> Path:
+    """Cluster `name`'s folder in the state directory (made 0700 if missing and `create`)."""
+    path = state_dir(create) / name
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    _check_private(path, f"the state directory of cluster {name!r}")
+    return path
 
 
 def state_file(name: str) -> Path:
-    return state_dir() / name / "cluster.json"
+    return cluster_dir(name) / "cluster.json"
+
+
+def token_file(name: str) -> Path:
+    """Where cluster `name`'s Ray token is (see [Note: Ray token])."""
+    return cluster_dir(name) / TOKEN_FILE
+
+
+def _check_private(path: Path, what: str) -> None:
+    """Refuse `path` (if it exists) unless it is a directory of this user that only this user
+    may write to (see [Note: private state])."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    elsewhere = f"or point {STATE_DIR_ENV} at a directory of your own"
+    if stat.S_ISLNK(info.st_mode):
+        problem = f"is a symbolic link (to {os.readlink(path)})"
+        fix = f"remove the link (`rm {path}`) {elsewhere}"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem, fix = "is not a directory", f"remove it {elsewhere}"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+        fix = f"remove it as its owner (`rm -r {path}`) {elsewhere}"
+    elif info.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+        fix = f"`chmod 700 {path}` {elsewhere}"
+    else:
+        return
+    raise PermissionError(
+        f"{what} {path} {problem}; it must be a real directory that only this user can write "
+        f"to, since it decides what `cluster down` stops and holds the clusters' Ray tokens: "
+        f"{fix}"
+    )
+
+
+def open_private(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`os.open` a file in the state directory without following a link (see [Note: private
+    state]); a link there is a `PermissionError` that names it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise PermissionError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); files in the cluster state "
+            f"directory must be plain files: remove the link (`rm {path}`)"
+        ) from None
+
+
+def read_private(path: Path) -> str:
+    with os.fdopen(open_private(path, os.O_RDONLY)) as f:
+        return f.read()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once (a 0600 temporary file beside it, then renamed)."""
+    fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+
+
+def write_state(cluster: EmulatedCluster) -> None:
+    write_private(state_file(cluster.name), json.dumps(cluster.to_json(), indent=1))
 
 
 def read_state(name: str) -> EmulatedCluster | None:
     path = state_file(name)
     try:
-        return EmulatedCluster.from_json(json.loads(path.read_text()), where=str(path))
+        text = read_private(path)
     except FileNotFoundError:
         return None
+    return EmulatedCluster.from_json(json.loads(text), where=str(path))
 
 
 def known_names() -> list[str]:
@@ -155,32 +276,99 @@ def known_names() -> list[str]:
     return sorted(p.parent.name for p in base.glob("*/cluster.json")) if base.is_dir() else []
 
 
-def driver_ip_for(address: str | None) -> str | None:
-    """The address a driver of this machine must join `address`'s emulated cluster with (its
-    root-namespace node, see `_emulated._start_ray`), or None if `address` is no emulated
-    cluster of this machine or this process cannot use that address."""
+def _cluster_at(address: str | None) -> EmulatedCluster | None:
+    """The emulated cluster of this machine whose head is at `address`, if any."""
     if not address:
         return None
     for name in known_names():
         cluster = read_state(name)
-        if cluster is not None and cluster.address == address and cluster.driver_ip:
-            with socket.socket() as probe:
-                try:
-                    probe.bind((cluster.driver_ip, 0))  # only works where the address is ours
-                except OSError:
-                    return None
-            return cluster.driver_ip
+        if cluster is not None and cluster.address == address:
+            return cluster
     return None
 
 
-def publish(address: str, description: Mapping[str, Any], timeout_s: float = 30.0) -> None:
-    """Store `description` in the Ray cluster's key-value store at `address` (no driver needed)."""
+def driver_ip_for(address: str | None) -> str | None:
+    """The address a driver of this machine must join `address`'s emulated cluster with (its
+    root-namespace node, see `_emulated._start_ray`), or None if `address` is no emulated
+    cluster of this machine or this process cannot use that address."""
+    cluster = _cluster_at(address)
+    if cluster is None or not cluster.driver_ip:
+        return None
+    with socket.socket() as probe:
+        try:
+            probe.bind((cluster.driver_ip, 0))  # only works where the address is ours
+        except OSError:
+            return None
+    return cluster.driver_ip
+
+
+def ray_token_for(address: str | None) -> Path | None:
+    """The Ray token file of the emulated cluster of this machine at `address` (see [Note: Ray
+    token]), or None if `address` is no such cluster or it runs without one."""
+    cluster = _cluster_at(address)
+    if cluster is None:
+        return None
+    path = token_file(cluster.name)
+    return path if path.exists() else None
+
+
+@contextlib.contextmanager
+def ray_auth(token: Path | None, *, connecting: bool = False) -> Iterator[None]:
+    """Within: this process's Ray authenticates with the token in `token` (None: as the
+    environment says). After it the environment is as before, and so are Ray's settings unless
+    `connecting` (then the connection made inside keeps its token; see [Note: Ray token])."""
+    before = {k: os.environ.get(k) for k in _RAY_AUTH_ENV}
+    if token is not None:
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+        _read_ray_auth()
+    else:
+        reset_ray_auth()
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if token is not None and not connecting:
+            _read_ray_auth()
+
+
+def reset_ray_auth() -> None:
+    """Make this process's Ray take its authentication from the environment again, unless it is
+    connected (that connection keeps its settings). Ray reads them once and caches them: an
+    emulated cluster's token mode, kept for a connection (`ray_auth`), would otherwise stay for
+    the next Ray this process starts or joins (whose actors then failed to start)."""
+    import ray
+
+    if not ray.is_initialized():
+        _read_ray_auth()
+
+
+def _read_ray_auth() -> None:
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def publish(
+    address: str,
+    description: Mapping[str, Any],
+    timeout_s: float = 30.0,
+    token: Path | None = None,
+) -> None:
+    """Store `description` in the Ray cluster's key-value store at `address` (no driver needed);
+    `token`: the file of the Ray token the cluster demands, if any."""
     from ray._raylet import GcsClient
 
-    client = GcsClient(address=address)
-    client.internal_kv_put(
-        KV_KEY, json.dumps(dict(description)).encode(), True, KV_NAMESPACE, timeout=timeout_s
-    )
+    with ray_auth(token):
+        client = GcsClient(address=address)
+        client.internal_kv_put(
+            KV_KEY, json.dumps(dict(description)).encode(), True, KV_NAMESPACE, timeout=timeout_s
+        )
 
 
 def lookup() -> dict[str, Any] | None:

@@ -8,7 +8,8 @@ address serves the drivers of this machine. The description is written where a d
 are all ours: everything started in one stays in it) and the root node's Ray processes (found
 by the node's temp dir in their command lines, and their children), then removes the namespaces
 and links; it is idempotent and works after a crashed `up` or a killed driver, from the names
-alone.
+alone. Every node runs with Ray's token authentication (see [Note: Ray token] in `_describe.py`)
+and its state stays private (see [Note: private state]).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,11 +32,15 @@ from jaxreshard.cluster._describe import (
     HOST_RESOURCE,
     EmulatedCluster,
     HostInfo,
+    cluster_dir,
     known_names,
+    open_private,
     publish,
+    read_private,
     read_state,
     state_dir,
-    state_file,
+    token_file,
+    write_state,
 )
 
 DEFAULT_NAME = "emu"
@@ -82,7 +88,6 @@ def up(
     shaping = _netns.Shaping(nic_gbps, latency_ms)
     cpus = _cpu_sets(hosts, cpus_per_host)
     _netns.require()
-    state_dir().mkdir(parents=True, exist_ok=True)
     with _lock():
         _check_free(name)
         subnet = _netns.pick_subnet()
@@ -105,8 +110,9 @@ def up(
             object_store_mib=object_store_mib,
         )
         try:
-            state_file(name).parent.mkdir(parents=True, exist_ok=True)
-            state_file(name).write_text(json.dumps(cluster.to_json(), indent=1))
+            cluster_dir(name, create=True)
+            write_state(cluster)
+            _make_token(name)
             _netns.make_bridge(name, f"{ip(1)}/{subnet.prefixlen}")
             _netns.make_host(name, "head", f"{head.ip}/{subnet.prefixlen}", _netns.Shaping(None))
             for host in members:
@@ -116,7 +122,7 @@ def up(
             raise
     try:
         _start_ray(cluster, start_timeout_s)
-        publish(cluster.address, cluster.to_json())
+        publish(cluster.address, cluster.to_json(), token=token_file(name))
     except BaseException:
         _teardown(name)
         raise
@@ -141,13 +147,13 @@ def down_all() -> dict[str, dict[str, Any]]:
     for item in (*_netns.namespaces(_netns.PREFIX), *_netns.links(_netns.PREFIX)):
         rest = item[len(_netns.PREFIX) :]
         cluster = rest.split("-", 1)[0]
-        if "-" in rest and _netns.NAME_RULE.match(cluster):
+        if "-" in rest and _netns.NAME_RULE.fullmatch(cluster):
             found.add(cluster)
     return {name: _teardown(name) for name in sorted(found)}
 
 
 def _teardown(name: str) -> dict[str, Any]:
-    folder = state_file(name).parent
+    folder = cluster_dir(name)
     driver_node = str(folder / "driver") + os.sep
     stuck = _netns.stop_processes(lambda: _netns.processes_under(driver_node))
     removed: dict[str, Any] = dict(_netns.teardown(name))
@@ -209,7 +215,7 @@ def status(name: str | None = None) -> list[dict[str, Any]]:
             if present and host.name != "head":
                 node.update(_netns.qdisc_stats(cluster_name, host.name))
             nodes.append(node)
-        driver_node = str(state_file(cluster_name).parent / "driver") + os.sep
+        driver_node = str(cluster_dir(cluster_name) / "driver") + os.sep
         commands = [_command(p) for p in _netns.processes_under(driver_node)]
         nodes.append(
             {
@@ -283,8 +289,9 @@ def _start_ray(cluster: EmulatedCluster, timeout_s: float) -> None:
 
 
 def _ray_start(cluster: EmulatedCluster, node: HostInfo, args: list[str]) -> tuple[Any, Path, str]:
-    folder = state_file(cluster.name).parent / node.name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = cluster_dir(cluster.name) / node.name
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
     log = folder / "ray-start.log"
     pin = ["taskset", "-c", ",".join(map(str, node.cpus))] if node.cpus else []
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--temp-dir={folder}"]
@@ -296,13 +303,28 @@ def _ray_start(cluster: EmulatedCluster, node: HostInfo, args: list[str]) -> tup
     # CPU is shared with the other emulated hosts and the driver, so its work runs at the
     # normal priority, as on a machine of its own.
     env["RAY_worker_niceness"] = "0"
-    # Ray turns token authentication on for a new head when ~/.ray/auth_token exists (another
-    # Ray user of this machine may have made one) but not for the nodes that join: say it once
-    # for every node. (The namespaces reach nothing but the bridge.)
-    env["RAY_AUTH_MODE"] = "disabled"
-    with open(log, "w") as out:
+    # Every node demands the cluster's own token (see [Note: Ray token]); said for each node,
+    # since Ray would otherwise pick a head's mode from ~/.ray/auth_token alone.
+    env.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = str(token_file(cluster.name))
+    out = open_private(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    finally:
+        os.close(out)
     return process, log, node.name
+
+
+def _make_token(name: str) -> None:
+    """Cluster `name`'s Ray token: 256 random bits, as `ray get-auth-token --generate` makes
+    them, in a file only this user may read (see [Note: Ray token])."""
+    path = token_file(name)
+    with contextlib.suppress(FileNotFoundError):  # a crashed `up`'s (a link goes, not its target)
+        os.unlink(path)
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
 
 
 def _wait_all(starts: list[tuple[Any, Path, str]], timeout_s: float) -> None:
@@ -316,7 +338,7 @@ def _wait_all(starts: list[tuple[Any, Path, str]], timeout_s: float) -> None:
             process.wait()
             code = None
         if code != 0:
-            tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+            tail = read_private(log).strip().splitlines()[-3:] if log.exists() else []
             why = "timed out" if code is None else f"exited with {code}"
             failed.append(
                 f"{node}: `ray start` {why} after up to {timeout_s:g} s: " + " | ".join(tail)
@@ -359,12 +381,13 @@ def _check_free(name: str) -> None:
 @contextlib.contextmanager
 def _lock(timeout_s: float = 120.0) -> Iterator[None]:
     """One `up` at a time on this machine picks a subnet and makes names."""
-    path = state_dir() / ".lock"
-    with open(path, "w") as f:
+    path = state_dir(create=True) / ".lock"
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)  # (never truncates what a link points to)
+    try:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
@@ -376,7 +399,9 @@ def _lock(timeout_s: float = 120.0) -> Iterator[None]:
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _command(pid: int) -> str:

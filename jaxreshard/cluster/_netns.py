@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 PREFIX = "jrs-"
-NAME_RULE = re.compile(r"^[a-z][a-z0-9]{0,6}$")
+NAME_RULE = re.compile(r"[a-z][a-z0-9]{0,6}")  # the whole name: use `fullmatch`
 SUBNET_BASE = "10.213.0.0/16"  # clusters take one /24 of it each, never routed anywhere
 COMMAND_TIMEOUT_S = 30.0
 
@@ -43,7 +43,8 @@ class ClusterUnavailable(RuntimeError):
 
 def check_name(name: str) -> str:
     """Return `name` if it is a valid cluster name; raise `ValueError` naming the rule."""
-    if not isinstance(name, str) or not NAME_RULE.match(name):
+    # (`fullmatch`: `re.match` with `$` took "ab\n", since `$` matches before a final newline.)
+    if not isinstance(name, str) or not NAME_RULE.fullmatch(name):
         raise ValueError(
             f"cluster name {name!r}: must be 1-7 lowercase letters or digits, starting with a "
             "letter (it becomes part of interface names, which Linux limits to 15 characters), "

@@ -18,9 +18,32 @@ TCP connection per (sender, receiver) pair:
 - a relay hands each chunk to its next host as soon as the chunk is here (cut-through at chunk
   granularity), so a broadcast chain pipelines with one chunk of delay per hop, as the cluster
   model's simulator assumes (`Cluster.chunk_bytes`).
-A connection starts with the sending host's id; then every message is a prefix (header and
-payload sizes), a JSON header (work id, op, region, sending host, emulated arrival time) and the
-payload: the slice's bytes in C order, viewed as the work's dtype on arrival.
+A connection starts with a handshake (see [Note: stream authentication]); then every message is
+a prefix (header and payload sizes), a JSON header (work id, op, region, sending host, emulated
+arrival time) and the payload: the slice's bytes in C order, viewed as the work's dtype on
+arrival.
+
+[Note: stream authentication]
+Every host listens on its node's address, where anything that reaches that address can connect,
+so a connection must prove that it comes from a host of this runtime before anything it sends is
+read as a message (a connection that only claimed a host id once got a forged slice into a
+step's mailbox). The driver makes a secret of 32 random bytes when the runtime starts and hands
+it to every host actor through Ray (`HostActor.open_stream`); it never travels on these
+connections. The listener sends a fresh random nonce; the connecting host answers with its host
+id, a nonce of its own and HMAC-SHA256(secret, "connect" || both nonces || both host ids); the
+listener checks the proof (`hmac.compare_digest`) and that the id is one of the hosts the driver
+introduced (`connect`), then answers with its own proof ("accept"), so the connecting host knows
+it reached a host of its runtime, not whatever now listens at that address. Fresh nonces make a
+recorded handshake worthless. A connection that fails, or says nothing within
+`HANDSHAKE_TIMEOUT_S`, is closed and logged once with its address and why. One handshake per
+connection (two round trips before the first message, once per pair of hosts), none per
+message. After it, a message is checked before its payload is read: the header is at most
+`MAX_HEADER_BYTES`, well-formed, from the host that proved itself, and the payload is the size
+its region holds (exactly the receive's chunk and dtype once that receive is waiting, else a
+whole number of elements of some dtype, checked exactly when the receive takes it). A payload
+nobody waits for yet that is larger than `_EAGER_BYTES` is read in pieces as its bytes arrive,
+so a header cannot make this host allocate much more than the peer really sends. A violation
+drops the connection with a logged reason and fails the receives it affects, naming the peer.
 
 Failures are loud and not sticky. A peer that closes its connection in the middle of a message
 fails the receives from it that are under way, and every receive of the work whose message was
@@ -33,9 +56,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import logging
+import math
+import secrets
 import socket
 import struct
 import threading
@@ -46,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
-from jaxreshard.comm._layout import Index, format_index
+from jaxreshard.comm._layout import Index, format_index, index_size
 from jaxreshard.comm._local import BufferPool, relative_slices
 from jaxreshard.comm._order import Step
 from jaxreshard.comm._transport import (
@@ -58,8 +85,19 @@ from jaxreshard.comm._transport import (
 )
 
 _PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
-_HELLO = struct.Struct("!q")  # what a connection starts with: the sending host's id
+# The handshake (see [Note: stream authentication]): the listener's challenge (protocol, nonce),
+# the connecting host's hello (its id, its nonce, its proof), the listener's proof.
+_PROTOCOL = b"jrs-tcp1"
+_CHALLENGE = struct.Struct("!8s32s")
+_HELLO = struct.Struct("!q32s32s")
+_WELCOME = struct.Struct("!32s")
+_HOSTS = struct.Struct("!qq")  # (connecting host, listening host), as the proofs cover them
+MIN_SECRET_BYTES = 16
 CONNECT_TIMEOUT_S = 30.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a peer that connects and says nothing is dropped after this
+MAX_HEADER_BYTES = 64 * 2**10
+_ITEMSIZES = (1, 2, 4, 8, 16)  # the dtypes' sizes a payload can be a whole number of
+_EAGER_BYTES = 64 * 2**20  # larger payloads nobody waits for yet are read in pieces this size
 _log = logging.getLogger(__name__)
 _FORGOTTEN = 4096  # ids of finished works whose late messages are dropped
 _SPARE_BYTES = 64 * 2**20  # received chunks' buffers kept for reuse (no page faults per chunk)
@@ -73,18 +111,43 @@ class StreamTransport(Transport):
         ip: the address to listen on (the node's address; peers connect to it).
         book: with network emulation, `book(peer, nbytes)` returns when a transfer to `peer`
             may be used (see [Note: network emulation]); None: at once.
+        secret: the runtime's secret, the same on every host (at least `MIN_SECRET_BYTES`
+            random bytes); a connection is read only once it proved that it knows it (see
+            [Note: stream authentication]).
+
+    Raises:
+        ValueError: `secret` is not bytes or too short.
     """
 
     name = "tcp"
 
-    def __init__(self, host: int, ip: str, book: Callable[[int, int], float] | None = None):
+    def __init__(
+        self,
+        host: int,
+        ip: str,
+        book: Callable[[int, int], float] | None = None,
+        *,
+        secret: bytes,
+    ):
+        if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+            got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__
+            raise ValueError(
+                f"StreamTransport(host={host}, secret=...): the runtime's secret must be at least "
+                f"{MIN_SECRET_BYTES} random bytes, got {got}; make it with secrets.token_bytes(32) "
+                "once per runtime and give every host the same"
+            )
         self._host = host
+        self._secret = secret
         self._book = book
         self._server = socket.create_server((ip, 0), backlog=64)
         self.address: tuple[str, int] = tuple(self._server.getsockname()[:2])  # type: ignore[assignment]
         self._addresses: dict[int, tuple[str, int]] = {}
         self._senders: dict[int, _Sender] = {}
-        self._mailbox: dict[tuple[str, int], list[tuple[Index, np.ndarray, float]]] = {}
+        # (work, op) -> (region, payload, emulated arrival time, sending host)
+        self._mailbox: dict[tuple[str, int], list[tuple[Index, np.ndarray, float, int]]] = {}
+        # (work, op) -> (dtype, chunks) of the receives under way: their messages are checked
+        # exactly on arrival (see [Note: stream authentication])
+        self._expected: dict[tuple[str, int], tuple[np.dtype, frozenset[Index]]] = {}
         self._aborted: dict[str, str] = {}
         self._forgotten: collections.deque[str] = collections.deque(maxlen=_FORGOTTEN)
         self._forgotten_ids: set[str] = set()  # the same ids, for lookups
@@ -176,65 +239,96 @@ class StreamTransport(Transport):
         import jax
 
         op = work.ops[step.op]
-        dtype = jax.numpy.dtype(work.dtype)
-        missing = set(expected_chunks(work, op))
+        dtype = np.dtype(jax.numpy.dtype(work.dtype))
+        chunks = expected_chunks(work, op)
+        missing = set(chunks)
         peer = step.peers[0]
+        key = (work.work_id, step.op)
         with self._cond:
             breaks = self._breaks.get(peer, (0, ""))[0]  # the peer's breaks before this receive
+            self._expected[key] = (dtype, frozenset(chunks))
 
         def broken() -> str | None:  # (under `_cond`)
             count, why = self._breaks.get(peer, (0, ""))
             return self._lost.get(work.work_id) or (why if count != breaks else None)
 
-        while missing:
-            arrived = take_arrived(
-                self._cond, self._mailbox, work, step, deadline, self._aborted, broken
-            )
-            for region, raw, ready in arrived:
-                sleep_until(ready)  # the emulated transfer has ended (0: no emulation)
-                array = raw.view(dtype).reshape([b - a for a, b in region])
-                for peer in forward_to:  # hand the chunk on before copying it here
-                    self._post(work, step.op, peer, region, array)
-                write(region, array)
-                missing.discard(region)
+        try:
+            while missing:
+                arrived = take_arrived(
+                    self._cond, self._mailbox, work, step, deadline, self._aborted, broken
+                )
+                for region, raw, ready, src in arrived:
+                    # A message that came before this receive was only checked loosely.
+                    problem = _unexpected(region, raw.nbytes, dtype, missing)
+                    if src != peer:
+                        problem = f"the op's slice comes from host {peer}, not host {src}"
+                    if problem is not None:
+                        why = f"host {src} sent {format_index(region)} of it: {problem}"
+                        _log.warning("host %d: %s: %s", self._host, work.where(step.op), why)
+                        raise RuntimeError(f"host {work.host}: {work.where(step.op)}: {why}")
+                    sleep_until(min(ready, deadline))  # the emulated transfer has ended
+                    array = raw.view(dtype).reshape([b - a for a, b in region])
+                    for next_host in forward_to:  # hand the chunk on before copying it here
+                        self._post(work, step.op, next_host, region, array)
+                    write(region, array)
+                    missing.discard(region)
+        finally:
+            with self._cond:
+                self._expected.pop(key, None)
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._server.accept()
+                conn, address = self._server.accept()
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
-                target=self._read, args=(conn,), daemon=True, name=f"tcp-read-h{self._host}"
+                target=self._read,
+                args=(conn, address),
+                daemon=True,
+                name=f"tcp-read-h{self._host}",
             ).start()
 
-    def _read(self, conn: socket.socket) -> None:
-        peer: int | None = None
-        serial = -1
+    def _read(self, conn: socket.socket, address: tuple[str, int]) -> None:
         with conn:
             try:
-                hello = _recv_exactly(conn, _HELLO.size, what="the sending host's id")
-                if hello is None:
-                    return  # connected and closed at once
-                (peer,) = _HELLO.unpack(hello)
-                with self._cond:
-                    serial = next(self._serials)
-                    self._connection[peer] = serial
-                self._read_messages(conn)
+                peer = self._greet(conn)
+            except OSError as e:  # (`_Refused`, `_Truncated`, a timeout, a reset)
+                if isinstance(e, TimeoutError):
+                    e = _Refused(f"it sent no proof within {HANDSHAKE_TIMEOUT_S:g} s")
+                elif isinstance(e, _Truncated):
+                    e = _Refused(
+                        f"it closed the connection during the handshake ({e.what}: expected "
+                        f"{e.expected} bytes, got {e.got})"
+                    )
+                _log.warning(
+                    "host %d: refused a connection from %s:%d: %s; nothing it sent was read "
+                    "(every host of a runtime must be given the runtime's secret by its driver)",
+                    self._host,
+                    address[0],
+                    address[1],
+                    e,
+                )
+                return
+            with self._cond:
+                serial = next(self._serials)
+                self._connection[peer] = serial
+            try:
+                self._read_messages(conn, peer)
             except Exception as e:  # the waits for this peer hear it, instead of timing out
-                who = f"host {peer}" if peer is not None else "a peer"
                 if isinstance(e, _Truncated):
                     why = (
-                        f"{who} closed its connection to host {self._host} in the middle of a "
-                        f"message ({e.what}: expected {e.expected} bytes, got {e.got})"
+                        f"host {peer} closed its connection to host {self._host} in the middle "
+                        f"of a message ({e.what}: expected {e.expected} bytes, got {e.got})"
                     )
+                elif isinstance(e, _BadMessage):
+                    why = f"host {peer} sent a message this host refuses ({e}), so it dropped "
+                    why += "the connection"
+                    _log.warning("host %d: %s (from %s:%d)", self._host, why, *address[:2])
                 else:
-                    why = f"receiving from {who} failed: {type(e).__name__}: {e}"
+                    why = f"receiving from host {peer} failed: {type(e).__name__}: {e}"
                 why += "; what it was sending is lost (its next work connects again)"
-                if peer is None:  # it carried no message: nobody waits for it
-                    _log.warning("host %d: %s", self._host, why)
-                    return
                 with self._cond:
                     work = getattr(e, "work", None)
                     if work is not None:
@@ -243,37 +337,94 @@ class StreamTransport(Transport):
                         self._breaks[peer] = (self._breaks.get(peer, (0, ""))[0] + 1, why)
                     self._cond.notify_all()
 
-    def _read_messages(self, conn: socket.socket) -> None:
+    def _greet(self, conn: socket.socket) -> int:
+        """Challenge a new connection (see [Note: stream authentication]); return the host it
+        proved to be, after proving this host to it. Raises `_Refused` (or an `OSError`)."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        nonce = secrets.token_bytes(32)
+        conn.sendall(_CHALLENGE.pack(_PROTOCOL, nonce))
+        hello = _recv_exactly(conn, _HELLO.size, what="its host id and proof", eof=False)
+        peer, theirs, proof = _HELLO.unpack(hello)  # type: ignore[arg-type]
+        with self._cond:
+            known = sorted(self._addresses)
+        if peer not in known:
+            raise _Refused(
+                f"it claims to be host {peer}, which is not one of this runtime's hosts {known}"
+            )
+        if not hmac.compare_digest(
+            proof, _proof(self._secret, b"connect", nonce, theirs, peer, self._host)
+        ):
+            raise _Refused(
+                f"it claims to be host {peer}, but its proof does not match this runtime's "
+                "secret (a process of another runtime, or not one of ours)"
+            )
+        conn.sendall(
+            _WELCOME.pack(_proof(self._secret, b"accept", nonce, theirs, peer, self._host))
+        )
+        conn.settimeout(None)
+        return peer
+
+    def _read_messages(self, conn: socket.socket, peer: int) -> None:
         while True:
             prefix = _recv_exactly(conn, _PREFIX.size, what="a message's sizes")
             if prefix is None:
                 return  # the peer closed its end between messages
             header_bytes, nbytes = _PREFIX.unpack(prefix)
+            if header_bytes > MAX_HEADER_BYTES:
+                raise _BadMessage(
+                    f"a header of {header_bytes} bytes; headers are at most {MAX_HEADER_BYTES}"
+                )
             text = _recv_exactly(
                 conn, header_bytes, what=f"the header of a {nbytes}-byte message", eof=False
             )
-            header = json.loads(bytes(text))  # type: ignore[arg-type]
-            region = tuple(tuple(r) for r in header["region"])
-            raw = self._spare.take(nbytes)
-            message = f"op {header['op']} {format_index(region)} of {header['work']}"
+            work, op, region, ready = _parse_header(bytes(text), peer)  # type: ignore[arg-type]
+            message = f"op {op} {format_index(region)} of {work}"
+            with self._cond:
+                expected = self._expected.get((work, op))
+            if expected is not None:
+                dtype, chunks = expected
+                problem = _unexpected(region, nbytes, dtype, chunks)
+            else:
+                problem = _not_whole_elements(region, nbytes)
+            if problem is not None:
+                raise _BadMessage(f"{message}: {problem}", work)
             try:
-                _recv_exactly(
-                    conn,
-                    nbytes,
-                    into=memoryview(raw),
-                    what=f"the payload of {message}",
-                    eof=False,
+                raw = self._read_payload(
+                    conn, nbytes, expected is not None, f"the payload of {message}"
                 )
             except (OSError, _Truncated) as e:
-                e.work = header["work"]  # type: ignore[attr-defined]
+                e.work = work  # type: ignore[attr-defined]
                 raise
             with self._cond:
-                if self._is_forgotten(header["work"]):
+                if self._is_forgotten(work):
                     continue
-                self._mailbox.setdefault((header["work"], header["op"]), []).append(
-                    (region, raw, header["ready"])
-                )
+                self._mailbox.setdefault((work, op), []).append((region, raw, ready, peer))
                 self._cond.notify_all()
+
+    def _read_payload(self, conn: socket.socket, nbytes: int, awaited: bool, what: str) -> Any:
+        """A message's payload, in a buffer of this transport's pool."""
+        if awaited or nbytes <= _EAGER_BYTES:
+            raw = self._spare.take(nbytes)
+            _recv_exactly(conn, nbytes, into=memoryview(raw), what=what, eof=False)
+            return raw
+        # Nothing waits for it yet, so nothing vouches for its size: memory follows the bytes
+        # that really arrive, not the size the header claims.
+        pieces: list[bytearray] = []
+        got = 0
+        while got < nbytes:
+            piece = bytearray(min(_EAGER_BYTES, nbytes - got))
+            try:
+                _recv_exactly(conn, len(piece), into=memoryview(piece), what=what, eof=False)
+            except _Truncated as e:
+                raise _Truncated(what, nbytes, got + e.got) from None
+            pieces.append(piece)
+            got += len(piece)
+        raw = self._spare.take(nbytes)
+        start = 0
+        for piece in pieces:
+            raw[start : start + len(piece)] = np.frombuffer(piece, np.uint8)
+            start += len(piece)
+        return raw
 
     # -- failures and cleanup --------------------------------------------------------------------
 
@@ -300,8 +451,9 @@ class StreamTransport(Transport):
             for table in (self._aborted, self._lost):
                 for work in [w for w in table if mine(w)]:
                     del table[work]
-            for key in [k for k in self._mailbox if mine(k[0])]:
-                del self._mailbox[key]
+            for keyed in (self._mailbox, self._expected):
+                for key in [k for k in keyed if mine(k[0])]:
+                    del keyed[key]
             if len(self._forgotten) == self._forgotten.maxlen:
                 self._forgotten_ids.discard(self._forgotten[0])
             self._forgotten.append(work_id)
@@ -398,10 +550,16 @@ class _Sender:
     def _run(self) -> None:
         try:
             self._sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
-            self._sock.settimeout(None)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(_HELLO.pack(self._owner._host))
-        except OSError as e:
+            self._introduce(self._sock)
+            self._sock.settimeout(None)
+        except OSError as e:  # (`_Refused`, `_Truncated`, a timeout, a reset)
+            if isinstance(e, _Truncated):
+                e = _Refused(
+                    f"it closed the connection during the handshake ({e.what}: expected "
+                    f"{e.expected} bytes, got {e.got}): it does not share this runtime's secret, "
+                    f"or does not know host {self._owner._host}"
+                )
             self._fail(f"cannot connect to host {self.peer} at {self.address}: {e}")
             return
         with self._sock:
@@ -428,6 +586,32 @@ class _Sender:
                         del self._pending[work_id]
                     self._cond.notify_all()
 
+    def _introduce(self, sock: socket.socket) -> None:
+        """Answer the listener's challenge and check its proof (see [Note: stream
+        authentication]); raises `_Refused` (or an `OSError`)."""
+        host, secret = self._owner._host, self._owner._secret
+        challenge = _recv_exactly(sock, _CHALLENGE.size, what="its challenge", eof=False)
+        protocol, nonce = _CHALLENGE.unpack(challenge)  # type: ignore[arg-type]
+        if protocol != _PROTOCOL:
+            raise _Refused(
+                f"it opened with {protocol!r}, not {_PROTOCOL!r}: it is no jaxreshard stream "
+                "listener (the address is stale, or taken by another program)"
+            )
+        mine = secrets.token_bytes(32)
+        sock.sendall(
+            _HELLO.pack(host, mine, _proof(secret, b"connect", nonce, mine, host, self.peer))
+        )
+        (welcome,) = _WELCOME.unpack(
+            _recv_exactly(sock, _WELCOME.size, what="its proof", eof=False)  # type: ignore[arg-type]
+        )
+        if not hmac.compare_digest(
+            welcome, _proof(secret, b"accept", nonce, mine, host, self.peer)
+        ):
+            raise _Refused(
+                f"its proof does not match this runtime's secret: whatever listens at "
+                f"{self.address} is not host {self.peer} of this runtime"
+            )
+
     def _fail(self, error: str) -> None:
         with self._cond:
             self._error = f"{error} (the next work to host {self.peer} connects again)"
@@ -435,6 +619,80 @@ class _Sender:
             # What is still queued never goes out: let its payloads go.
             self._queue = collections.deque(item for item in self._queue if item is None)
             self._cond.notify_all()
+
+
+def _proof(
+    secret: bytes, role: bytes, nonce: bytes, theirs: bytes, connecting: int, listening: int
+) -> bytes:
+    """HMAC-SHA256 of a handshake's two nonces and two hosts, for `role` (b"connect": the
+    connecting host's proof; b"accept": the listener's)."""
+    message = _PROTOCOL + role + nonce + theirs + _HOSTS.pack(connecting, listening)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def _parse_header(text: bytes, peer: int) -> tuple[str, int, Index, float]:
+    """(work, op, region, emulated arrival time) of a message's header from host `peer`;
+    `_BadMessage` saying what is wrong with it."""
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise _BadMessage(f"a header that is not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(header, dict) or not {"work", "op", "region", "src", "ready"} <= set(header):
+        raise _BadMessage(f"a header without work, op, region, src and ready: {text[:80]!r}")
+    work, op, src, ready, region = (header[k] for k in ("work", "op", "src", "ready", "region"))
+    if src != peer:
+        raise _BadMessage(f"a header from host {src!r}, on host {peer}'s connection")
+    if not isinstance(work, str) or not _is_count(op):
+        raise _BadMessage(f"work {work!r} and op {op!r}: a string and an int >= 0 expected")
+    if not isinstance(ready, int | float) or isinstance(ready, bool) or not math.isfinite(ready):
+        raise _BadMessage(f"arrival time {ready!r}: a finite number expected")
+    if not isinstance(region, list) or not all(
+        isinstance(r, list) and len(r) == 2 and _is_count(r[0]) and _is_count(r[1]) and r[0] <= r[1]
+        for r in region
+    ):
+        raise _BadMessage(f"region {region!r}: a list of [start, stop] with 0 <= start <= stop")
+    return work, op, tuple((a, b) for a, b in region), float(ready)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unexpected(region: Index, nbytes: int, dtype: np.dtype, chunks: Any) -> str | None:
+    """Why a message of `region` with `nbytes` is not one of the `chunks` of `dtype` a receive
+    waits for; None if it is."""
+    if region not in chunks:
+        shown = ", ".join(format_index(c) for c in sorted(chunks)[:4])
+        more = ", ..." if len(chunks) > 4 else ""
+        return f"not a piece this receive waits for ({shown}{more}), or one it got already"
+    want = index_size(region) * dtype.itemsize
+    if nbytes != want:
+        return (
+            f"{nbytes} payload bytes, but the region holds {index_size(region)} x {dtype.name} "
+            f"= {want} bytes"
+        )
+    return None
+
+
+def _not_whole_elements(region: Index, nbytes: int) -> str | None:
+    """Why `nbytes` cannot be the region's elements of any dtype; None if it can."""
+    size = index_size(region)
+    if any(size * k == nbytes for k in _ITEMSIZES):
+        return None
+    sizes = "/".join(map(str, _ITEMSIZES))
+    return f"{nbytes} payload bytes for a region of {size} elements of {sizes} bytes each"
+
+
+class _Refused(ConnectionError):
+    """A connection failed the handshake (see [Note: stream authentication])."""
+
+
+class _BadMessage(ConnectionError):
+    """A message this host refuses to read; `work` is the work it named, if any."""
+
+    def __init__(self, why: str, work: str | None = None):
+        super().__init__(why)
+        self.work = work
 
 
 class _Truncated(ConnectionError):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import types
 import typing
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Any
 
 import optax
 
+from jaxreshard._machine import available_memory_bytes, format_bytes
 from jaxreshard.models import ModelSpec, get_model
 from jaxreshard.runtime._config import PipelineConfig, read_toml
 
@@ -289,33 +289,12 @@ def check_fits(pc: ProfileConfig) -> None:
     raise ValueError(
         f"{pc.model} {pc.preset}"
         + (f" with {', '.join(set_by)}" if set_by else "")
-        + f": {cfg.num_params:.3g} parameters need ~{_bytes(state)} for parameters, gradients "
-        f"and {pc.run.optimizer} state, and a batch of {pc.run.batch_size} needs "
-        f"~{_bytes(activations)} of activations (estimates), but this machine has "
-        f"{_bytes(available)} available; use a smaller preset, fewer layers or a smaller batch"
+        + f": {cfg.num_params:.3g} parameters need ~{format_bytes(state)} for parameters, "
+        f"gradients and {pc.run.optimizer} state, and a batch of {pc.run.batch_size} needs "
+        f"~{format_bytes(activations)} of activations (estimates), but this machine has "
+        f"{format_bytes(available)} available; use a smaller preset, fewer layers or a smaller "
+        "batch"
     )
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this machine has available now (Linux's MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:

@@ -118,6 +118,8 @@ class HostActor(NaiveBaseline):
             process_id=self.host,
             cluster_detection_method="deactivate",
             initialization_timeout=max(1, int(timeout_s)),
+            # Host 0 serves it on its node's address only (JAX's default: every interface).
+            coordinator_bind_address=coordinator,
         )
         self._take_devices()
         by_process: dict[int, list[Any]] = {}
@@ -158,14 +160,17 @@ class HostActor(NaiveBaseline):
             "devices": {gid: str(d) for gid, d in self.devices.items()},
         }
 
-    def open_stream(self) -> tuple[str, int]:
-        """Listen for the TCP transport on this node's address; return (ip, port)."""
+    def open_stream(self, secret: bytes) -> tuple[str, int]:
+        """Listen for the TCP transport on this node's address; return (ip, port). `secret` is
+        the runtime's, which every connection must prove it knows (see [Note: stream
+        authentication] in `comm/_stream.py`)."""
         import ray
 
         from jaxreshard.comm._stream import StreamTransport
 
         if self._stream is None:
-            self._stream = StreamTransport(self.host, ray.util.get_node_ip_address())
+            ip = ray.util.get_node_ip_address()
+            self._stream = StreamTransport(self.host, ip, secret=secret)
         return self._stream.address
 
     def set_peers(

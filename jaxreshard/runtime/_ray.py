@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxreshard.cluster._describe import driver_ip_for, links_of
+from jaxreshard._machine import available_memory_bytes, format_bytes
+from jaxreshard.cluster._describe import links_of
 from jaxreshard.comm import Cluster, Layout, VirtualMesh, VirtualSharding
 from jaxreshard.comm import plan_reshard as _plan_reshard
 from jaxreshard.comm._cluster import PAPER_LATENCY_S
@@ -47,6 +48,7 @@ from jaxreshard.runtime._ray_start import (
     _machine_gpus,
     _start_local_nodes,
     check_reported_devices,
+    join_ray,
     local_platform,
 )
 from jaxreshard.runtime._ray_wait import PROBE_EVERY_S, HostWaits, RuntimeBroken
@@ -65,6 +67,11 @@ __all__ = [  # (names others import from here)
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
+MAX_HOSTS = 4096
+MAX_DEVICES_PER_HOST = 1024
+# What one local host costs before it holds any array: a Ray node (raylet, object store) and a
+# host actor process with JAX loaded (measured here: about 300 MiB resident per actor).
+_LOCAL_HOST_BYTES = 400 * 2**20
 
 
 class RayRuntime(HostStartup, HostWaits):
@@ -91,11 +98,21 @@ class RayRuntime(HostStartup, HostWaits):
     ):
         import ray
 
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
-        for name, value in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"init(backend='ray', {name}={value!r}): must be an int >= 1")
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ValueError(
+                f"init(timeout_s={timeout_s!r}): must be a finite number of seconds > 0 (every "
+                "wait on the hosts needs a bound)"
+            )
+        for name, value, high in (
+            ("num_hosts", num_hosts, MAX_HOSTS),
+            ("devices_per_host", devices_per_host, MAX_DEVICES_PER_HOST),
+        ):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high
+            ):
+                raise ValueError(
+                    f"init(backend='ray', {name}={value!r}): must be an int from 1 to {high:,}"
+                )
         if transport not in ("auto", *TRANSPORTS):
             raise ValueError(
                 f"init(transport={transport!r}): choose 'auto', {', '.join(map(repr, TRANSPORTS))}"
@@ -118,6 +135,7 @@ class RayRuntime(HostStartup, HostWaits):
                     "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
                     "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
                 )
+            _check_local_memory(num_hosts, object_store_memory, nodes)
             # Before Ray starts: too few GPUs is an error, not fake CPU devices.
             platform = local_platform(platform, num_hosts, devices_per_host, nodes, _machine_gpus())
         if ray.is_initialized():
@@ -156,13 +174,8 @@ class RayRuntime(HostStartup, HostWaits):
                     logging_level=logging.WARNING,
                     namespace="jaxreshard",
                 )
-        else:
-            # A driver joins an emulated cluster of this machine through its own node.
-            ip = driver_ip_for(address)
-            extra = {"_node_ip_address": ip} if ip else {}
-            ray.init(
-                address=address, logging_level=logging.WARNING, namespace="jaxreshard", **extra
-            )
+        else:  # (an emulated cluster of this machine: through its own node, with its token)
+            join_ray(address)
         # A cluster that describes itself (e.g. `jaxreshard cluster up`) gives the planner its
         # NIC model and the devices per host; see [Note: cluster description].
         self.description = None if local else _described_cluster()
@@ -524,6 +537,24 @@ class RayRuntime(HostStartup, HostWaits):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "running")
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
+
+
+def _check_local_memory(num_hosts: int, object_store_memory: int | None, nodes: str) -> None:
+    """Refuse, before Ray starts, a local cluster this machine cannot hold (one Ray node and host
+    actor per host, each node with its own object store)."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    store = (object_store_memory or 512 * 2**20) if nodes == "per_host" else 0
+    need = num_hosts * (_LOCAL_HOST_BYTES + store)
+    if need > available:
+        raise ValueError(
+            f"init(backend='ray', num_hosts={num_hosts}) starts {num_hosts} local host actors"
+            + (f" and Ray nodes ({store // 2**20} MiB object store each)" if store else "")
+            + f", about {format_bytes(need)}, but this machine has "
+            f"{format_bytes(available)} available; use fewer hosts, or join a cluster with "
+            "address='HOST:PORT'"
+        )
 
 
 def _tell_drop(runtime: RayRuntime, key: str, hosts: Sequence[int]) -> list[Any]:

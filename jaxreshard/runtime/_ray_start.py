@@ -5,7 +5,8 @@ Ray instance of one node per host (`_start_local_nodes`) or a cluster's nodes (`
 platform each host's JAX uses (`local_platform`: never fake CPU devices in place of missing GPUs),
 one `HostActor` per host with its device ids checked (`check_reported_devices`), the hosts'
 jax.distributed runtime (see [Note: multi-host stages] in `_pipeline_ray.py`), the emulated NICs
-and the TCP transport's listeners.
+and the TCP transport's listeners with the runtime's secret (see [Note: stream authentication]
+in `comm/_stream.py`). A driver joins a cluster with `join_ray`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,18 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import secrets
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxreshard.cluster._describe import HOST_RESOURCE
+from jaxreshard.cluster._describe import (
+    HOST_RESOURCE,
+    driver_ip_for,
+    ray_auth,
+    ray_token_for,
+    reset_ray_auth,
+)
 from jaxreshard.comm import VirtualDevice
 
 _HOST_RESOURCE = HOST_RESOURCE
@@ -176,8 +184,11 @@ class HostStartup:
             )
         addresses = None
         if (transport if transport != "auto" else _auto_transport(platform)) == "tcp":
+            # This runtime's own: a host reads a connection only once it proved it knows it
+            # (see [Note: stream authentication] in `comm/_stream.py`).
+            secret = secrets.token_bytes(32)
             addresses = self._wait(
-                {h: a.open_stream.remote() for h, a in handles.items()},
+                {h: a.open_stream.remote(secret) for h, a in handles.items()},
                 "opening the hosts' TCP listeners",
                 start_timeout_s,
             )
@@ -276,6 +287,7 @@ def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
     """
     from ray.cluster_utils import Cluster as LocalNodes
 
+    reset_ray_auth()  # not an emulated cluster's token, from an earlier runtime of this process
     per_node = object_store_memory or 512 * 2**20
     nodes = LocalNodes(
         initialize_head=True,
@@ -315,6 +327,18 @@ def _host_nodes(alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if marked:
         return [marked[i] for i in sorted(marked)]
     return sorted(alive, key=lambda n: n["NodeManagerAddress"])
+
+
+def join_ray(address: str | None) -> None:
+    """Connect this process's Ray to the cluster at `address` (as `ray.init` reads it); an
+    emulated cluster of this machine through its drivers' node and with its token (see [Note:
+    Ray token] in `cluster/_describe.py`)."""
+    import ray
+
+    ip = driver_ip_for(address)
+    extra: dict[str, Any] = {"_node_ip_address": ip} if ip else {}
+    with ray_auth(ray_token_for(address), connecting=True):
+        ray.init(address=address, logging_level=logging.WARNING, namespace="jaxreshard", **extra)
 
 
 def _described_cluster() -> dict[str, Any] | None:

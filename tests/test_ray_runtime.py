@@ -275,3 +275,27 @@ def test_the_object_store_transport_is_exact_too(ray_runtime):
                 assert np.array_equal(y.fetch(), value), (layout, strategy)
     finally:
         jaxreshard.shutdown()
+
+
+def test_a_process_without_the_runtime_token_cannot_join_its_local_ray(ray_runtime):
+    """The local Ray instance's servers listen on every interface; Ray's token authentication
+    (a fresh token per runtime, in a private file) refuses a driver that does not know it."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    token = os.environ["RAY_AUTH_TOKEN_PATH"]
+    assert os.stat(token).st_mode & 0o777 == 0o600
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    intruder = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address={address!r}); print('joined')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert intruder.returncode != 0 and "joined" not in intruder.stdout

@@ -42,6 +42,7 @@ from jaxreshard.runtime._ray_start import (
     PLATFORMS,
     TRANSPORTS,
     HostStartup,
+    LocalRayToken,
     _auto_transport,
     _described_cluster,
     _host_nodes,
@@ -158,22 +159,14 @@ class RayRuntime(HostStartup, HostWaits):
         self._dropper: threading.Thread | None = None
         self._dropper_lock = threading.Lock()
         self._local_cluster: Any = None
+        self._token: LocalRayToken | None = None
         if local:
-            if nodes == "per_host":
-                self._local_cluster = _start_local_nodes(num_hosts, object_store_memory)
-                ray.init(
-                    address=self._local_cluster.address,
-                    logging_level=logging.WARNING,
-                    namespace="jaxreshard",
-                )
-            else:
-                ray.init(
-                    num_cpus=max(num_hosts, os.cpu_count() or 1),
-                    include_dashboard=False,
-                    object_store_memory=object_store_memory,
-                    logging_level=logging.WARNING,
-                    namespace="jaxreshard",
-                )
+            self._token = LocalRayToken()
+            try:
+                self._start_local_ray(num_hosts, nodes, object_store_memory)
+            except BaseException:
+                self._token.close()
+                raise
         else:  # (an emulated cluster of this machine: through its own node, with its token)
             join_ray(address)
         # A cluster that describes itself (e.g. `jaxreshard cluster up`) gives the planner its
@@ -206,6 +199,8 @@ class RayRuntime(HostStartup, HostWaits):
             ray.shutdown()
             if self._local_cluster is not None:
                 self._local_cluster.shutdown()
+            if self._token is not None:
+                self._token.close()
             self._closed = True
             raise
         self.cluster = Cluster(self.hosts, **(cluster_links or {}))
@@ -521,6 +516,25 @@ class RayRuntime(HostStartup, HostWaits):
             except Exception:  # already gone
                 logging.getLogger(__name__).debug("actor already gone")
 
+    def _start_local_ray(self, num_hosts: int, nodes: str, object_store_memory: int | None) -> None:
+        import ray
+
+        if nodes == "per_host":
+            self._local_cluster = _start_local_nodes(num_hosts, object_store_memory)
+            ray.init(
+                address=self._local_cluster.address,
+                logging_level=logging.WARNING,
+                namespace="jaxreshard",
+            )
+        else:
+            ray.init(
+                num_cpus=max(num_hosts, os.cpu_count() or 1),
+                include_dashboard=False,
+                object_store_memory=object_store_memory,
+                logging_level=logging.WARNING,
+                namespace="jaxreshard",
+            )
+
     def shutdown(self) -> None:
         """Stop the host actors and Ray (if this runtime started or joined it)."""
         import ray
@@ -533,6 +547,8 @@ class RayRuntime(HostStartup, HostWaits):
         ray.shutdown()
         if self._local_cluster is not None:
             self._local_cluster.shutdown()
+        if self._token is not None:
+            self._token.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "running")

@@ -278,6 +278,42 @@ def _auto_transport(platform: str) -> str:
     return "tcp" if platform == "cpu" else "nccl"
 
 
+class LocalRayToken:
+    """Ray token authentication for a local Ray instance this runtime starts: a fresh token in
+    a private file, in this process's environment from before the nodes start until `close`
+    (Ray's nodes and workers inherit it; Ray reads it when it connects, so it must stay set
+    while the runtime lives). A process that does not know the token cannot join the instance,
+    whose servers listen on every interface (see docs/ray-and-gpus.md)."""
+
+    _KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+
+    def __init__(self) -> None:
+        import secrets
+        import tempfile
+
+        self._folder = tempfile.mkdtemp(prefix="jaxreshard-ray-")  # 0700
+        path = os.path.join(self._folder, "token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        self._before = {k: os.environ.get(k) for k in self._KEYS}
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=path)
+        reset_ray_auth()
+
+    def close(self) -> None:
+        """Restore the environment (after Ray is shut down) and remove the token."""
+        import shutil
+
+        for key, value in self._before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        reset_ray_auth()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
 def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
     """One Ray node per host on this machine, each with its own object store.
 
@@ -287,7 +323,6 @@ def _start_local_nodes(num_hosts: int, object_store_memory: int | None) -> Any:
     """
     from ray.cluster_utils import Cluster as LocalNodes
 
-    reset_ray_auth()  # not an emulated cluster's token, from an earlier runtime of this process
     per_node = object_store_memory or 512 * 2**20
     nodes = LocalNodes(
         initialize_head=True,

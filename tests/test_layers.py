@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxreshard"
 
 # Bottom to top; a unit is a subpackage or a module at the package root.
 LAYERS = [
-    {"_jax_compat", "_lazy"},
+    {"_jax_compat", "_lazy", "_machine", "_files"},
     {"comm", "cluster"},
     {"pipeline"},
     {"frontend"},

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxreshard.bench._cases import Case
+from jaxreshard._files import show
+from jaxreshard.bench._cases import NAME, NAME_RULE, Case
 from jaxreshard.comm import Layout, PlannerOptions, validate_plan
 from jaxreshard.comm._planner import STRATEGY_NAMES, canonical_dtype, plan_layouts
 
@@ -25,6 +26,32 @@ def plan_case(case: Case, strategy: str, options: PlannerOptions) -> tuple[Any, 
     return plan, time.perf_counter() - start
 
 
+def plan_path(folder: Path, case: str, strategy: str) -> Path:
+    """`folder/<case>.<strategy>.json`, refused unless it stays inside `folder`.
+
+    Case names come from the case file: a name such as `../../etc/x`, `/abs` or one with a NUL
+    or a newline would write elsewhere, so only `NAME_RULE` names pass (`load_cases` checks
+    them too), and the resolved path must lie in the resolved folder.
+
+    Raises:
+        ValueError: the name breaks the rule, or the path leaves `folder`.
+    """
+    for what, name in (("case name", case), ("strategy", strategy)):
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(
+                f"--dump-plans: {what} {show(name)} cannot name a file: it must be "
+                f"{NAME_RULE}; rename the case in the case file"
+            )
+    root = Path(folder).resolve()
+    path = (root / f"{case}.{strategy}.json").resolve()
+    if path.parent != root:
+        raise ValueError(
+            f"--dump-plans {folder}: the plan of case {case!r} ({strategy}) would be written to "
+            f"{path}, outside the folder; rename the case"
+        )
+    return path
+
+
 def bench_cases(
     cases: Sequence[Case],
     *,
@@ -38,6 +65,18 @@ def bench_cases(
     """Plan and simulate every case with every strategy; return the results JSON object."""
     options = options or PlannerOptions()
     if dump_plans is not None:
+        paths = {
+            (case.name, s): plan_path(dump_plans, case.name, s)
+            for case in cases
+            for s in strategies
+        }
+        names = [case.name for case in cases]
+        if len(set(names)) != len(names):
+            again = next(name for name in names if names.count(name) > 1)
+            raise ValueError(
+                f"--dump-plans: two cases are named {again!r}; one plan file would overwrite "
+                "the other: rename one"
+            )
         dump_plans.mkdir(parents=True, exist_ok=True)
     out_cases = []
     for case in cases:
@@ -66,7 +105,7 @@ def bench_cases(
                     record["problems"] = problems[:5]
             results[strategy] = record
             if dump_plans is not None:
-                path = dump_plans / f"{case.name}.{strategy}.json"
+                path = paths[(case.name, strategy)]
                 path.write_text(json.dumps(plan.to_json(case=case.name), indent=1))
         out_cases.append(
             {

@@ -10,7 +10,6 @@ in its order. Every form writes the same outputs (`--json`, `--csv`, `--plot`, `
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +173,13 @@ def _build(args: argparse.Namespace) -> Any:
 
 
 def _import(args: argparse.Namespace) -> Any:
-    from jaxreshard.pipeline import read_csv, schedule_from_json
+    from jaxreshard.pipeline import read_csv, read_json
 
     if args.file is None:
         raise ValueError("import needs FILE: jaxreshard schedule import FILE.csv --forward ...")
     path = Path(args.file)
     if path.suffix.lower() == ".json":
-        schedule = schedule_from_json(json.loads(path.read_text()))
+        schedule = read_json(path, blocking=args.no_overlap)
     else:
         schedule = read_csv(path, blocking=args.no_overlap)
     for flag, value, have in (

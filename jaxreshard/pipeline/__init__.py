@@ -11,6 +11,7 @@ from jaxreshard.pipeline._action import Action as Action
 from jaxreshard.pipeline._check import check_schedule as check_schedule
 from jaxreshard.pipeline._costs import Costs as Costs
 from jaxreshard.pipeline._formats import read_csv as read_csv
+from jaxreshard.pipeline._formats import read_json as read_json
 from jaxreshard.pipeline._formats import schedule_from_csv as schedule_from_csv
 from jaxreshard.pipeline._formats import schedule_from_json as schedule_from_json
 from jaxreshard.pipeline._formats import schedule_to_csv as schedule_to_csv
@@ -34,6 +35,7 @@ __all__ = [
     "build_schedule",
     "check_schedule",
     "read_csv",
+    "read_json",
     "schedule_from_csv",
     "schedule_from_json",
     "schedule_to_csv",

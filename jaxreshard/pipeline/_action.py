@@ -11,7 +11,8 @@ WEIGHT = "W"  # the weight-gradient part of a split backward
 APPLY = "A"  # the stage's apply-gradient (optimizer) step, once per training step
 KINDS = (FORWARD, BACKWARD, WEIGHT, APPLY)
 
-_PATTERN = re.compile(r"^(\d+)([FBW])(\d+)$|^(\d+)A$")
+_PATTERN = re.compile(r"^([0-9]+)([FBW])([0-9]+)$|^([0-9]+)A$")
+_MAX_DIGITS = 9  # as `_limits.MAX_INDEX_DIGITS`; an int of thousands of digits is slow to make
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -50,11 +51,16 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Parse `2F0`, `0B3`, `1W2` or `3A`."""
-        match = _PATTERN.match(text.strip())
+        match = _PATTERN.match(text.strip()) if isinstance(text, str) else None
+        if match and max(len(g) for g in match.groups() if g) > _MAX_DIGITS:
+            raise ValueError(
+                f"cannot parse action {text[:40]!r}: an index of more than {_MAX_DIGITS} digits "
+                "(a schedule holds a few million actions at most)"
+            )
         if not match:
             raise ValueError(
-                f"cannot parse action {text!r}: expected STAGE KIND MB like '2F0' (kinds F, B, W) "
-                "or STAGE 'A' like '3A'"
+                f"cannot parse action {str(text)[:40]!r}: expected STAGE KIND MB like '2F0' "
+                "(kinds F, B, W) or STAGE 'A' like '3A'"
             )
         if match.group(4) is not None:
             return cls(int(match.group(4)), APPLY)

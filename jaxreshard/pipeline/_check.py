@@ -68,13 +68,21 @@ def check_schedule(schedule: Schedule, *, blocking: bool | None = None) -> None:
             elif a in schedule.fused and position == len(stage) - 1:
                 marks[a] = "fused with the next action, but it is the last one"
             seen.add(key)
+        # Micro-batches present per (chunk, kind): the missing ones are found without a scan
+        # of all m (m may be far larger than the actions given).
+        present: dict[tuple[int, str], int] = Counter(
+            (c, kind) for c, kind, j in counts if 0 <= j < m
+        )
         for c in schedule.chunks_of(r):
             for kind, want in expected.items():
-                missing = [j for j in range(m) if counts[(c, kind, j)] == 0] if want else []
-                if missing:
-                    shown = ", ".join(f"{c}{kind}{j}" for j in missing[:8])
-                    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-                    notes.append(f"{word} {r} lacks {shown}{more}")
+                if not want or present[(c, kind)] == m:
+                    continue
+                missing = _first_missing(counts, c, kind, m, 8)
+                shown = ", ".join(f"{c}{kind}{j}" for j in missing)
+                left = m - present[(c, kind)] - len(missing)
+                notes.append(f"{word} {r} lacks {shown}" + (f" and {left} more" if left else ""))
+    if len(notes) > 16:
+        notes[16:] = [f"and {len(notes) - 16} more lines like these"]
     if marks or notes:
         raise ScheduleError(
             f"{schedule.describe()} is invalid:\n"
@@ -87,3 +95,15 @@ def check_schedule(schedule: Schedule, *, blocking: bool | None = None) -> None:
         blocking = schedule.virtual_stages == 1 and not schedule.fused
     if blocking:
         simulate(schedule, unit, overlap=False)  # raises on a deadlock
+
+
+def _first_missing(counts: Counter, chunk: int, kind: str, m: int, most: int) -> list[int]:
+    """The first `most` micro-batches of `chunk` without a `kind` action: a scan that stops
+    after them (it passes only present ones before)."""
+    out: list[int] = []
+    for j in range(m):
+        if counts[(chunk, kind, j)] == 0:
+            out.append(j)
+            if len(out) == most:
+                break
+    return out

@@ -14,6 +14,7 @@ import itertools
 from typing import Any
 
 from jaxreshard.pipeline._costs import Costs
+from jaxreshard.pipeline._limits import check_counts
 from jaxreshard.pipeline._schedules import build_schedule, check_virtual_stages
 from jaxreshard.pipeline._simulate import simulate
 from jaxreshard.pipeline._virtual import PLACEMENTS
@@ -88,6 +89,18 @@ def compare_schedules(
 ) -> list[Row]:
     """Simulate every schedule of `ABLATION` under `costs` (per stage; see the module note);
     interleaved rows use `virtual_stages` chunks per rank, ZB-V and DualPipeV two."""
+    for arg, value in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg}={value!r} must be an int >= 1")
+    check_virtual_stages("interleaved_1f1b", virtual_stages)
+    check_counts(  # the largest row, before any placement of p x v chunks is made
+        f"compare with {num_stages:,} stages x {virtual_stages} virtual stages and "
+        f"{num_micro_batches:,} micro-batches",
+        num_stages * max(virtual_stages, 2),
+        num_micro_batches,
+        3,
+        "use fewer stages, virtual stages or micro-batches",
+    )
     rows = []
     for name, weight_delay, overlap in ABLATION:
         v = virtual_stages if "interleaved" in name else check_virtual_stages(name, None)

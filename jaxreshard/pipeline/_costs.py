@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
+from jaxreshard._files import human_bytes, show
+from jaxreshard.pipeline import _limits
 from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT
 
 
 def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
-    values = (value,) * n if isinstance(value, (int, float)) else tuple(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        values: tuple[Any, ...] = (value,) * n
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(
+            f"Costs: {name}={show(value)} must be a number or a sequence of {n} numbers"
+        )
+    else:
+        values = tuple(value)
     if len(values) != n:
         raise ValueError(f"Costs: {name} has {len(values)} entries, expected {n} (or one number)")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+    if bad:
+        raise ValueError(f"Costs: {name} holds {show(bad[0])}; every entry must be a number")
     values = tuple(float(v) for v in values)
-    if any(not v >= 0 for v in values):
-        raise ValueError(f"Costs: {name}={list(values)} must be >= 0")
+    if any(not 0 <= v < math.inf for v in values):
+        raise ValueError(f"Costs: {name}={show(list(values))} must be finite and >= 0")
     return values
 
 
@@ -70,8 +84,15 @@ class Costs:
 
         `weight_grad` defaults to half of `backward`.
         """
-        if num_stages < 1:
-            raise ValueError(f"num_stages={num_stages} must be >= 1")
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"Costs: num_stages={show(num_stages)} must be an int >= 1")
+        if num_stages > _limits.MAX_CHUNKS:  # before tuples of that length exist
+            raise ValueError(
+                f"Costs: num_stages={num_stages:,} chunks (model stages) would take "
+                f"~{human_bytes(num_stages * 5 * 8)} of costs alone, and a schedule of at least "
+                f"{num_stages * 2:.3g} actions; at most {_limits.MAX_CHUNKS:,} "
+                "(jaxreshard.pipeline._limits.MAX_CHUNKS): use fewer stages"
+            )
         backward_t = _per(backward, num_stages, "backward")
         if weight_grad is None:
             weight_grad = [b / 2 for b in backward_t]

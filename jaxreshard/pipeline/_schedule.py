@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, Action
+from jaxreshard.pipeline._limits import check_counts
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
@@ -23,6 +24,18 @@ class Transfer:
     mb: int
     src: int
     dst: int
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Simulators look transfers up in dicts several times per action: hash once.
+        object.__setattr__(self, "_hash", hash((self.kind, self.mb, self.src, self.dst)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its fields: a string's hash differs from process to process.
+        return (Transfer, (self.kind, self.mb, self.src, self.dst))
 
     @property
     def producer(self) -> Action:
@@ -102,6 +115,10 @@ class Schedule:
     placement: tuple[int, ...] = ()
     fused: frozenset[Action] = frozenset()
 
+    _chunks: tuple[tuple[int, ...], ...] = dataclasses.field(
+        init=False, repr=False, compare=False, hash=False
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
         if self.num_stages < 1 or self.num_micro_batches < 1:
@@ -109,17 +126,45 @@ class Schedule:
                 f"schedule {self.name!r}: num_stages={self.num_stages} and "
                 f"num_micro_batches={self.num_micro_batches} must be >= 1"
             )
-        placement = tuple(self.placement) or tuple(range(self.num_stages))
-        object.__setattr__(self, "placement", placement)
-        object.__setattr__(self, "fused", frozenset(self.fused))
         p = self.num_stages
-        if any(not 0 <= r < p for r in placement) or len(set(placement)) != p:
-            held = {rank: [c for c, r in enumerate(placement) if r == rank] for rank in range(p)}
+        placement = tuple(self.placement)
+        # Before any list of p or m entries exists (see [Note: schedule size limits]).
+        kinds = 3 if self.split_backward else 2
+        check_counts(
+            f"schedule {self.name!r}", max(p, len(placement)), self.num_micro_batches, kinds
+        )
+        placement = placement or tuple(range(p))
+        object.__setattr__(self, "placement", placement)
+        if len(self.actions) != p:
             raise ValueError(
-                f"schedule {self.name!r}: placement={list(placement)} must put each chunk on one "
-                f"of the {p} ranks and give every rank at least one chunk (rank -> chunks: "
-                f"{held}); e.g. chunk c on rank c % {p}"
+                f"schedule {self.name!r}: {len(self.actions)} action lists for "
+                f"num_stages={p} ranks; give one list per rank"
             )
+        if any(not isinstance(a, Action) for rank in self.actions for a in rank):
+            actions = tuple(  # strings like '0F1' parse
+                tuple(a if isinstance(a, Action) else _parse(a, r) for a in rank)
+                for r, rank in enumerate(self.actions)
+            )
+            object.__setattr__(self, "actions", actions)
+        object.__setattr__(self, "fused", frozenset(self.fused))
+        chunks: list[list[int]] = [[] for _ in range(p)]
+        for c, r in enumerate(placement):
+            if 0 <= r < p:
+                chunks[r].append(c)
+        if len(placement) != sum(map(len, chunks)) or not all(chunks):
+            outside = [(c, r) for c, r in enumerate(placement) if not 0 <= r < p][:4]
+            empty = [r for r in range(p) if not chunks[r]][:8]
+            raise ValueError(
+                f"schedule {self.name!r}: placement (the rank of each chunk, "
+                f"{len(placement)} chunks) must put each chunk on one of the {p} ranks and "
+                "give every rank at least one chunk; "
+                + (
+                    "; ".join(f"chunk {c} is on rank {r!r}" for c, r in outside)
+                    or f"ranks {empty} hold no chunk"
+                )
+                + f"; e.g. chunk c on rank c % {p}"
+            )
+        object.__setattr__(self, "_chunks", tuple(map(tuple, chunks)))
 
     @property
     def num_chunks(self) -> int:
@@ -129,7 +174,7 @@ class Schedule:
     @property
     def virtual_stages(self) -> int:
         """v: chunks per rank (the most any rank holds, should a placement be uneven)."""
-        return max(self.placement.count(r) for r in range(self.num_stages))
+        return max(map(len, self._chunks))
 
     def rank_of(self, chunk: int) -> int:
         """The rank that runs `chunk`."""
@@ -137,7 +182,7 @@ class Schedule:
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunks `rank` runs, in model order."""
-        return tuple(c for c, r in enumerate(self.placement) if r == rank)
+        return self._chunks[rank]
 
     def is_local(self, transfer: Transfer) -> bool:
         """Whether `transfer` stays on one rank (it then costs nothing)."""
@@ -232,6 +277,12 @@ class Schedule:
         return f"{self.describe()}\n{self.grid()}"
 
 
+def _parse(item: object, rank: int) -> Action:
+    if not isinstance(item, str):
+        raise ValueError(f"rank {rank} holds {item!r:.40}, not an Action or a string like '0F1'")
+    return Action.parse(item)
+
+
 def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     """Chunk -> rank from where per-rank lists put the chunks (see `Schedule.from_lists`)."""
     ranks: dict[int, list[int]] = {}
@@ -260,6 +311,12 @@ def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     return tuple(ranks[c][0] for c in range(num_chunks))
 
 
+GRID_ROWS = 32
+GRID_COLUMNS = 48
+"""Past these, a grid (in an error message) shows only the marked rows, each around its first
+mark: a 100,000-action schedule's error stays a few lines."""
+
+
 def format_grid(
     actions: Sequence[Sequence[Action]],
     mark: dict[Action, str] | None = None,
@@ -268,12 +325,16 @@ def format_grid(
     fused: frozenset[Action] = frozenset(),
 ) -> str:
     """One row per rank, one column per position; marked actions print as `>2B3<`, an action
-    fused with the next one as `2F3+`."""
+    fused with the next one as `2F3+`. A large grid shows only its marked rows (the first
+    rows if none is marked), each cut to the columns around its first mark."""
     mark = mark or {}
-    cells = [
-        [(f">{a}<" if a in mark else str(a)) + ("+" if a in fused else "") for a in stage]
-        for stage in actions
-    ]
+    if len(actions) > GRID_ROWS or max(map(len, actions), default=0) > GRID_COLUMNS:
+        return _compact_grid(actions, mark, label, fused)
+
+    def cell(a: Action) -> str:
+        return (f">{a}<" if a in mark else str(a)) + ("+" if a in fused else "")
+
+    cells = [[cell(a) for a in stage] for stage in actions]
     columns = max((len(row) for row in cells), default=0)
     widths = [
         max((len(row[c]) for row in cells if c < len(row)), default=0) for c in range(columns)
@@ -281,9 +342,40 @@ def format_grid(
     lines = []
     for s, row in enumerate(cells):
         text = " ".join(cell.rjust(widths[c]) for c, cell in enumerate(row))
-        line = f"{label} {s} | {text}".rstrip()
-        reasons = [f"{a}: {mark[a]}" for a in actions[s] if a in mark]
-        if reasons:
-            line += "   <-- ERROR HERE: " + "; ".join(reasons)
-        lines.append(line)
+        lines.append(f"{label} {s} | {text}".rstrip() + _reasons(actions[s], mark))
+    return "\n".join(lines)
+
+
+def _reasons(row: Sequence[Action], mark: dict[Action, str], most: int = 4) -> str:
+    reasons = [f"{a}: {mark[a]}" for a in row if a in mark]
+    if not reasons:
+        return ""
+    more = f"; and {len(reasons) - most} more" if len(reasons) > most else ""
+    return "   <-- ERROR HERE: " + "; ".join(reasons[:most]) + more
+
+
+def _compact_grid(
+    actions: Sequence[Sequence[Action]],
+    mark: dict[Action, str],
+    label: str,
+    fused: frozenset[Action],
+) -> str:
+    half = GRID_COLUMNS // 4
+    marked = [s for s, row in enumerate(actions) if any(a in mark for a in row)]
+    rows = (marked or range(len(actions)))[: GRID_ROWS // 2]
+    lines = [
+        f"({len(actions)} {label}s, up to {max(map(len, actions))} actions each: showing "
+        + ("the marked ones" if marked else "the first ones")
+        + f", {len(rows)} of {len(marked) if marked else len(actions)}, around their first "
+        "mark; [i] is the position of the first action shown)"
+    ]
+    for s in rows:
+        row = actions[s]
+        first = next((i for i, a in enumerate(row) if a in mark), 0)
+        lo, hi = max(0, first - half), min(len(row), first + half + 1)
+        text = " ".join(
+            (f">{a}<" if a in mark else str(a)) + ("+" if a in fused else "") for a in row[lo:hi]
+        )
+        text = ("... " if lo else "") + text + (" ..." if hi < len(row) else "")
+        lines.append(f"{label} {s} | [{lo}] {text}" + _reasons(row, mark))
     return "\n".join(lines)

@@ -24,12 +24,14 @@ With virtual stages, "stage" above means rank, and memory counts chunk-micro-bat
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT, Action
 from jaxreshard.pipeline._costs import Costs
+from jaxreshard.pipeline._limits import MAX_ACTIONS, check_counts
 from jaxreshard.pipeline._schedule import Schedule, Transfer, transfer_from, transfer_into
 from jaxreshard.pipeline._simulate import ScheduleError, simulate
 from jaxreshard.pipeline._virtual import (
@@ -87,6 +89,11 @@ ORDERS: dict[str, Order] = {
 SCHEDULE_NAMES = (*ORDERS, "zb_h1", *VIRTUAL_ORDERS, "dualpipev")
 FIXED_SPLIT = ("zb_h1", "zbv", "dualpipev")
 """Schedules that always split the backward and place their `W`s themselves."""
+
+MAX_WEIGHT_PLACEMENTS = 2 * MAX_ACTIONS
+"""Weight delay tries memory caps until one never binds (at most max(1, ceil(C / F)) + 2 of
+them; usually two or three); each places and simulates every action. Past five tries and this
+many action placements in all (minutes) it stops with an error rather than run for hours."""
 
 PEAK_BOUNDS: dict[str, Callable[..., int]] = {
     "gpipe": lambda s, p, m, v=1: m,
@@ -165,10 +172,18 @@ def build_schedule(
     """
     check_schedule_name(name)
     for arg, value in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg}={value!r} must be an int >= 1")
     v = check_virtual_stages(name, virtual_stages)
     p, m = num_stages, num_micro_batches
+    split = weight_delay or name in FIXED_SPLIT
+    check_counts(  # before any list of p or m entries exists
+        f"{name} with {p:,} stages x {v} virtual stages and {m:,} micro-batches",
+        p * v,
+        m,
+        3 if split else 2,
+        "use fewer stages or micro-batches",
+    )
     placement = PLACEMENTS[name](p, v) if name in PLACEMENTS else tuple(range(p))
     if name == "dualpipev":
         orders = [dualpipev_order(r, p, m) for r in range(p)]
@@ -210,11 +225,24 @@ def build_schedule(
     # The first candidate runs each W right after its B: it only sends gradients earlier than
     # the unsplit schedule, so it is never slower, and neither is the pick.
     candidates = [place_weights(base, costs, max_pending=[0] * p, placement=placement)]
+    num_actions = 3 * n * m
     for k in range(max(limits) + 1):
+        if k >= 3 and (k + 2) * num_actions > MAX_WEIGHT_PLACEMENTS:
+            raise ValueError(
+                f"{name} with weight delay, {p} stages x {m} micro-batches: trying memory cap "
+                f"+{k} (of up to +{max(limits)} = max(1, ceil(comm / forward))) would place "
+                f"{(k + 2) * num_actions:,} actions in all ({k + 2} tries of {num_actions:,}), "
+                f"as the caps tried so far still bind; at most {MAX_WEIGHT_PLACEMENTS:,} "
+                "(jaxreshard.pipeline._schedules.MAX_WEIGHT_PLACEMENTS): use fewer "
+                "micro-batches, a smaller comm / forward ratio, or zb_h1"
+            )
         caps = [bound + min(k, limits[r]) for r, bound in enumerate(bounds)]
-        candidates.append(
-            place_weights(base, costs, max_pending=[m] * p, memory_cap=caps, placement=placement)
+        actions, capped = _place_weights(
+            base, costs, max_pending=[m] * p, memory_cap=caps, placement=placement
         )
+        candidates.append(actions)
+        if not capped:  # no cap bound: a larger one places every W the same way
+            break
     best: tuple[float, Schedule] | None = None
     for actions in candidates:
         schedule = Schedule(name, p, m, True, True, actions, placement)
@@ -245,6 +273,28 @@ def place_weights(
 ) -> list[list[Action]]:
     """Insert a `W` after each `B` of the unsplit per-rank orders `base`, by [Note: weight
     placement]; `placement` gives each chunk's rank (default: chunk c on rank c)."""
+    out, _ = _place_weights(
+        base, costs, max_pending=max_pending, memory_cap=memory_cap, placement=placement
+    )
+    return out
+
+
+def _place_weights(
+    base: Sequence[Sequence[Action]],
+    costs: Costs,
+    *,
+    max_pending: Sequence[int],
+    memory_cap: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None,
+) -> tuple[list[list[Action]], bool]:
+    """`place_weights`, and whether `memory_cap` ever forced a `W` (if not, a larger cap
+    places every `W` the same way).
+
+    The ranks step in time order, (free time, rank): the earliest rank that can step does.
+    A rank that cannot (its input has not been sent, and no pending `W` fits before it can
+    arrive) waits, parked on the rank that sends that input, until that rank steps: nothing
+    else changes its answer. So each step costs O(log p), not a sort of all ranks.
+    """
     p = len(base)
     place = tuple(placement) if placement is not None else tuple(range(p))
     n = len(place)
@@ -256,6 +306,7 @@ def place_weights(
     link_free: dict[tuple[int, int], float] = {}
     finished = [False] * p
     eps = 1e-12
+    capped = False
 
     def duration(action: Action) -> float:
         return costs.duration(action.stage_index, action.kind, split=True)
@@ -299,11 +350,12 @@ def place_weights(
             else:
                 finished[r] = True
             return True
+        nonlocal capped
         action = queues[r][0]
-        must_weigh = len(pending[r]) > max_pending[r] or (
-            memory_cap is not None and action.kind == FORWARD and live[r] + 1 > memory_cap[r]
-        )
+        over_cap = memory_cap is not None and action.kind == FORWARD and live[r] + 1 > memory_cap[r]
+        must_weigh = len(pending[r]) > max_pending[r] or over_cap
         if must_weigh and pending[r]:
+            capped = capped or len(pending[r]) <= max_pending[r]
             run(r, pending[r].popleft(), t)
             return True
         needed = transfer_into(action, n)
@@ -321,14 +373,23 @@ def place_weights(
             return True
         return False
 
-    while not all(finished):
-        for r in sorted((r for r in range(p) if not finished[r]), key=lambda r: (free[r], r)):
-            if step(r):
-                break
-        else:
-            stuck = {queues[r][0]: "waits forever" for r in range(p) if queues[r]}
-            raise ScheduleError("base order cannot finish:\n" + _grid(base, stuck))
-    return out
+    heap = [(0.0, r) for r in range(p)]
+    parked: list[list[int]] = [[] for _ in range(p)]  # by the rank that sends their input
+    while heap:
+        _, r = heapq.heappop(heap)
+        if not step(r):
+            needed = transfer_into(queues[r][0], n)
+            parked[place[needed.src]].append(r)  # type: ignore[union-attr]
+            continue
+        if not finished[r]:
+            heapq.heappush(heap, (free[r], r))
+        for q in parked[r]:
+            heapq.heappush(heap, (free[q], q))
+        parked[r].clear()
+    if not all(finished):
+        stuck = {queues[r][0]: "waits forever" for r in range(p) if queues[r]}
+        raise ScheduleError("base order cannot finish:\n" + _grid(base, stuck))
+    return out, capped
 
 
 def _grid(base: Sequence[Sequence[Action]], mark: dict[Action, str]) -> str:

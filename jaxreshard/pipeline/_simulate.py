@@ -26,6 +26,7 @@ cost model (nothing overlaps inside the unit); it records what a runtime may ove
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any
 
 from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT, Action
@@ -218,37 +219,66 @@ def _run_unit(
 
 
 def _simulate_overlapped(schedule: Schedule, costs: Costs):
+    """[Note: event-driven simulation]
+    A rank runs its units until one waits for a transfer that has not been sent; it is woken
+    when that transfer is sent. Each unit runs once and each wait costs O(1), so a simulation
+    is linear in the actions (polling every rank until none progresses was quadratic in the
+    ranks: 10,000 ranks took minutes). Times do not depend on the order the ranks run in: a
+    link carries the sends of one chunk, in its rank's order. Transfers are listed in the
+    order that polling found them: by round (a unit runs in its rank's round, one later if an
+    input came from a higher rank), then rank, then position.
+    """
     p, split, num_chunks = schedule.num_stages, schedule.split_backward, schedule.num_chunks
     units = [_units(schedule, r) for r in range(p)]
+    # [Note: event-driven simulation] keys are ints, round * p + rank (and a count after it
+    # for a transfer), not tuples: an int is no object the cyclic GC tracks, and tuples per
+    # action made the collector cost as much as the simulation.
     arrival: dict[Transfer, float] = {}
+    sent_by: dict[Transfer, int] = {}  # round * p + rank of the sender
     link_free: dict[tuple[int, int], float] = {}
     timed: list[list[TimedAction]] = [[] for _ in range(p)]
     transfers: list[TimedTransfer] = []
-    position, free = [0] * p, [0.0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while position[r] < len(units[r]):
-                unit, needed, sends = units[r][position[r]]
-                if any(t not in arrival for t in needed):
+    found: list[int] = []  # per transfer: (round * p + rank) * limit + count
+    limit = 2 * sum(map(len, schedule.actions)) + 1
+    position, free, rounds = [0] * p, [0.0] * p, [0] * p
+    waiting: dict[Transfer, int] = {}  # a transfer not sent yet -> the rank waiting for it
+    ready = deque(range(p))
+    while ready:
+        r = ready.popleft()
+        rank_units, k = units[r], rounds[r]
+        while position[r] < len(rank_units):
+            unit, needed, sends = rank_units[position[r]]
+            start = free[r]
+            for t in needed:
+                arrived = arrival.get(t)
+                if arrived is None:
+                    waiting[t] = r
                     break
-                ran = _run_unit(unit, max([free[r], *(arrival[t] for t in needed)]), costs, split)
+                start = max(start, arrived)
+                q = sent_by[t]
+                k = max(k, q // p + (q % p > r))
+            else:
+                ran = _run_unit(unit, start, costs, split)
                 timed[r] += ran
                 end = free[r] = ran[-1].end
+                order = (k * p + r) * limit + len(transfers)
                 position[r] += 1
-                progress = True
                 for sent in sends:
                     if schedule.is_local(sent):
-                        arrival[sent] = end
-                        transfers.append(TimedTransfer(sent, end, end))
-                        continue
-                    link = (sent.src, sent.dst)
-                    t0 = max(end, link_free.get(link, 0.0))
-                    t1 = t0 + costs.comm[sent.boundary]
-                    link_free[link] = t1
-                    arrival[sent] = t1
+                        t0 = t1 = end
+                    else:
+                        link = (sent.src, sent.dst)
+                        t0 = max(end, link_free.get(link, 0.0))
+                        t1 = link_free[link] = t0 + costs.comm[sent.boundary]
+                    arrival[sent], sent_by[sent] = t1, k * p + r
                     transfers.append(TimedTransfer(sent, t0, t1))
+                    found.append(order)
+                    woken = waiting.pop(sent, None)
+                    if woken is not None:
+                        ready.append(woken)
+                continue
+            break
+        rounds[r] = k
     heads = {r: units[r][position[r]][0] for r in range(p) if position[r] < len(units[r])}
     if heads:
         waits = {
@@ -259,7 +289,11 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
             f"{schedule.describe()} cannot finish: its ranks wait on each other in a cycle.\n"
             + _explain_wait(schedule, heads, waits)
         )
-    return tuple(tuple(t) for t in timed), tuple(transfers)
+    ordered = sorted(range(len(transfers)), key=found.__getitem__)  # stable: sends in order
+    return tuple(tuple(t) for t in timed), tuple(transfers[i] for i in ordered)
+
+
+_MOST_LINES = 16  # stuck ranks named in an error; the grid marks them all (in its limits)
 
 
 def _explain_wait(
@@ -267,21 +301,32 @@ def _explain_wait(
 ) -> str:
     """Name the stuck actions and what each waits for, the cycle first, then the marked grid."""
     word = "stage" if schedule.virtual_stages == 1 else "rank"
-    lines, marks = [], {}
+    lines: list[str] = []
+    marks: dict[Action, str] = {}
+    listed: set[Action] | None = None  # every action, built once when needed
     for r, unit in heads.items():
         needed = waits[r]
+        marks[unit[0]] = f"waits for {needed.label()}"
+        if len(lines) == _MOST_LINES:
+            continue
         producer = needed.producer
         q = schedule.rank_of(producer.stage_index)
         if q in heads:
             behind = "" if producer in heads[q] else f", queued behind {heads[q][0]}"
             where = f"{producer} on {word} {q}{behind}"
-        elif any(producer in rank for rank in schedule.actions):
-            where = f"{producer} on {word} {q}, which never runs"
         else:
-            where = f"{producer}, which no {word} runs"
-        marks[unit[0]] = f"waits for {needed.label()}"
+            if listed is None:
+                listed = {a for rank in schedule.actions for a in rank}
+            if producer in listed:
+                where = f"{producer} on {word} {q}, which never runs"
+            else:
+                where = f"{producer}, which no {word} runs"
         lines.append(f"  {unit[0]} ({word} {r}) waits for {where}")
+    if len(heads) > len(lines):
+        lines.append(f"  and {len(heads) - len(lines)} more {word}s wait")
     cycle = _cycle(schedule, heads, waits)
+    if len(cycle) > _MOST_LINES:
+        cycle = [*cycle[: _MOST_LINES // 2], f"... ({len(cycle) - 1} in the cycle)", cycle[-1]]
     head = f"  cycle: {' -> '.join(cycle)}\n" if cycle else ""
     return head + "\n".join(lines) + "\n" + schedule.grid(marks)
 
@@ -292,13 +337,13 @@ def _cycle(
     """The stuck actions that wait on each other in a ring: `1B0 (needs 2B0) -> 2F1 (needs
     1F1) -> 1B0`."""
     r = next(iter(heads))
-    seen: list[int] = []
+    seen: dict[int, int] = {}  # rank -> its place on the path
     while r in heads and r not in seen:
-        seen.append(r)
+        seen[r] = len(seen)
         r = schedule.rank_of(waits[r].producer.stage_index)
     if r not in seen:
         return []
-    ring = seen[seen.index(r) :]
+    ring = list(seen)[seen[r] :]
     return [f"{heads[q][0]} (needs {waits[q].producer})" for q in ring] + [str(heads[r][0])]
 
 
@@ -346,53 +391,78 @@ def _program(schedule: Schedule, r: int) -> list[Any]:
     return items
 
 
-_PEER = {"send": "recv", "recv": "send"}
+_SIDE = {"send": 0, "recv": 1}
 
 
 def _next_action(program: list[Any], position: int) -> Action:
     """The action a rank blocked at `position` is about to run (else the one it just ran)."""
-    following = [item for item in program[position:] if isinstance(item, _Run)]
-    return following[0].actions[0] if following else program[position - 1].actions[-1]
+    following = next((item for item in program[position:] if isinstance(item, _Run)), None)
+    return following.actions[0] if following else program[position - 1].actions[-1]
 
 
 def _simulate_blocking(schedule: Schedule, costs: Costs):
+    """Event-driven as `_simulate_overlapped` (see [Note: event-driven simulation]): a rank
+    stops at a batch whose peer has not posted its side, and is woken when it does; a
+    transfer is recorded in the round (and by the rank) that polling would have found it."""
     p, split = schedule.num_stages, schedule.split_backward
     programs = [_program(schedule, r) for r in range(p)]
-    posted: dict[tuple[Transfer, str], float] = {}
+    # A side posted: its time, and the poster's round * p + rank (ints: see the overlapped one).
+    posted: tuple[dict[Transfer, float], dict[Transfer, float]] = ({}, {})  # send, recv
+    posted_by: tuple[dict[Transfer, int], dict[Transfer, int]] = ({}, {})
     done: dict[Transfer, TimedTransfer] = {}
+    found: dict[Transfer, int] = {}  # (round * p + rank) * limit + count of who did it first
+    limit = 2 * sum(map(len, schedule.actions)) + 1
     timed: list[list[TimedAction]] = [[] for _ in range(p)]
-    position, now = [0] * p, [0.0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            program = programs[r]
-            while position[r] < len(program):
-                item = program[position[r]]
-                if isinstance(item, _Run):
-                    if any(t not in done for t in item.local_in):
-                        break  # its producer comes later on this rank: never
-                    ran = _run_unit(item.actions, now[r], costs, split)
-                    timed[r] += ran
-                    now[r] = ran[-1].end
-                    for t in item.local_out:
-                        done[t] = TimedTransfer(t, now[r], now[r])
-                    position[r] += 1
-                    progress = True
-                    continue
-                for key in item:
-                    posted.setdefault(key, now[r])
-                if not all((t, _PEER[role]) in posted for t, role in item):
-                    break
-                end = now[r]
-                for t, _ in item:
-                    if t not in done:
-                        start = max(posted[(t, "send")], posted[(t, "recv")])
-                        done[t] = TimedTransfer(t, start, start + costs.comm[t.boundary])
-                    end = max(end, done[t].end)
-                now[r] = end
+    position, now, rounds = [0] * p, [0.0] * p, [0] * p
+    waiting: dict[Transfer, int] = {}  # a transfer with one side posted -> that side's rank
+    ready = deque(range(p))
+    while ready:
+        r = ready.popleft()
+        program = programs[r]
+        while position[r] < len(program):
+            item = program[position[r]]
+            if isinstance(item, _Run):
+                if any(t not in done for t in item.local_in):
+                    break  # its producer comes later on this rank: never
+                ran = _run_unit(item.actions, now[r], costs, split)
+                timed[r] += ran
+                now[r] = ran[-1].end
+                for t in item.local_out:
+                    done[t] = TimedTransfer(t, now[r], now[r])
+                    found[t] = (rounds[r] * p + r) * limit + len(found)
                 position[r] += 1
-                progress = True
+                continue
+            for t, role in item:  # post this rank's side of each (once)
+                mine = _SIDE[role]
+                if t not in posted[mine]:
+                    posted[mine][t], posted_by[mine][t] = now[r], rounds[r] * p + r
+                    if t in posted[1 - mine]:
+                        woken = waiting.pop(t, None)
+                        if woken is not None:
+                            ready.append(woken)
+            k, blocked = rounds[r], None
+            for t, role in item:
+                q = posted_by[1 - _SIDE[role]].get(t)
+                if q is None:
+                    blocked = t
+                    break
+                k = max(k, q // p + (q % p > r))
+            if blocked is not None:
+                waiting[blocked] = r
+                break
+            rounds[r] = k
+            end = now[r]
+            for t, _ in item:
+                first = (k * p + r) * limit + len(found)
+                if t in done:  # the peer was first (in this order; keep polling's)
+                    found[t] = min(found[t], first)
+                else:
+                    start = max(posted[0][t], posted[1][t])
+                    done[t] = TimedTransfer(t, start, start + costs.comm[t.boundary])
+                    found[t] = first
+                end = max(end, done[t].end)
+            now[r] = end
+            position[r] += 1
     stuck = {}
     word = "stage" if schedule.virtual_stages == 1 else "rank"
     for r in range(p):
@@ -400,14 +470,14 @@ def _simulate_blocking(schedule: Schedule, costs: Costs):
             continue
         item = programs[r][position[r]]
         if isinstance(item, _Run):
-            waiting = [t for t in item.local_in if t not in done]
+            later = [t for t in item.local_in if t not in done]
             stuck[item.actions[0]] = "waits for " + ", ".join(
-                f"{t.producer} (later on this {word})" for t in waiting
+                f"{t.producer} (later on this {word})" for t in later
             )
             continue
-        waiting = [t for t, role in item if (t, _PEER[role]) not in posted]
+        blocked = [t for t, role in item if t not in posted[1 - _SIDE[role]]]
         stuck[_next_action(programs[r], position[r])] = "blocked on " + ", ".join(
-            f"{t.label()} ({word} {_peer_rank(schedule, t, r)} has not posted it)" for t in waiting
+            f"{t.label()} ({word} {_peer_rank(schedule, t, r)} has not posted it)" for t in blocked
         )
     if stuck:
         raise ScheduleError(
@@ -421,7 +491,9 @@ def _simulate_blocking(schedule: Schedule, costs: Costs):
                 else ""
             )
         )
-    order = sorted(done.values(), key=lambda t: (t.start, t.transfer.src, t.transfer.mb))
+    order = sorted(
+        done.values(), key=lambda t: (t.start, t.transfer.src, t.transfer.mb, found[t.transfer])
+    )
     return tuple(tuple(t) for t in timed), tuple(order)
 
 

@@ -195,9 +195,15 @@ def expect_int(value: Any, where: str, *, low: int = 0, high: int | None = None)
 
 
 def expect_number(
-    value: Any, where: str, *, low: float | None = 0.0, strict: bool = False
+    value: Any,
+    where: str,
+    *,
+    low: float | None = 0.0,
+    strict: bool = False,
+    high: float | None = None,
 ) -> float:
-    """A finite number (not a bool) >= `low` (> `low` with `strict`; any with None)."""
+    """A finite number (not a bool) >= `low` (> `low` with `strict`; any with None), and at
+    most `high` (if given)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{where} is {_what(value)}; expected a number")
     if not math.isfinite(value):
@@ -205,6 +211,8 @@ def expect_number(
     if low is not None and (value < low or (strict and value == low)):
         rule = f"{'>' if strict else '>='} {low:g}"
         raise InputError(f"{where} = {show(value)}; expected a number {rule}")
+    if high is not None and value > high:
+        raise InputError(f"{where} = {show(value)}; expected a number <= {high:g}")
     return float(value)
 
 

@@ -41,6 +41,12 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "empty.toml").write_text("")
+    (tmp_path / "gbps.toml").write_text("[pipeline]\nemulate_network_gbps = 1e-300\n")
+    (tmp_path / "nested_cost.toml").write_text("[pipeline]\ncost_forward = [[1, 2], [3]]\n")
+    os.mkfifo(tmp_path / "fifo.toml")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "a_file").write_text("x")
     return tmp_path
 
 
@@ -50,9 +56,9 @@ PROFILE = ["profile", "gpt", "--no-progress", "--compile-cache", "off"]
 CASES = [
     ([*PROFILE, "--config", "missing.toml"], ["missing.toml", "no such file"]),
     ([*PROFILE, "--config", "dir.toml"], ["dir.toml", "directory"]),
-    ([*PROFILE, "--config", "binary.toml"], ["binary.toml", "UTF-8"]),
+    ([*PROFILE, "--config", "binary.toml"], ["binary.toml", "binary"]),
     ([*PROFILE, "--config", "nested.toml"], ["nested.toml", "nested too deeply"]),
-    ([*PROFILE, "--config", "huge.toml"], ["huge.toml", "larger than"]),
+    ([*PROFILE, "--config", "huge.toml"], ["huge.toml", "at most 1 MiB"]),
     ([*PROFILE, "--config", "pipeline_list.toml"], ["'pipeline' must be a table"]),
     ([*PROFILE, "--config", "axis_string.toml"], ["mesh_axis_names='dm'", "must be a list"]),
     ([*PROFILE, "--config", "lr_inf.toml"], ["learning_rate=inf", "finite"]),
@@ -62,13 +68,52 @@ CASES = [
     ([*PROFILE, "--learning-rate", "nan"], ["learning_rate=nan", "finite"]),
     ([*PROFILE, "--hidden", "100000", "--layers", "4000"], ["hidden=100000", "available"]),
     ([*PROFILE, "--batch-size", "100000000"], ["batch_size=100000000", "activations"]),
-    ([*PROFILE, "--steps", "1000000000000"], ["steps=1000000000000", "1,000,000"]),
+    ([*PROFILE, "--steps", "1000000000000"], ["steps=1000000000000", "10,000"]),
     ([*PROFILE, "--num-micro-batches", "1000000000"], ["num_micro_batches=1000000000"]),
     ([*PROFILE, "--stage-mesh-shape", "100000x100000"], ["(100000, 100000)", "at most"]),
     ([*PROFILE, "--stage-mesh-shape", "32x32"], ["2,048 devices", "fake"]),
     ([*PROFILE, "--timeout-s", "inf"], ["timeout_s=inf", "finite"]),
     ([*PROFILE, "--schedule", "1F1B"], ["schedule='1F1B'", "choose one of"]),
     ([*PROFILE, "--heads", "x"], ["heads='x'", "integer"]),
+    ([*PROFILE, "--config", "empty.toml"], ["empty.toml", "empty"]),
+    ([*PROFILE, "--config", "fifo.toml"], ["fifo.toml", "not a regular file"]),
+    ([*PROFILE, "--config", "gbps.toml"], ["emulate_network_gbps=1e-300", "1e-06"]),
+    ([*PROFILE, "--config", "nested_cost.toml"], ["cost_forward", "per model stage"]),
+    ([*PROFILE, "--plot", "out"], ["--plot out", "is a directory"]),
+    ([*PROFILE, "--plot", "timeline.txt"], ["--plot timeline.txt", ".png"]),
+    ([*PROFILE, "--json", "a_file/x.json"], ["a_file", "not a folder"]),
+    ([*PROFILE, "--json", "p.json", "--trace", "p.json"], ["--trace p.json", "same path"]),
+    ([*PROFILE, "--compile-cache", "a_file"], ["--compile-cache a_file", "folder"]),
+    ([*PROFILE, "--address", "1.2.3.4:5"], ["--address", "--backend ray"]),
+    (
+        ["schedule", "1f1b", "--stages", "2", "--micro-batches", "2", "--plot", "out"],
+        ["is a directory"],
+    ),
+    (["schedule", "1f1b", "--stages", "2", "--micro-batches", "2", "--plot", "x"], [".png"]),
+    (
+        [
+            "schedule",
+            "1f1b",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--json",
+            "o.json",
+            "--csv",
+            "a_file/x.csv",
+        ],
+        ["--csv a_file/x.csv", "not a folder"],
+    ),
+    (
+        ["schedule", "gpipe", "--stages", "2", "--micro-batches", "20000", "--plot", "w.png"],
+        ["80,000 actions", "--trace"],
+    ),
+    (
+        ["schedule", "eager_1f1b", "--stages", str(10**9), "--micro-batches", str(10**9)],
+        ["2e+18 actions", "at most 200,000"],
+    ),
+    (["schedule", "compare", "--stages", "100000", "--micro-batches", "100"], ["at most 200,000"]),
     (["schedule", "import", "missing.csv"], ["missing.csv"]),
     (["schedule", "import", "dir.toml"], ["dir.toml"]),
     (["schedule", "import", "bad.json"], ["bad.json"]),
@@ -82,6 +127,9 @@ CASES = [
     (["bench", "reshard", "--cases", "binary.json"], ["binary.json"]),
     (["bench", "reshard", "--only", "nope"], ["--only", "nope", "no such case"]),
     (["bench", "reshard", "--address", "1.2.3.4:1"], ["--address", "--execute ray"]),
+    (["bench", "reshard", "--emulate-network", "5"], ["--emulate-network", "--execute"]),
+    (["bench", "reshard", "--execute", "local", "--timeout", "5"], ["--timeout", "ray"]),
+    (["bench", "reshard", "--dump-plans", "a_file"], ["--dump-plans a_file", "not a folder"]),
 ]
 
 

@@ -28,7 +28,7 @@ SHIPPED_CASES = "reshard_cases.json"
 
 MAX_CASES_BYTES = 16 * 2**20
 MAX_CASES = 1_000
-MAX_MESH_DEVICES = 4_096
+MAX_MESH_DEVICES = 128
 """Devices in one mesh: 8 times the 512-device meshes of `benchmarks/planning_time.py`, which
 plan in about a second each (the search strategies grow faster than the devices)."""
 MAX_UNIT_TASKS = 2**15
@@ -38,7 +38,7 @@ MAX_ELEMENTS = 2**38
 """Elements of the array: 1 TiB of float32, more than any one tensor a resharding moves
 (`--execute` allocates it, divided by `--scale`)."""
 MAX_RANK = 16  # dims of an array or a mesh
-NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # fullmatch: no trailing newline
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', not starting with '.'"
 CLUSTER_KEYS = (
     "devices_per_host",
@@ -120,7 +120,7 @@ def load_cases(path: str | Path | None = None) -> tuple[dict[str, Any], list[Cas
     for i, entry in enumerate(cases_json):
         at = f"{where}: cases[{i}]"
         name = _files.expect_dict(entry, at, "a case").get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InputError(
                 f"{at}.name = {show(name)}: a case name is {NAME_RULE} (it names output files, "
                 "e.g. with --dump-plans); rename it"
@@ -159,7 +159,7 @@ def case_from_json(
     """
     case = _files.expect_dict(case, where, "a case")
     name = _files.expect_str(case.get("name", _files.MISSING), f"{where}.name", max_len=256)
-    label = name if NAME.match(name) else show(name)
+    label = name if NAME.fullmatch(name) else show(name)
     where = f"{where} ({label})" if label not in where else where
     _files.reject_unknown_keys(case, CASE_KEYS, where)
     for key in ("shape", "src_mesh", "src_spec", "dst_mesh", "dst_spec"):
@@ -235,10 +235,10 @@ def _check_cluster(value: Any, where: str) -> dict[str, Any]:
             out[key] = _files.expect_int(entry, at, low=1, high=MAX_MESH_DEVICES)
         elif key == "chunk_bytes":
             out[key] = _files.expect_int(entry, at, low=1, high=2**40)
-        elif key == "latency_s":
-            out[key] = _files.expect_number(entry, at)
-        else:  # bandwidths
-            out[key] = _files.expect_number(entry, at, strict=True)
+        elif key == "latency_s":  # seconds a message waits: up to a thousand
+            out[key] = _files.expect_number(entry, at, high=1e3)
+        else:  # bandwidths, GB/s: from 1 kB/s to 1 PB/s
+            out[key] = _files.expect_number(entry, at, low=1e-6, high=1e6)
     return out
 
 
@@ -262,9 +262,16 @@ def _check_dtype(value: Any, where: str) -> str:
 
     dtype = _files.expect_str(value, where, max_len=32)
     try:
-        canonical_dtype(dtype, where)
+        dt = canonical_dtype(dtype, where)
     except TypeError as e:
         raise InputError(str(e)) from None
+    import jax.numpy as jnp
+
+    if not (jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)):
+        raise InputError(
+            f"{where} = {show(dtype)}: not a numeric dtype; use one JAX arrays hold, e.g. "
+            "float32, bfloat16, int8 or bool"
+        )
     return dtype
 
 

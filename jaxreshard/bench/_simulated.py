@@ -37,7 +37,7 @@ def plan_path(folder: Path, case: str, strategy: str) -> Path:
         ValueError: the name breaks the rule, or the path leaves `folder`.
     """
     for what, name in (("case name", case), ("strategy", strategy)):
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ValueError(
                 f"--dump-plans: {what} {show(name)} cannot name a file: it must be "
                 f"{NAME_RULE}; rename the case in the case file"

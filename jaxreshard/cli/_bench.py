@@ -4,13 +4,14 @@ every strategy."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from jaxreshard.cli._console import (
     CommandError,
+    check_outputs,
     count,
     cpu_devices,
     make_console,
+    normalized,
     positive_float,
     write_json,
 )
@@ -56,19 +57,19 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     reshard.add_argument(
         "--scale",
         type=count(1, 4096),
-        default=2,
+        default=None,
         help="with --execute: divide every dim by this (default 2)",
     )
     reshard.add_argument(
         "--repeats",
         type=count(1, 10_000),
-        default=3,
+        default=None,
         help="with --execute: timed runs per case (median reported)",
     )
     reshard.add_argument(
         "--timeout",
         type=positive_float,
-        default=300.0,
+        default=None,
         help="with --execute ray: seconds any wait may take",
     )
     reshard.add_argument(
@@ -89,16 +90,27 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     reshard.add_argument(
         "--transport",
         choices=("auto", "tcp", "object_store"),
-        default="auto",
+        default=None,
         help="with --execute ray: how slices travel between hosts (auto: tcp on CPU)",
     )
     reshard.add_argument(
         "--object-store-mib",
         type=count(64, 2**24),
-        default=2048,
+        default=None,
         help="with --execute ray: object store of each emulated node, in MiB",
     )
     reshard.set_defaults(run=_bench_reshard)
+
+
+# The options of `--execute` and their defaults (given without it, an option would be ignored).
+EXECUTE_OPTIONS = {
+    "scale": 2,
+    "repeats": 3,
+    "timeout": 300.0,
+    "emulate_network": None,
+    "transport": "auto",
+    "object_store_mib": 2048,
+}
 
 
 def _bench_reshard(args: argparse.Namespace) -> int:
@@ -111,6 +123,19 @@ def _bench_reshard(args: argparse.Namespace) -> int:
         raise CommandError(
             f"--address {args.address}: only with --execute ray (joins that cluster)"
         )
+    given = [k for k in EXECUTE_OPTIONS if getattr(args, k) is not None]
+    if args.execute is None and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise CommandError(f"{flags}: only with --execute local|ray (they set how cases run)")
+    if args.execute == "local":
+        for key in ("timeout", "emulate_network", "transport", "object_store_mib"):
+            if getattr(args, key) is not None:
+                flag = "--" + key.replace("_", "-")
+                raise CommandError(f"{flag}: only with --execute ray, not --execute local")
+    for key, default in EXECUTE_OPTIONS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    check_outputs(args, {"out": None}, folders=("dump_plans",))
     console = make_console()
     cluster, cases = load_cases(args.cases)
     if args.only:
@@ -127,7 +152,7 @@ def _bench_reshard(args: argparse.Namespace) -> int:
             cluster=cluster,
             strategies=strategies,
             options=options,
-            dump_plans=Path(args.dump_plans) if args.dump_plans else None,
+            dump_plans=normalized(args.dump_plans) if args.dump_plans else None,
             progress=lambda text: status.update(f"planning {text}"),
         )
     console.print(results_table(results))
@@ -154,6 +179,7 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
     from jaxreshard.bench import _executed as ex
 
     scaled = [ex.scale_case(c, args.scale) for c in cases]
+    _check_memory(scaled, args.scale, ex.dst_bytes)
     runtime = None
     if args.execute == "local":
         cpu_devices(ex.devices_needed(scaled), "the cases")
@@ -203,3 +229,22 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
             runtime.shutdown()
     console.print(ex.executed_table(results))
     return [c["name"] for c in results["cases"] if not c["executed"]["correct"]]
+
+
+def _check_memory(cases, scale: int, nbytes) -> None:
+    """Refuse, before anything is allocated, a case whose arrays (the source, the result and
+    the baseline's result: about three copies) do not fit this machine's available memory."""
+    from jaxreshard._machine import available_memory_bytes, format_bytes
+
+    available = available_memory_bytes()
+    if available is None:
+        return
+    for case in cases:
+        need = 3 * nbytes(case)
+        if need > available:
+            raise CommandError(
+                f"--execute: case {case.name!r} of shape {list(case.shape)} (after --scale "
+                f"{scale}) needs ~{format_bytes(need)} (source, result and baseline), but this "
+                f"machine has {format_bytes(available)} available; use a larger --scale or --only "
+                "other cases"
+            )

@@ -109,35 +109,95 @@ def print_error(command: str, e: BaseException) -> int:
 def write_json(path: str | Path, data: object) -> None:
     """Write `data` as JSON to the path the user gave, whole or not at all (a temporary file in
     the same folder, then renamed over it)."""
-    write_text(path, json.dumps(data, indent=1))
+    try:
+        text = json.dumps(data, indent=1, allow_nan=False)
+    except ValueError as e:  # strict JSON: what we write, others must read
+        raise RuntimeError(
+            f"{path}: the output holds a non-finite number ({e}); this is a jaxreshard bug, "
+            "please report it with the command line"
+        ) from None
+    write_text(path, text)
 
 
 def write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
+    given = path
+    path = normalized(path)
     if path.is_dir():
-        raise CommandError(f"{path}: is a directory; give a file name to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        raise CommandError(f"{given}: is a directory; give a file name to write")
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         part.write_text(text)
         os.replace(part, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(given)) from None
     finally:
         part.unlink(missing_ok=True)
+
+
+def normalized(path: str | Path) -> Path:
+    """`path` made absolute with `..` and `.` resolved lexically, so that writing
+    `sub/../out.json` makes no folder `sub`."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_outputs(args: argparse.Namespace, files: dict[str, tuple[str, ...] | None],
+                  folders: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Check every output path a command was given before it does any work, so that a bad one
+    neither wastes a run nor leaves the other outputs half written: `files` maps each
+    argument's dest to the suffixes it may have (None: any), `folders` names the dests that are
+    folders. Two outputs may not be one file."""
+    seen: dict[Path, str] = {}
+    for dest in (*files, *folders):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if not str(value).strip() or "\0" in str(value):
+            raise CommandError(f"{flag} {value!r}: not a path; give a file name")
+        path = normalized(value)
+        if path in seen:
+            raise CommandError(
+                f"{flag} {value}: the same path as {seen[path]}; give each output its own file"
+            )
+        seen[path] = flag
+        if dest in folders:
+            if path.exists() and not path.is_dir():
+                raise CommandError(f"{flag} {value}: is a file, not a folder; give a folder")
+        else:
+            if path.is_dir():
+                raise CommandError(f"{flag} {value}: is a directory; give a file name to write")
+            suffixes = files[dest]
+            if suffixes and path.suffix.lower() not in suffixes:
+                raise CommandError(
+                    f"{flag} {value}: the file name must end in {' or '.join(suffixes)} (the "
+                    "format follows it)"
+                )
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise CommandError(
+                f"{flag} {value}: {parent} is a file, not a folder; give a path inside a folder"
+            )
 
 
 # -- argument types -----------------------------------------------------------------------------
 
 
 def floats(text: str) -> float | list[float]:
-    """`1.5` or a per-stage / per-boundary list `1,1.2,0.9`: finite numbers."""
+    """`1.5` or a per-stage / per-boundary list `1,1.2,0.9`: times >= 0 (at most 1e12)."""
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number or a comma-separated list of numbers (e.g. 1.5 or 1,2,1)"
         ) from None
-    if not all(math.isfinite(v) for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every number must be finite (not inf/nan)")
+    if not all(0 <= v <= 1e12 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every number must be from 0 to 1e12")
     return values[0] if len(values) == 1 else values
 
 
@@ -149,8 +209,10 @@ def count(low: int, high: int):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {low}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value}: must be at most {high:,}")
         return value
 
     parse.__name__ = "integer"

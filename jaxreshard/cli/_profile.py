@@ -5,12 +5,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxreshard.cli._console import cpu_devices, field_docs, make_console, write_json
+from jaxreshard.cli._console import (
+    PLOT_SUFFIXES,
+    CommandError,
+    check_outputs,
+    cpu_devices,
+    field_docs,
+    make_console,
+    normalized,
+    write_json,
+)
 
 
 def _profile(args: argparse.Namespace) -> int:
     from jaxreshard import profiler
 
+    check_outputs(args, {"json": None, "trace": None, "plot": PLOT_SUFFIXES})
+    if args.compile_cache not in (None, "off"):
+        cache_dir = normalized(args.compile_cache)
+        if cache_dir.exists() and not cache_dir.is_dir():
+            raise CommandError(
+                f"--compile-cache {args.compile_cache}: is a file, not a folder; give a folder "
+                "for JAX's compilation cache, or off"
+            )
     overrides: dict[str, dict[str, object]] = {"model": {}, "run": {}, "pipeline": {}}
     for dest, value in vars(args).items():
         if value is not None and dest.startswith(("model__", "run__", "pipeline__")):
@@ -58,9 +75,9 @@ def _profile(args: argparse.Namespace) -> int:
         bound=args.bound,
         console=console,
         progress=progress,
-        json_path=args.json,
-        trace_path=args.trace,
-        plot_path=args.plot,
+        json_path=args.json and normalized(args.json),
+        trace_path=args.trace and normalized(args.trace),
+        plot_path=args.plot and normalized(args.plot),
     )
     return 0
 

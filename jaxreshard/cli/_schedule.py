@@ -13,7 +13,21 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from jaxreshard.cli._console import CommandError, floats, make_console, write_json
+from jaxreshard.cli._console import (
+    PLOT_SUFFIXES,
+    CommandError,
+    check_outputs,
+    count,
+    floats,
+    make_console,
+    normalized,
+    write_json,
+    write_text,
+)
+
+# A picture of a bigger schedule is unreadable and slow to draw (the trace has no limit).
+MAX_PLOT_ACTIONS = 20_000
+MAX_PLOT_RANKS = 128
 
 
 def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
@@ -37,8 +51,13 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
     schedule.add_argument(
         "file", nargs="?", default=None, metavar="FILE", help="with import: the CSV or JSON"
     )
-    schedule.add_argument("--stages", type=int, default=None, help="number of ranks (stages) p")
-    schedule.add_argument("--micro-batches", type=int, default=None, help="micro-batches m")
+    # (bounded only below here: a count too large is refused with the schedule's estimate)
+    schedule.add_argument(
+        "--stages", type=count(1, 10**15), default=None, help="number of ranks (stages) p"
+    )
+    schedule.add_argument(
+        "--micro-batches", type=count(1, 10**15), default=None, help="micro-batches m"
+    )
     schedule.add_argument(
         "--virtual-stages",
         type=int,
@@ -93,6 +112,7 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_schedule(args: argparse.Namespace) -> int:
     """The `jaxreshard schedule` command."""
+    check_outputs(args, {"json": None, "csv": (".csv",), "plot": PLOT_SUFFIXES, "trace": None})
     console = make_console()
     if args.name == "import":
         schedule = _import(args)
@@ -103,7 +123,7 @@ def run_schedule(args: argparse.Namespace) -> int:
             )
         for flag, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches)):
             if value is None:
-                raise ValueError(f"{flag} is required with NAME={args.name!r}")
+                raise CommandError(f"{flag} is required with NAME={args.name!r}")
         if args.name == "compare":
             return _compare(args, console)
         schedule = _build(args)
@@ -115,6 +135,14 @@ def run_schedule(args: argparse.Namespace) -> int:
     from jaxreshard.pipeline._visualize import format_timeline, plot_timeline, to_chrome_trace
 
     check_schedule(schedule, blocking=True if not overlap else None)
+    num_actions = sum(map(len, schedule.actions))
+    if args.plot and (num_actions > MAX_PLOT_ACTIONS or schedule.num_stages > MAX_PLOT_RANKS):
+        raise CommandError(
+            f"--plot {args.plot}: the schedule has {num_actions:,} actions on "
+            f"{schedule.num_stages} ranks; a picture shows at most {MAX_PLOT_ACTIONS:,} actions "
+            f"on {MAX_PLOT_RANKS} ranks; use --trace (Perfetto opens any size) or fewer "
+            "stages / micro-batches"
+        )
     timeline = simulate(schedule, costs, overlap=overlap)
     console.print(schedule.describe(), highlight=False)
     console.print(format_timeline(timeline), highlight=False, soft_wrap=True)
@@ -129,15 +157,15 @@ def run_schedule(args: argparse.Namespace) -> int:
         write_json(args.json, timeline.to_json())
         console.print(f"wrote {args.json}")
     if args.csv:
-        from jaxreshard.pipeline import write_csv
+        from jaxreshard.pipeline import schedule_to_csv
 
-        write_csv(schedule, args.csv, overlap_pairs=args.csv_overlap_pairs)
+        write_text(args.csv, schedule_to_csv(schedule, overlap_pairs=args.csv_overlap_pairs))
         console.print(f"wrote {args.csv}")
     if args.trace:
         write_json(args.trace, to_chrome_trace(timeline))
         console.print(f"wrote {args.trace} (open in https://ui.perfetto.dev; 1 unit = 1 ms)")
     if args.plot:
-        plot_timeline(timeline, args.plot)
+        plot_timeline(timeline, normalized(args.plot))
         console.print(f"wrote {args.plot}")
     return 0
 
@@ -157,10 +185,19 @@ def _costs(args: argparse.Namespace, num_chunks: int) -> Any:
 
 def _build(args: argparse.Namespace) -> Any:
     from jaxreshard.pipeline import build_schedule
+    from jaxreshard.pipeline._limits import check_counts
     from jaxreshard.pipeline._schedules import check_schedule_name, check_virtual_stages
 
     check_schedule_name(args.name, "NAME")
     v = check_virtual_stages(args.name, args.virtual_stages, "--virtual-stages")
+    kinds = 3 if args.weight_delay or args.name in ("zb_h1", "zbv", "dualpipev") else 2
+    check_counts(
+        f"--stages {args.stages} x --virtual-stages {v} x --micro-batches {args.micro_batches}",
+        args.stages * v,
+        args.micro_batches,
+        kinds,
+        "use fewer stages or micro-batches",
+    )
     return build_schedule(
         args.name,
         args.stages,
@@ -197,9 +234,17 @@ def _import(args: argparse.Namespace) -> Any:
 def _compare(args: argparse.Namespace, console: Any) -> int:
     from jaxreshard.pipeline import Costs
     from jaxreshard.pipeline._compare import compare_json, compare_schedules, compare_table
+    from jaxreshard.pipeline._limits import check_counts
 
     p, m = args.stages, args.micro_batches
     v = 2 if args.virtual_stages is None else args.virtual_stages
+    check_counts(
+        f"compare: --stages {p} x --virtual-stages {v} x --micro-batches {m}",
+        p * v,
+        m,
+        3,
+        "use fewer stages or micro-batches",
+    )
     costs = Costs.make(
         p,
         forward=args.forward,

@@ -204,10 +204,15 @@ class Shaping:
     delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.gbytes_per_s is not None and not self.gbytes_per_s > 0:
-            raise ValueError(f"--nic-gbps {self.gbytes_per_s!r}: must be > 0 GB/s")
-        if not self.delay_ms >= 0:
-            raise ValueError(f"--latency-ms {self.delay_ms!r}: must be >= 0 ms")
+        rate = self.gbytes_per_s
+        # tc takes whole bits per second (a kbit/s at the least) and whole microseconds.
+        if rate is not None and not (isinstance(rate, (int, float)) and 1e-5 <= rate <= 1e4):
+            raise ValueError(
+                f"--nic-gbps {rate!r}: must be a number of GB/s from 1e-05 (10 kB/s) to 10000"
+            )
+        delay = self.delay_ms
+        if not (isinstance(delay, (int, float)) and 0 <= delay <= 1e5):
+            raise ValueError(f"--latency-ms {delay!r}: must be a number of ms from 0 to 100000")
 
 
 def make_host(cluster: str, node: str, address: str, shaping: Shaping) -> None:

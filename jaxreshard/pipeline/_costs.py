@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +10,8 @@ from typing import Any
 from jaxreshard._files import human_bytes, show
 from jaxreshard.pipeline import _limits
 from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT
+
+MAX_COST = 1e12
 
 
 def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
@@ -28,8 +29,11 @@ def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]
     if bad:
         raise ValueError(f"Costs: {name} holds {show(bad[0])}; every entry must be a number")
     values = tuple(float(v) for v in values)
-    if any(not 0 <= v < math.inf for v in values):
-        raise ValueError(f"Costs: {name}={show(list(values))} must be finite and >= 0")
+    if any(not 0 <= v <= MAX_COST for v in values):
+        raise ValueError(
+            f"Costs: {name}={show(list(values))} must be >= 0 and at most {MAX_COST:g} (a time "
+            "in any unit; sums over a schedule's actions must stay finite)"
+        )
     return values
 
 

@@ -5,8 +5,8 @@ A schedule of p ranks, n chunks and m micro-batches has n * m * k actions (k = 2
 the backward split), and reading, checking and simulating it costs about `BYTES_PER_ACTION`
 of memory and `SECONDS_PER_ACTION` of time per action (measured on CPython 3.11 by
 `benchmarks/schedule_scale.py --memory`: a 100,000-action schedule peaks at 160-190 MB through
-CSV import, check, simulation and JSON; each step takes 1-3 s, ~10 s in all). `MAX_ACTIONS`
-(~4 GB, a few minutes) refuses a count such as `--micro-batches 10**9`, or a CSV cell
+CSV import, check, simulation and JSON; each step takes 1-3 s, ~10 s in all; a command on
+500,000 actions took 31 s and 0.9 GB). `MAX_ACTIONS` (~400 MB, about half a minute) refuses a count such as `--micro-batches 10**9`, or a CSV cell
 `99999999F0` whose stage implies 2e8 actions, before a list of that length exists; the message
 gives the estimate and the limit. Costs are per chunk, so `MAX_CHUNKS` bounds them on their
 own. The limits are module constants: a caller that means it may raise them.
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from jaxreshard._files import human_bytes
 
-MAX_ACTIONS = 2_000_000
-MAX_CHUNKS = 1_000_000
+MAX_ACTIONS = 200_000
+MAX_CHUNKS = 100_000
 BYTES_PER_ACTION = 2_000  # peak, through import, check, simulation and JSON
 SECONDS_PER_ACTION = 1e-4  # reading, checking, simulating and writing JSON once each
 MAX_INDEX_DIGITS = 9  # a stage or micro-batch index in a CSV cell or an action string
-MAX_CSV_BYTES = 64 * 2**20  # ~6 bytes a cell: MAX_ACTIONS fit with room
-MAX_JSON_BYTES = 512 * 2**20  # ~250 bytes an action with its transfer: MAX_ACTIONS fit
+MAX_CSV_BYTES = 16 * 2**20  # ~6 bytes a cell: MAX_ACTIONS fit with room
+MAX_JSON_BYTES = 128 * 2**20  # ~250 bytes an action with its transfer: MAX_ACTIONS fit
 
 
 def estimate(num_actions: int) -> str:

@@ -32,7 +32,7 @@ from jaxreshard.models import ModelSpec, get_model
 from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
-MAX_STEPS = 10**6  # a profile is minutes of steps; more is a typo (and would run for days)
+MAX_STEPS = 10_000  # a profile is minutes of steps; more is a typo (and would run for hours)
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 PLACEMENT_COSTS = ("auto", "measured", "config")
 
@@ -249,6 +249,12 @@ def load_profile_config(
     pipeline = _build(lambda: PipelineConfig(**pipe_values), origin, "pipeline", pipe_values)
     if pipeline.num_stages is None:
         pipeline = pipeline.replace(num_stages=2)
+    if run.address is not None and pipeline.backend != "ray":
+        raise ValueError(
+            f"address={run.address!r}{_from(origin, 'run', 'address')} is the Ray cluster to "
+            f"join, but backend={pipeline.backend!r}{_from(origin, 'pipeline', 'backend')}; set "
+            "backend = 'ray' (--backend ray) to use it, or drop the address"
+        )
     units = spec.num_units(model_config)
     if pipeline.num_stages > units:
         raise ValueError(

@@ -99,7 +99,7 @@ class Session:
             (self.params, self.opt, loss), _ = self.pstep.profile_call(
                 self.params, self.opt, self._batch()
             )
-            float(np.asarray(loss))
+            self._check_loss(float(np.asarray(loss)), f"warm-up step {i + 1}")
             if i == 0:
                 self.compile_seconds = time.perf_counter() - start
 
@@ -113,11 +113,23 @@ class Session:
         value = float(np.asarray(loss))
         seconds = time.perf_counter() - start
         if not signal_only:
+            self._check_loss(value, f"timed step {len(self.steps) + 1}")
             self.params, self.opt = params, opt
         shifted = [dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events]
         record = StepRecord(seconds, value, sorted(shifted, key=lambda e: e.start))
         (self.signal_steps if signal_only else self.steps).append(record)
         return record
+
+    def _check_loss(self, value: float, when: str) -> None:
+        """A loss that is no longer finite ends the run: its timings and profile would describe
+        nothing a user trains (and a profile of NaNs would look like a success)."""
+        if not np.isfinite(value):
+            run = self.pc.run
+            raise ValueError(
+                f"training diverged: the loss is {value} at {when} (optimizer={run.optimizer!r}, "
+                f"learning_rate={run.learning_rate:g}); lower --learning-rate, or set "
+                "--clip-norm"
+            )
 
     def _peek_batch(self) -> dict[str, Any]:
         return self.module.synthetic_batch(

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._files import InputError, read_text, show
 from jaxreshard.pipeline import SCHEDULE_NAMES as SCHEDULES
 from jaxreshard.pipeline._schedules import FIXED_SPLIT, check_virtual_stages
 
@@ -123,11 +124,16 @@ class PipelineConfig:
         for shape in self.mesh_shapes(None):
             if len(shape) != len(self.mesh_axis_names):
                 raise ValueError(
-                    f"PipelineConfig: stage mesh shape {shape} has {len(shape)} axes but "
+                    f"PipelineConfig: stage_mesh_shape {shape} has {len(shape)} axes but "
                     f"mesh_axis_names={self.mesh_axis_names} names {len(self.mesh_axis_names)}; "
                     "give one name per mesh axis"
                 )
         types = self.mesh_axis_types
+        if not isinstance(types, (str, list, tuple)):
+            raise ValueError(
+                f"PipelineConfig(mesh_axis_types={types!r}): give 'auto' or 'explicit', or a "
+                "tuple of them, one per mesh axis"
+            )
         if not isinstance(types, str):
             types = tuple(types)
             object.__setattr__(self, "mesh_axis_types", types)
@@ -166,10 +172,10 @@ class PipelineConfig:
                 "is a part (per stage)"
             )
         gbps = self.emulate_network_gbps
-        if gbps is not None and not (_finite_number(gbps) and gbps > 0):
+        if gbps is not None and not (_finite_number(gbps) and 1e-6 <= gbps <= 1e6):
             raise ValueError(
-                f"PipelineConfig(emulate_network_gbps={gbps!r}): must be a finite number > 0 "
-                "(GB/s), or None for no emulation"
+                f"PipelineConfig(emulate_network_gbps={gbps!r}): must be a number of GB/s from "
+                "1e-06 (1 kB/s) to 1e+06, or None for no emulation"
             )
 
     @property
@@ -239,12 +245,23 @@ class PipelineConfig:
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> PipelineConfig:
         """Load the `[pipeline]` table of a TOML file (or its top level), then apply overrides."""
+        if not isinstance(path, (str, Path)):
+            raise TypeError(
+                f"PipelineConfig.from_toml({show(path)}): give the TOML file's path (a str or "
+                "pathlib.Path)"
+            )
         path = Path(path)
         data = read_toml(path, what="pipeline config")
         table = data.get("pipeline", data)
         if not isinstance(table, dict):
-            raise ValueError(
-                f"pipeline config {path}: 'pipeline' must be a table ([pipeline]), not {table!r}"
+            raise InputError(
+                f"pipeline config {path}: 'pipeline' must be a table ([pipeline]), not "
+                f"{show(table)}"
+            )
+        if not table:
+            raise InputError(
+                f"pipeline config {path}: no [pipeline] table and no keys; give the pipeline's "
+                "keys (e.g. num_micro_batches = 4) or use PipelineConfig() for the defaults"
             )
         return cls.from_dict({**table, **overrides}, where=f"{path} [pipeline]")
 
@@ -257,14 +274,19 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"PipelineConfig({name}={value!r}): choose one of {', '.join(choices)}")
 
 
 def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     """A cost field as a float or a tuple of floats (per stage or boundary), checked."""
     listed = isinstance(value, (list, tuple, np.ndarray))
-    values = tuple(np.ravel(value)) if listed else (value,)
+    if isinstance(value, np.ndarray) and value.ndim != 1:
+        listed, values = True, ()  # refused below: one number per stage, not a grid
+    elif listed:
+        values = tuple(value)
+    else:
+        values = (value,)
     ok = bool(values) and all(_finite_number(v) and (v > 0 if positive else v >= 0) for v in values)
     if not ok:
         rule = "> 0" if positive else ">= 0"
@@ -348,33 +370,24 @@ def _shape_or_shapes(value: Any) -> tuple[Any, ...]:
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a megabyte is not one
 
 
-def read_toml(path: Path, *, what: str) -> dict[str, Any]:
-    """Parse a TOML file; errors name `what` (how the user gave the file) and the path."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise ValueError(f"{what} {path}: is a directory; give a TOML file") from None
-    except OSError as e:
-        raise ValueError(f"{what} {path}: cannot be read ({e.strerror or e})") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(
-            f"{what} {path}: larger than {MAX_CONFIG_BYTES // 1024} KiB, so not a config; give "
-            "the TOML file with the [pipeline] table (and [model], [run] for profiles)"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{what} {path}: not UTF-8 text (byte {e.start}); give a TOML file"
-        ) from None
+def read_toml(path: str | Path, *, what: str) -> dict[str, Any]:
+    """Parse a TOML file; errors (`InputError`, a ValueError) name `what` (how the user gave
+    the file) and the path: missing, a directory or pipe, binary, empty, too big, not TOML, or
+    nested too deeply (see [Note: hostile input] in `_files.py`)."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{what}: {show(path)} is not a path; give the TOML file's path")
+    text = read_text(
+        path,
+        what=what,
+        max_bytes=MAX_CONFIG_BYTES,
+        expected="TOML tables such as [pipeline]",
+        label=f"{what} {path}",
+    )
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{what} {path}: not valid TOML ({e})") from None
+        raise InputError(f"{what} {path}: not valid TOML ({e})") from None
     except RecursionError:
-        raise ValueError(
+        raise InputError(
             f"{what} {path}: nested too deeply to read; a config nests two levels at most"
         ) from None

@@ -100,7 +100,7 @@ def test_bad_up_arguments_fail_before_anything_is_made(monkeypatch):
     monkeypatch.setattr(_netns, "run", lambda *a, **k: made.append(a) or "")
     with pytest.raises(ValueError, match=r"--hosts 0: must be an int in \[1, 64\]"):
         _emulated.up(0, 0.1, name="bad")
-    with pytest.raises(ValueError, match="--nic-gbps -1: must be > 0 GB/s"):
+    with pytest.raises(ValueError, match="--nic-gbps -1: must be a number of GB/s from 1e-05"):
         _emulated.up(2, -1, name="bad")
     with pytest.raises(ValueError, match=r"--cpus-per-host 9999: must be an int in \[1, "):
         _emulated.up(2, 0.1, cpus_per_host=9999, name="bad")

@@ -21,6 +21,7 @@ _EXPORTS = {
     "collect": "jaxreshard._state",
     "PipelineSplitError": "jaxreshard.frontend",
     "MicroBatchWarning": "jaxreshard.frontend",
+    "BatchArgnumsWarning": "jaxreshard._parallelize",
     "PipelineError": "jaxreshard.runtime._executor",
     "RuntimeBroken": "jaxreshard.runtime._ray",
     "ReplicatedSpecWarning": "jaxreshard.runtime._specs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -66,6 +67,13 @@ def parallelize(
             parallelize, config=config, batch_argnums=batch_argnums, meshes=meshes
         )
     return Parallelized(fun, config or PipelineConfig(), batch_argnums, meshes)
+
+
+class BatchArgnumsWarning(UserWarning):
+    """`num_micro_batches > 1` but no `batch_argnums`: nothing is split into micro-batches, so
+    every micro-batch computes the step on the whole input (the result equals `jax.jit`'s, at
+    `num_micro_batches` times the work). The message names the argument that looks like the
+    batch and the fix."""
 
 
 @dataclasses.dataclass
@@ -149,6 +157,8 @@ class Parallelized:
                 raise ValueError(
                     f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
                 )
+        if not self.batch_argnums and self.config.num_micro_batches > 1:
+            self._warn_no_batch(args)
         static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
         dynamic = {i: n for n, i in enumerate(i for i in range(len(leaves)) if i not in static)}
         batch_leaves = []
@@ -201,6 +211,33 @@ class Parallelized:
                 "(jnp.asarray(x)).",
                 stacklevel=4,
             )
+
+    def _warn_no_batch(self, args: tuple[Any, ...]) -> None:
+        """Warn that without `batch_argnums` every micro-batch takes the whole input, naming
+        the argument that looks like the batch (see `likely_batch_argnum`)."""
+        m = self.config.num_micro_batches
+        name = getattr(self.fun, "__name__", "the step")
+        guess = likely_batch_argnum(args, m)
+        if guess is None:
+            hint = (
+                "Pass batch_argnums=(i,) naming the arguments that hold the batch (every leaf "
+                f"with a batch dim 0 that {m} divides)"
+            )
+        else:
+            rows = next(x for x in jax.tree.leaves(args[guess]) if is_array(x)).shape[0]
+            hint = (
+                f"Argument {guess}{_arg_name(self.fun, guess)} looks like the batch (every leaf "
+                f"has {rows} rows along dim 0, which no other argument's leaves all share): "
+                f"pass batch_argnums=({guess},) to split it"
+            )
+        warnings.warn(
+            f"parallelize({name}) has num_micro_batches={m} but no batch_argnums, so no argument "
+            f"is split into micro-batches: each of the {m} micro-batches computes the step on "
+            f"the whole input (the result equals jax.jit's, at {m} times the work). {hint}, or "
+            "use num_micro_batches=1 if the step has no batch.",
+            BatchArgnumsWarning,
+            stacklevel=4,
+        )
 
     def _check_batch(self, leaves: list[Any], batch_leaves: list[int], paths: list[str]):
         m = self.config.num_micro_batches
@@ -347,6 +384,40 @@ class Parallelized:
         return self._entry(args)[0].pipeline
 
 
+def likely_batch_argnum(args: tuple[Any, ...], num_micro_batches: int) -> int | None:
+    """The argument that looks like a batch: the last one whose array leaves all share one
+    dim 0 size that `num_micro_batches` divides, a size that no other such argument has (the
+    parameters' leaves seldom all share a dim 0; a parameter argument that does, with the
+    batch's size, leaves no answer). None if there is none."""
+    rows: dict[int, int] = {}
+    for i, arg in enumerate(args):
+        leaves = [x for x in jax.tree.leaves(arg) if is_array(x)]
+        if not leaves or any(x.ndim == 0 for x in leaves):
+            continue
+        sizes = {int(x.shape[0]) for x in leaves}
+        n = sizes.pop()
+        if not sizes and n >= num_micro_batches and n % num_micro_batches == 0:
+            rows[i] = n
+    for i in sorted(rows, reverse=True):
+        if list(rows.values()).count(rows[i]) == 1:
+            return i
+    return None
+
+
+def _arg_name(fun: Callable[..., Any], i: int) -> str:
+    """` (`name`)` for positional parameter `i` of `fun`, if its signature tells."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return ""
+    if i < len(params) and params[i].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return f" (`{params[i].name}`)"
+    return ""
+
+
 def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> list[int]:
     out, at = [], 0
     norm = {i % len(args) for i in batch_argnums} if args else set()
@@ -442,13 +513,29 @@ class PipelinePlan:
             )
         return out
 
+    def summary(self) -> str:
+        """One line: stages (and ranks), micro-batches and their rows, schedule."""
+        g, layout = self.graph, self.layout
+        schedule = layout.schedule
+        stages = f"{g.num_stages} stages"
+        if schedule.virtual_stages > 1 or schedule.num_chunks != schedule.num_stages:
+            stages += f" on {schedule.num_stages} ranks"
+        m = layout.config.num_micro_batches
+        if g.batch:
+            batches = f"{m} micro-batch{'es' if m > 1 else ''} of {layout.micro_batch_rows} rows"
+        elif m == 1:
+            batches = "1 micro-batch, no batch argument"
+        else:
+            batches = (
+                f"{m} micro-batches, no batch argument (batch_argnums=()): each micro-batch "
+                "computes the whole step"
+            )
+        delay = " + weight delay" if schedule.weight_delay else ""
+        return f"{stages}, {batches}, schedule {schedule.name}{delay}"
+
     def __str__(self) -> str:
         g, layout = self.graph, self.layout
-        lines = [
-            f"pipeline: {g.num_stages} stages, {layout.config.num_micro_batches} "
-            f"micro-batches of {layout.micro_batch_rows} rows, schedule "
-            f"{layout.schedule.describe()}"
-        ]
+        lines = [f"pipeline: {self.summary()}"]
         for s, mesh in enumerate(self.meshes):
             stage = g.loss.stages[s]
             ids = [d.id for d in mesh.devices.flat]

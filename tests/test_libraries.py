@@ -1,5 +1,7 @@
 """Models as Flax (NNX, Linen) and Equinox users write them: pipelined steps equal `jax.jit`."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,8 +122,19 @@ def test_nnx_value_and_grad_names_the_replacement():
 
     graphdef, state = nnx.split(model)
     step = lambda state, batch: train_step(nnx.merge(graphdef, state), batch)
-    with pytest.raises(jr.PipelineSplitError, match=r"nnx.split\(model, nnx.Param, ...\)"):
+    with pytest.raises(jr.PipelineSplitError, match=r"nnx.split\(model, nnx.Param, ...\)") as info:
         jr.parallelize(step, config=config(), batch_argnums=(1,))(state, {"tokens": tokens()})
+    # Issue 25: the message pointed into jaxreshard/frontend/_markers.py; it names the user's
+    # nnx.value_and_grad line, and the boundary's line in the model.
+    here = re.escape(__file__)
+    call = train_step.__code__.co_firstlineno + 4
+    boundary = NNXLM.__call__.__code__.co_firstlineno + 2
+    assert re.match(
+        rf"{here}:{call} \(.*train_step\): the step differentiates with "
+        rf"nnx.value_and_grad/nnx.grad through jr.stage_boundary \(at {here}:{boundary} ",
+        str(info.value),
+    ), str(info.value)
+    assert "_markers.py" not in str(info.value)
 
 
 # -- Flax Linen ---------------------------------------------------------------------------------
@@ -236,8 +249,14 @@ def test_equinox_whole_model_argument_with_dropout_matches_filter_jit():
     wrong = jr.parallelize(
         make_step(eqx.filter_value_and_grad), config=config(), batch_argnums=(2,)
     )
-    with pytest.raises(jr.PipelineSplitError, match=r"jr.filter_value_and_grad\(loss_fn\)"):
+    with pytest.raises(jr.PipelineSplitError, match=r"jr.filter_value_and_grad\(loss_fn\)") as info:
         wrong(model, opt_state, tokens(), jax.random.key(0))
+    line = make_step.__code__.co_firstlineno + 2  # value_and_grad(loss_fn)(model, batch, key)
+    assert str(info.value).startswith(
+        f"{__file__}:{line} (test_equinox_whole_model_argument_with_dropout_matches_filter_jit."
+        "<locals>.make_step.<locals>.train_step): the step differentiates with "
+        "eqx.filter_value_and_grad/eqx.filter_grad through jr.stage_boundary"
+    ), str(info.value)
 
 
 # -- masked losses, aux outputs, preprocessing, eval ----------------------------------------------

@@ -135,30 +135,61 @@ def slow(x):  # an identity that takes 0.2 s on the host
 slow.defjvp(lambda primals, tangents: (slow(primals[0]), tangents[0]))
 
 
-def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_runtime):
-    """Host 3 (of stage 1, which spans hosts 2-3) dies in the middle of a step: the error names
-    it long before timeout_s, and after shutdown() + init() the step trains as jax.jit."""
+def slow_step(params, batch):
+    """make_step(2) with a 0.2 s host callback in stage 1 (8 micro-batches: 1.6 s of forwards)."""
+
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["emb"])
+        h = jr.stage_boundary(h)
+        h = slow(jnp.tanh(h @ p["w1"] + p["b1"]))
+        return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+    loss, grads = jr.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+
+def kill_when_under_way(rt, pipe, host, after_step, wait_s=60.0):
+    """Kill `host`'s actor once it reports an action of a step after `after_step` finished (the
+    step is running on the hosts, past the parameters' puts); False if none did in `wait_s`."""
     import ray
+
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        step_id = pipe.last_step_id
+        if step_id != after_step:
+            done, _, _ = ray.get(rt.actors[host].pipeline_progress.remote(pipe.key, step_id))
+            if done:
+                ray.kill(rt.actors[host], no_restart=True)
+                return True
+        time.sleep(0.02)
+    return False
+
+
+def restart_ray():
     from conftest import RAY_CONFIG
 
+    jr.shutdown()
+    jr.init(**RAY_CONFIG)  # the next tests use this one
+
+
+def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_runtime):
+    """Host 3 (of stage 1, which spans hosts 2-3) dies in the middle of a step: the error names
+    it long before timeout_s, and after shutdown() + init() the step trains as jax.jit.
+
+    The kill waits for host 3 to report a finished action of the step: a timer (as this test
+    once had) could land, on a loaded machine, while the parameters were still being put, which
+    fails differently (see the next test)."""
     from jaxreshard.runtime._ray import RuntimeBroken
 
-    def step(params, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["emb"])
-            h = jr.stage_boundary(h)
-            h = slow(jnp.tanh(h @ p["w1"] + p["b1"]))
-            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
-
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
-
     cfg = ray_config(num_micro_batches=8, timeout_s=60)
-    pstep = jr.parallelize(step, config=cfg, batch_argnums=(1,))
+    pstep = jr.parallelize(slow_step, config=cfg, batch_argnums=(1,))
     params, batch = make_params(2), make_batch(rows=16)
     pstep(params, batch)  # compiled, and one step run
-    rt = ray_runtime
-    killer = threading.Timer(0.5, lambda: ray.kill(rt.actors[3], no_restart=True))
+    pipe = pstep.pipeline(params, batch)
+    rt, killed = ray_runtime, []
+    killer = threading.Thread(
+        target=lambda: killed.append(kill_when_under_way(rt, pipe, 3, pipe.last_step_id))
+    )
     start = time.monotonic()
     killer.start()
     with pytest.raises(
@@ -169,10 +200,35 @@ def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_r
         pstep(params, batch)
     assert time.monotonic() - start < cfg.timeout_s / 2
     killer.join()
-    jr.shutdown()
-    jr.init(**RAY_CONFIG)  # the next tests use this one
+    assert killed == [True]
+    restart_ray()
     got = run_steps(pstep, params, batch)
-    assert_same(*got, *run_steps(jax.jit(step), params, batch))
+    assert_same(*got, *run_steps(jax.jit(slow_step), params, batch))
+
+
+def test_a_host_killed_before_a_step_puts_its_parameters_is_named(ray_runtime):
+    """Host 3 dies between steps: the next step's first act, putting the parameters it was given
+    as host data on their stages' hosts, names the host, the parameter and the host's stage."""
+    import ray
+
+    from jaxreshard.runtime._ray import RuntimeBroken
+
+    cfg = ray_config(num_micro_batches=2, timeout_s=60)
+    pstep = jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    pstep(params, batch)
+    ray.kill(ray_runtime.actors[3], no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # dead before the step begins
+        ray.get(ray_runtime.actors[3].pipeline_progress.remote("", ""), timeout=30)
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeBroken,
+        match=r"host actor 3 \(.*\) died during putting float32\[.*\]: .* \(putting parameter "
+        r"\d, float32\[.*\], on stage 1's hosts; host 3 runs stage 1 with hosts 2, 3\)",
+    ):
+        pstep(params, batch)  # numpy parameters: put first
+    assert time.monotonic() - start < cfg.timeout_s / 2
+    restart_ray()
 
 
 def test_optimizer_state_laid_out_by_the_caller_runs_the_segments_compiled_ahead(ray_runtime):

@@ -203,3 +203,59 @@ def test_optax_on_the_ray_runtime_keeps_state_on_the_hosts(
     assert all(math.prod(shape) == 1 for shape in fetched), fetched  # only scalars cross
     monkeypatch.undo()
     assert_same((params, state, losses), run(jax.jit(make_optax_step(optimizer)), optimizer))
+
+
+def attention_loss(p, batch):
+    """One attention layer on stage 1. Its key bias `bk` adds q . bk to every score of a query,
+    the same for every key, which softmax cancels: its gradient is mathematically zero, and in
+    floats it is rounding noise (of either sign, different under any other summation order)."""
+    h = jnp.tanh(batch["x"] @ p["emb"])
+    h = jr.stage_boundary(h)
+    q, k = h @ p["wq"], h @ p["wk"] + p["bk"]
+    scores = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(k.shape[-1])
+    out = jax.nn.softmax(scores, axis=-1) @ h @ p["out"]
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def test_adam_turns_a_noise_gradient_into_a_learning_rate_step():
+    """docs/models.md, 'What "equal to jax.jit" means': every parameter agrees with jax.jit
+    within the tests' tolerance (rtol=1e-5, atol=1e-6), except one whose gradient is pure
+    rounding noise: Adam divides it by its own RMS, so each run moves it by up to about the
+    learning rate, in a direction the noise picks. Compare such a parameter within lr per step
+    (or its gradient, which agrees within the tolerance)."""
+    rng = np.random.default_rng(0)
+    features, hidden, seq, rows = 6, 8, 4, 8
+    shapes = {"emb": (features, hidden), "wq": (hidden, hidden), "wk": (hidden, hidden),
+              "bk": (hidden,), "out": (hidden, features)}  # fmt: skip
+    params = {k: (rng.normal(size=s) * 0.4).astype(np.float32) for k, s in shapes.items()}
+    batch = {
+        "x": rng.normal(size=(rows, seq, features)).astype(np.float32),
+        "y": rng.normal(size=(rows, seq, features)).astype(np.float32),
+    }
+    grads = jax.jit(jax.grad(attention_loss))(params, batch)
+    assert float(jnp.max(jnp.abs(grads["bk"]))) < 1e-7 < float(jnp.max(jnp.abs(grads["wk"])))
+
+    lr, steps = 1e-2, 4
+    optimizer = optax.adamw(lr)
+
+    def step(params, opt_state, batch):
+        loss, grads = jr.value_and_grad(attention_loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    pipelined = jr.parallelize(step, config=config(num_micro_batches=4), batch_argnums=(2,))
+    got = want = (params, optimizer.init(params))
+    for _ in range(steps):
+        *got, loss, got_grads = pipelined(*got, batch)
+        *want, ref_loss, ref_grads = jax.jit(step)(*want, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        for k in params:  # the gradients agree, bk's (noise around 0) included
+            np.testing.assert_allclose(
+                fetch(got_grads[k]), np.asarray(ref_grads[k]), rtol=1e-5, atol=1e-6
+            )
+    for k in params:
+        a, b = fetch(got[0][k]), np.asarray(want[0][k])
+        if k == "bk":  # up to lr per step apart (on CPU, jax 0.10: 3e-3 after 4 steps)
+            assert np.max(np.abs(a - b)) <= lr * steps
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

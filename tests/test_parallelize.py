@@ -1,6 +1,9 @@
 """parallelize: same numbers as jax.jit, the boundary tensors the model implies, clear errors."""
 
+import functools
+import re
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -455,7 +458,7 @@ def test_config_validation_and_toml(tmp_path):
         "schedule='pipedream'.*choose one of gpipe, 1f1b, eager_1f1b, zb_h1",
     )
     error(lambda: jr.PipelineConfig(resharding="fast"), "resharding='fast'.*send_recv")
-    error(lambda: jr.PipelineConfig(num_micro_batches=0), "num_micro_batches=0.*int >= 1")
+    error(lambda: jr.PipelineConfig(num_micro_batches=0), "num_micro_batches=0.*int from 1 to")
     error(
         lambda: jr.PipelineConfig(stage_mesh_shape=(2, 2), mesh_axis_names=("x",)),
         "has 2 axes but mesh_axis_names",
@@ -593,3 +596,150 @@ def test_a_gradient_read_after_the_pipeline_and_again_later_equals_jax_jit():
     pstep = jr.parallelize(step, config=config(num_micro_batches=2), batch_argnums=(1,))
     got = run_steps(pstep, make_params(2), make_batch())
     assert_same(*got, *run_steps(jax.jit(step), make_params(2), make_batch()))
+
+
+def labels_first_step(params, batch):
+    """A step that computes from the batch (and reads a parameter) before the loss closure: the
+    `pre` part, whose inputs are `jax.Array`s from the second step on (the returned parameters
+    come back)."""
+    labels = jax.nn.one_hot(batch["label"], FEATURES) + batch["y"] * 2
+    scale = 1 + jnp.mean(params["b1"]) ** 2  # a stage-1 parameter, read outside the loss
+
+    def loss_fn(p):
+        return mlp_loss(p, {"x": batch["x"], "y": labels * scale})
+
+    loss, grads = jr.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, schedule, weight_delay, on_device",
+    [((1, 1), "1f1b", False, False), ((1, 2), "eager_1f1b", True, True)],
+)
+def test_code_before_the_loss_on_jax_arrays_matches_jax_jit(
+    mesh_shape, schedule, weight_delay, on_device
+):
+    """Issue 25: the `pre` part's inputs as `jax.Array`s on several device sets (a parameter
+    returned by the last step on stage 1's mesh, a batch on device 0) were an `unhashable type:
+    'set'` TypeError from the second step on."""
+    batch = make_batch()
+    batch["label"] = np.arange(ROWS, dtype=np.int32) % FEATURES
+    if on_device:
+        batch = jax.tree.map(jnp.asarray, batch)
+    cfg = config(
+        num_micro_batches=4,
+        stage_mesh_shape=mesh_shape,
+        schedule=schedule,
+        weight_delay=weight_delay,
+    )
+    pstep = jr.parallelize(labels_first_step, config=cfg, batch_argnums=(1,))
+    got = run_steps(pstep, make_params(2), batch, steps=4)
+    assert_same(*got, *run_steps(jax.jit(labels_first_step), make_params(2), batch, steps=4))
+
+
+def test_a_missing_batch_argnums_warns_naming_the_batch():
+    """Issue 25: with num_micro_batches > 1 and no batch_argnums, every micro-batch computed the
+    whole batch silently (jax.jit's result at 4 times the work; a plan of '0 rows')."""
+    import optax
+
+    optimizer = optax.adam(1e-2)
+    params, batch = make_params(2), make_batch()
+    step = jr.parallelize(adam_step(mlp_loss, optimizer), config=config(num_micro_batches=4))
+    with pytest.warns(
+        jr.BatchArgnumsWarning,
+        match=r"num_micro_batches=4 but no batch_argnums.* each of the 4 micro-batches computes "
+        r"the step on the whole input .*Argument 2 \(`batch`\) looks like the batch \(every leaf "
+        r"has 8 rows along dim 0.*pass batch_argnums=\(2,\) to split it, or use "
+        r"num_micro_batches=1",
+    ):
+        plan = step.plan(params, optimizer.init(params), batch)
+    first = str(plan).splitlines()[0]
+    assert first == (
+        "pipeline: 2 stages, 4 micro-batches, no batch argument (batch_argnums=()): each "
+        "micro-batch computes the whole step, schedule 1f1b"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jr.BatchArgnumsWarning)
+        jr.parallelize(make_step(2), config=config(num_micro_batches=4), batch_argnums=(1,)).plan(
+            params, batch
+        )
+        jr.parallelize(make_step(2), config=config(num_micro_batches=1)).plan(params, batch)
+
+
+def test_the_batch_argument_guess():
+    from jaxreshard._parallelize import likely_batch_argnum
+
+    w, rows = np.zeros((8, 8), np.float32), np.zeros((8, 3), np.float32)
+    params = make_params(2)  # dims 0 of 6 and 8: not one batch
+    assert likely_batch_argnum((params, {"x": rows, "y": rows[:, 0]}), 4) == 1
+    assert likely_batch_argnum((params, {"x": rows}, {"n": np.float32(1)}), 4) == 1
+    assert likely_batch_argnum((w, rows), 4) is None  # both 8 rows: no way to tell
+    assert likely_batch_argnum((params, rows[:6]), 4) is None  # 4 does not divide 6
+
+    def step(w, x):  # a weight and a batch of 8 rows each
+        def loss_fn(w):
+            return jnp.mean(jr.stage_boundary(jnp.tanh(x @ w.T)) ** 2)
+
+        return jr.value_and_grad(loss_fn)(w)
+
+    pstep = jr.parallelize(step, config=config(num_micro_batches=2))
+    with pytest.warns(jr.BatchArgnumsWarning, match=r"Pass batch_argnums=\(i,\) naming"):
+        pstep.plan(np.ones((8, FEATURES), np.float32), np.ones((8, FEATURES), np.float32))
+
+
+@pytest.mark.parametrize(
+    "overrides, first",
+    [
+        ({}, "pipeline: 2 stages, 4 micro-batches of 2 rows, schedule 1f1b"),
+        (
+            dict(schedule="eager_1f1b", weight_delay=True),
+            "pipeline: 2 stages, 4 micro-batches of 2 rows, schedule eager_1f1b + weight delay",
+        ),
+        (
+            dict(schedule="interleaved_1f1b", virtual_stages=2),
+            "pipeline: 4 stages on 2 ranks, 4 micro-batches of 2 rows, schedule interleaved_1f1b",
+        ),
+    ],
+)
+def test_the_plans_first_line_says_each_thing_once(overrides, first):
+    """Issue 25: it repeated '2 stages, 4 micro-batches' (its own words, then the schedule's)."""
+    num_stages = 2 * overrides.get("virtual_stages", 1)
+    cfg = config(num_micro_batches=4, **overrides)
+    step = jr.parallelize(make_step(num_stages), config=cfg, batch_argnums=(1,))
+    assert str(step.plan(make_params(num_stages), make_batch())).splitlines()[0] == first
+
+
+def test_a_jax_grad_in_the_step_is_named_at_the_users_line():
+    """Issue 25: the error for jax.grad through a boundary pointed into frontend/_markers.py."""
+
+    def step(params, batch):
+        loss_fn = functools.partial(mlp_loss, batch=batch)
+        grads = jax.grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads)
+
+    pstep = jr.parallelize(step, config=config(), batch_argnums=(1,))
+    with pytest.raises(PipelineSplitError) as info:
+        pstep(make_params(2), make_batch())
+    message, here = str(info.value), re.escape(__file__)
+    call = step.__code__.co_firstlineno + 2  # the `jax.grad(loss_fn)(params)` line
+    boundary = mlp_loss.__code__.co_firstlineno + 3  # `h = jr.stage_boundary(h)`
+    assert re.match(
+        rf"{here}:{call} \(.*step\): the step differentiates with jax.grad through "
+        rf"jr.stage_boundary \(at {here}:{boundary} \(mlp_loss\)\), a gradient transform that "
+        r"parallelize cannot pipeline .*replace jax.value_and_grad / jax.grad with "
+        "jr.value_and_grad / jr.grad",
+        message,
+    ), message
+    assert "_markers.py" not in message
+
+
+def test_a_misused_jr_value_and_grad_is_named_at_the_users_line():
+    def step(params, batch):
+        return jr.value_and_grad(mlp_loss, has_aux=True)(params, batch)  # returns no pair
+
+    pstep = jr.parallelize(step, config=config(), batch_argnums=(1,))
+    line = step.__code__.co_firstlineno + 1
+    with pytest.raises(
+        TypeError, match=rf"^{re.escape(__file__)}:{line} \(.*step\): .*must return a pair"
+    ):
+        pstep(make_params(2), make_batch())

@@ -2,6 +2,9 @@
 names itself, the next step is right, and pipelines leave no threads or growing caches behind."""
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -139,3 +142,106 @@ def test_compiled_signatures_are_bounded(monkeypatch):
     assert pipelines[0].closed and not pipelines[2].closed
     step(params, make_batch(rows=8))  # dropped, so compiled again: still right
     assert len(step._cache) == 2
+
+
+def test_close_ends_the_threads_and_an_idle_sender_holds_no_array():
+    """[Note: threads at exit]: a sender thread kept the last value it moved in a local, and
+    `close` only told the threads to end; at interpreter exit one that freed that array while
+    the interpreter finalized aborted the process (`terminate called after throwing an instance
+    of ''`, issue 25). Now idle threads hold no array and `close` returns once they have ended."""
+    step = jr.parallelize(
+        make_step(2), config=config(num_micro_batches=4, emulate_network_gbps=50.0),
+        batch_argnums=(1,),
+    )  # fmt: skip
+    before = set(_jaxreshard_threads())
+    step(make_params(2), make_batch())  # network emulation: every transfer in a sender thread
+    frames = sys._current_frames()
+    senders = [t for t in threading.enumerate() if t.name.startswith("jaxreshard-send")]
+    assert senders
+    for thread in senders:
+        held = []
+        frame = frames.get(thread.ident)
+        while frame is not None:
+            held += [k for k, v in frame.f_locals.items() if isinstance(v, jax.Array)]
+            frame = frame.f_back
+        assert held == [], f"{thread.name} holds arrays in locals {held}"
+    step.close()
+    assert set(_jaxreshard_threads()) <= before  # ended, not only told to
+
+
+EXITING = """
+import os, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import jax.numpy as jnp
+import numpy as np
+import jaxreshard as jr
+
+def boom(x):
+    raise RuntimeError("boom in stage 1")
+
+@jax.custom_jvp
+def failing(x):
+    return jax.pure_callback(boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+failing.defjvp(lambda primals, tangents: (failing(primals[0]), tangents[0]))
+
+def step(params, batch):
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["emb"])
+        h = jr.stage_boundary(h)
+        h = jnp.tanh(h @ p["w1"])
+        if sys.argv[1] == "fail":
+            h = failing(h)
+        return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+    loss, grads = jr.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+rng = np.random.default_rng(0)
+params = {"emb": rng.normal(size=(64, 256)), "w1": rng.normal(size=(256, 256)) / 16,
+          "out": rng.normal(size=(256, 64))}
+batch = {"x": rng.normal(size=(64, 64)), "y": rng.normal(size=(64, 64))}
+params, batch = jax.tree.map(lambda a: a.astype(np.float32), (params, batch))
+config = jr.PipelineConfig(
+    stage_mesh_shape=(1, 2), mesh_axis_names=("data", "model"), backend="local",
+    num_micro_batches=8, emulate_network_gbps=0.1, devices_per_host=4, timeout_s=2,
+)
+train_step = jr.parallelize(step, config=config, batch_argnums=(1,))
+for _ in range(4):
+    params, loss = train_step(params, batch)
+print("trained", float(loss))
+"""
+
+
+def run_exiting(tmp_path, mode):
+    """Run `EXITING` in a fresh process; its return code, stderr and wall time."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=120
+    )
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+def test_a_process_with_network_emulation_on_one_host_exits_cleanly(tmp_path):
+    """Issue 25: all stages on one host with network emulation (every transfer in a sender
+    thread) aborted at exit in a quarter to two thirds of the runs (the race is narrow: the
+    test above catches its cause every time); three runs in a row exit 0."""
+    for _ in range(3):
+        code, stderr, _ = run_exiting(tmp_path, "ok")
+        assert code == 0 and "terminate called" not in stderr, stderr[-3000:]
+
+
+def test_a_failed_step_lets_the_process_exit_promptly(tmp_path):
+    """A host callback that raises in stage 1 (on two devices, so the other device's part of
+    the stage waits in a collective for good): the step fails after timeout_s, the error goes
+    up to the top, and the process exits with it (no thread of ours left inside JAX or
+    holding the exit up)."""
+    code, stderr, took = run_exiting(tmp_path, "fail")
+    assert code == 1, stderr[-3000:]
+    assert "PipelineError" in stderr and "terminate called" not in stderr, stderr[-3000:]
+    assert took < 60, took

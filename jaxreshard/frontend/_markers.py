@@ -28,6 +28,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from jaxreshard._jax_compat import new_jaxpr
+from jaxreshard.frontend._source import caller_location
 
 # -- stage_boundary -----------------------------------------------------------------------------
 
@@ -158,7 +159,8 @@ def value_and_grad(
         if holomorphic or allow_int or kwargs:
             options = ["holomorphic"] * holomorphic + ["allow_int"] * allow_int + list(kwargs)
             raise NotImplementedError(
-                f"inside jaxreshard.parallelize, jr.value_and_grad does not take {options}; "
+                f"{caller_location()}: inside jaxreshard.parallelize, jr.value_and_grad does not "
+                f"take {options}; "
                 "differentiate real floating-point parameters (has_aux=True is supported)"
             )
         value, grads, aux = _bind_pipeline_grad(fun, _argnums(argnums), args, has_aux)
@@ -243,8 +245,9 @@ def _bind_pipeline_grad(
     for i in argnums:
         if not 0 <= i < len(args):
             raise ValueError(
-                f"jr.value_and_grad(argnums={argnums}) but the loss was called with "
-                f"{len(args)} arguments"
+                f"{caller_location()}: jr.value_and_grad(argnums={argnums}) but the loss was "
+                f"called with {len(args)} arguments; argnums picks the loss's arguments to "
+                f"differentiate, from 0 to {len(args) - 1}"
             )
     diff = tuple(args[i] for i in argnums)
     rest = tuple(a for i, a in enumerate(args) if i not in argnums)
@@ -256,7 +259,8 @@ def _bind_pipeline_grad(
                 jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
             ]
             raise TypeError(
-                f"jr.value_and_grad differentiates argument leaf {paths[i]} of type "
+                f"{caller_location()}: jr.value_and_grad differentiates argument leaf {paths[i]} "
+                "of type "
                 f"{type(leaf).__name__} ({getattr(leaf, 'dtype', '')}); jax.grad takes "
                 "floating-point arrays only. For a model with other leaves (an Equinox module), "
                 "use jr.filter_value_and_grad, as eqx.filter_value_and_grad"
@@ -273,7 +277,8 @@ def _bind_pipeline_grad(
             return [out]
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
-                "jr.value_and_grad(..., has_aux=True): the loss must return a pair "
+                f"{caller_location()}: jr.value_and_grad(..., has_aux=True): the loss must return "
+                "a pair "
                 f"(loss, aux), not {type(out).__name__}"
             )
         aux_leaves, tree = jax.tree.flatten(out[1])
@@ -300,7 +305,10 @@ def _bind_pipeline_grad(
     )
     out = jaxpr.out_avals[0]
     if out.shape != () or not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
-        raise ValueError(f"the differentiated loss must return one real scalar; it returns {out}")
+        raise ValueError(
+            f"{caller_location()}: the loss given to jr.value_and_grad must return one real "
+            f"scalar (a mean or a sum over the batch); it returns {out}"
+        )
     num_aux = len(jaxpr.out_avals) - 1
     results = pipeline_grad_p.bind(
         *diff_leaves,

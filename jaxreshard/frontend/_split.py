@@ -86,6 +86,7 @@ from jaxreshard.frontend._jaxprs import (
 )
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
 from jaxreshard.frontend._random import plan_draws, with_micro_batch_index
+from jaxreshard.frontend._source import gradient_call, user_location
 
 __all__ = ["PipelineSplitError"]
 
@@ -247,7 +248,9 @@ class StepGraph:
 
 
 def _where(eqn: Any) -> str:
-    return source_location(eqn)
+    """The user's line that made `eqn` (not jaxreshard's, Flax's or Equinox's; see
+    `frontend._source`)."""
+    return user_location(eqn) or source_location(eqn)
 
 
 def _contains_marker(jaxpr: Any) -> bool:
@@ -299,6 +302,7 @@ def check_gradient_api(jaxpr: Any) -> None:
         return
     files = " ".join(source_files(transposed[0]))
     where = _where(transposed[0])
+    call = gradient_call(transposed[0])
     if "equinox" in files:
         fix = (
             "replace eqx.filter_value_and_grad(loss_fn) with jr.filter_value_and_grad(loss_fn) "
@@ -316,9 +320,17 @@ def check_gradient_api(jaxpr: Any) -> None:
             "replace jax.value_and_grad / jax.grad with jr.value_and_grad / jr.grad (same "
             "signature)"
         )
+    if call is None:
+        what = f"the step differentiates through jr.stage_boundary (at {where}) with a gradient "
+    else:
+        name, at = call
+        what = (
+            f"{at}: the step differentiates with {name} through jr.stage_boundary (at {where}), "
+            "a gradient "
+        )
     raise PipelineSplitError(
-        f"the step differentiates through jr.stage_boundary (at {where}) with a gradient "
-        f"transform that parallelize cannot pipeline; {fix}"
+        f"{what}transform that parallelize cannot pipeline (only jr.value_and_grad / jr.grad "
+        f"mark where the pipelined loss ends); {fix}"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import weakref
 from typing import Any
 
@@ -93,8 +95,28 @@ def init(
 
 
 def track_pipeline(pipeline: Any) -> None:
-    """Have `shutdown` close `pipeline` (its `close()`) if it is still alive then."""
+    """Have `shutdown` close `pipeline` (its `close()`) if it is still alive then, and the
+    interpreter's exit too if it runs steps in this process (`pipeline.close_at_exit`)."""
+    global _exit_hook
     _pipelines.add(pipeline)
+    if not _exit_hook:
+        # Registered after JAX's exit hooks (JAX is imported before any pipeline is built), so
+        # it runs before them: the threads end while JAX is still whole (see
+        # [Note: threads at exit] in `runtime/_threads.py`).
+        atexit.register(_close_pipelines_at_exit)
+        _exit_hook = True
+
+
+_exit_hook = False
+
+
+def _close_pipelines_at_exit() -> None:
+    for pipeline in list(_pipelines):
+        if getattr(pipeline, "close_at_exit", False):
+            try:
+                pipeline.close()
+            except Exception:  # exit goes on; the other pipelines still close
+                logging.getLogger(__name__).debug("closing %r at exit failed", pipeline)
 
 
 def shutdown() -> None:

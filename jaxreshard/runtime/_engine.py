@@ -27,7 +27,6 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -56,6 +55,7 @@ from jaxreshard.runtime._layout import PipelineLayout
 from jaxreshard.runtime._programs import program_variants
 from jaxreshard.runtime._segments import SegmentExecutables
 from jaxreshard.runtime._specs import place, spec_of, transplant_spec
+from jaxreshard.runtime._threads import JOIN_S, DaemonPool
 
 
 def stage_backward(graph: StepGraph, s: int, config: PipelineConfig) -> Any:
@@ -402,7 +402,7 @@ class RankRunner:
         self.programs, self.ranks, self.channels_of = programs, ranks, dict(channels_of)
         self.meshes, self.owner, self.timeout_s, self.where = meshes, owner, timeout_s, where
         self.channels = list({id(c): c for c in self.channels_of.values()}.values())
-        self._pool: ThreadPoolExecutor | None = None  # made at the first threaded step
+        self._pool: DaemonPool | None = None  # made at the first threaded step
         self._completion = Completion()
         self._record: Callable[[Event], None] | None = None
 
@@ -491,10 +491,8 @@ class RankRunner:
 
     def _run_threads(self, program: Callable[[int], Any]) -> dict[int, Any]:
         """Each rank's program in a (pooled) thread of its own, blocking in its RECVs."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=len(self.ranks), thread_name_prefix="jaxreshard-stage"
-            )
+        if self._pool is None:  # daemons: see [Note: threads at exit]
+            self._pool = DaemonPool(len(self.ranks), "jaxreshard-stage")
         done: dict[int, Any] = {}
 
         def worker(r: int) -> None:
@@ -519,14 +517,15 @@ class RankRunner:
         wait_for_stages(futures, self.channels, self.timeout_s, name)
         return done
 
-    def close(self) -> None:
-        """Free the threads and the channels (idempotent)."""
+    def close(self, join_s: float = JOIN_S) -> None:
+        """Free the threads and the channels (idempotent), waiting at most about `join_s`
+        for each kind of thread to end (see [Note: threads at exit])."""
         for channels in self.channels:
-            channels.close()
+            channels.close()  # (it joins its sender threads)
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(join_s)
             self._pool = None
-        self._completion.close()
+        self._completion.close(join_s)
 
 
 # -- placing inputs -----------------------------------------------------------------------------

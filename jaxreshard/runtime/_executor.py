@@ -69,7 +69,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
 from typing import Any
@@ -93,6 +92,7 @@ from jaxreshard.runtime._compile import StageCompiler
 from jaxreshard.runtime._layout import PipelineLayout, Transfer
 from jaxreshard.runtime._programs import program_fusion
 from jaxreshard.runtime._specs import place
+from jaxreshard.runtime._threads import JOIN_S, DaemonPool, join_all
 
 
 class PipelineError(RuntimeError):
@@ -177,6 +177,7 @@ class Channels:
         self._failure: BaseException | None = None
         self._queues: dict[int, list[Any]] = {}
         self._senders: dict[int, threading.Thread] = {}
+        self._threads: list[threading.Thread] = []  # every sender started, for `close`
         self._generation = 0  # sender threads of an older generation exit
         self._in_flight = 0
         self._order = itertools.count()
@@ -245,6 +246,7 @@ class Channels:
                     daemon=True,
                 )
                 self._senders[ins.src] = thread
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
                 thread.start()
             self._cond.notify_all()
 
@@ -334,13 +336,25 @@ class Channels:
         return self._failure
 
     def close(self) -> None:
-        """End the sender threads (idempotent); the channels cannot run steps after this."""
+        """End the sender threads, waiting at most `JOIN_S` for those not stuck in a move (see
+        [Note: threads at exit]). Idempotent; the channels cannot run steps after this."""
         with self._cond:
             self._closed = True
             self._queues.clear()
             self._cond.notify_all()
+            threads = list(self._threads)
+        join_all(threads, JOIN_S)
 
     # Helpers for subclasses --------------------------------------------------------------------
+
+    def abandoned(self) -> bool:
+        """Whether the move a sender thread is making no longer matters: its step failed or
+        ended, or the channels closed (its waits give up: see [Note: threads at exit])."""
+        return (
+            self._closed
+            or self._failure is not None
+            or getattr(self._local, "epoch", self.epoch) != self.epoch
+        )
 
     def placeholder(self, transfer: Transfer, sharding: Any) -> Any:
         """Signal-only mode's stand-in for a transfer's result: zeros already in place, made
@@ -383,27 +397,32 @@ class Channels:
                     self._cond.wait()
                 if self._closed or generation != self._generation:
                     return
-                _, _, epoch, ins, transfer, value = heapq.heappop(self._queues[stage])
-            try:
-                if self._failure is None and epoch == self.epoch:
-                    self._local.epoch = epoch
-                    self._move(ins, transfer, value)
-            except BaseException as e:
-                error = (
-                    e
-                    if isinstance(e, PipelineError)
-                    else PipelineError(
-                        f"{self.where(ins.src)}: sending {ins}: {type(e).__name__}: {e}"
-                    )
-                )
-                error.__cause__ = e
+                item = heapq.heappop(self._queues[stage])
+            self._send_one(*item[2:])
+            # An idle sender holds no array: one that ends at interpreter exit must not free
+            # the last reference to one (see [Note: threads at exit]).
+            del item
+
+    def _send_one(self, epoch: int, ins: Instruction, transfer: Transfer, value: Any) -> None:
+        """Move one queued value (a sender thread's work), failing the step if that fails."""
+        try:
+            if self._failure is None and epoch == self.epoch:
+                self._local.epoch = epoch
+                self._move(ins, transfer, value)
+        except BaseException as e:
+            error = (
+                e
+                if isinstance(e, PipelineError)
+                else PipelineError(f"{self.where(ins.src)}: sending {ins}: {type(e).__name__}: {e}")
+            )
+            error.__cause__ = e
+            if epoch == self.epoch:
+                self.fail(error)
+        finally:
+            with self._cond:
                 if epoch == self.epoch:
-                    self.fail(error)
-            finally:
-                with self._cond:
-                    if epoch == self.epoch:
-                        self._in_flight -= 1
-                    self._cond.notify_all()
+                    self._in_flight -= 1
+                self._cond.notify_all()
 
     def _check_failure(self) -> None:
         if self._failure is not None:
@@ -507,16 +526,18 @@ def dispatch(
 class Completion:
     """Waits until a step's dispatched work has finished, with a deadline that moves with
     progress: the step fails only when none of its actions finishes for `timeout_s`, and the
-    error names the first unfinished action (see [Note: one dispatching thread])."""
+    error names the first unfinished action (see [Note: one dispatching thread]). The waiting
+    thread is a daemon, so one left blocked by a hung step does not hold the process at exit
+    (see [Note: threads at exit])."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
     def wait(self, outputs: Any, log: Sequence[tuple[str, Any]], timeout_s: float) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxreshard-wait")
+            self._pool = DaemonPool(1, "jaxreshard-wait")
         pool = self._pool
-        finished = pool.submit(jax.block_until_ready, outputs)
+        finished = pool.submit(_block_until_ready, outputs)
         deadline = time.monotonic() + timeout_s
         progress = -1
         while True:
@@ -535,7 +556,7 @@ class Completion:
                 # The waiting thread stays blocked until the computation ends: a new one
                 # serves the next step.
                 self._pool = None
-                pool.shutdown(wait=False)
+                pool.shutdown(join_s=None)
                 stuck = next(
                     (what for what, outs in log if not _finished(outs)), "the step's outputs"
                 )
@@ -546,10 +567,16 @@ class Completion:
                     "longer"
                 )
 
-    def close(self) -> None:
+    def close(self, join_s: float | None = JOIN_S) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(join_s)
             self._pool = None
+
+
+def _block_until_ready(outputs: Any) -> None:
+    # A blocking wait, not `wait_ready`'s polls: this is every local step's last wait, and a
+    # poll's pause would add to the step (see [Note: threads at exit]).
+    jax.block_until_ready(outputs)  # (returns None: the future holds no array)
 
 
 def _finished(tree: Any) -> bool:

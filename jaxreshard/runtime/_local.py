@@ -52,6 +52,7 @@ from jaxreshard.runtime._layout import (
     pipeline_schedule,
 )
 from jaxreshard.runtime._specs import spec_of
+from jaxreshard.runtime._threads import wait_ready
 
 
 @dataclasses.dataclass
@@ -208,7 +209,8 @@ class LocalChannels(Channels):
                 moved = execute_local(transfer.plan, value, dst, path="devices")
             self.deliver(ins.key, moved)
             return
-        jax.block_until_ready(value)
+        if not wait_ready(value, self.abandoned):  # (polling: see [Note: threads at exit])
+            return
         start = time.perf_counter()
         ready = 0.0
         if self.signal_only:
@@ -219,7 +221,7 @@ class LocalChannels(Channels):
                 # The receiver, not this thread, sleeps until the emulated hops end.
                 ready = emulated_end(self._emulator, self.c.cluster, transfer.plan)
         if self.record is not None:
-            jax.block_until_ready(moved)
+            jax.block_until_ready(moved)  # (our own copy: it ends; a poll would blur its time)
             end = time.perf_counter() + max(0.0, ready - time.monotonic())
             nbytes = 0 if self.signal_only else None
             self.record(Event.send(transfer, ins.mb, start, end, nbytes))
@@ -266,7 +268,8 @@ class LocalHosts(Hosts):
         """The `pre` part's inputs on one device set: as they are, unless JAX arrays among them
         sit on several (a parameter and an optimizer count on two stages): then all on stage
         0's mesh."""
-        sets = {x.sharding.device_set for x in inputs if isinstance(x, jax.Array)}
+        # (`device_set` is a plain set, which does not hash.)
+        sets = {frozenset(x.sharding.device_set) for x in inputs if isinstance(x, jax.Array)}
         if len(sets) <= 1:
             return inputs
         mesh = self.compiled.meshes[0]
@@ -312,6 +315,10 @@ class LocalPipeline(PipelineDriver):
     `channels` may give each stage other channels instead of one `LocalChannels` (tests run
     `HostChannels` of several emulated hosts in one process this way; their ranks run in
     threads)."""
+
+    # Closed by an exit hook before JAX tears down: its threads run JAX calls (see
+    # [Note: threads at exit]).
+    close_at_exit = True
 
     def __init__(self, compiled: CompiledPipeline, channels: dict[int, Channels] | None = None):
         self.compiled = compiled

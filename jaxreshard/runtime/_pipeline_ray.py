@@ -217,9 +217,28 @@ class RayHosts(Hosts):
             if not (
                 isinstance(value, RemoteArray) and value.sharding == sharding and not value.is_freed
             ):
-                value = self.runtime.put(np.asarray(value), sharding)
+                value = self._put_param(k, np.asarray(value), sharding)
             out[k] = value
         return out
+
+    def _put_param(self, k: int, value: np.ndarray, sharding: VirtualSharding) -> RemoteArray:
+        """Put parameter `k` on its stage's hosts; a host that died meanwhile is named with its
+        stages, as in a step (a step's first act is to put the parameters it was given as host
+        data, so a host lost just before a step fails here)."""
+        from jaxreshard.runtime._ray import RuntimeBroken
+
+        try:
+            return self.runtime.put(value, sharding)
+        except RuntimeBroken as e:
+            if e.host is None:  # broken before: the message says how
+                raise
+            stage = self.graph.owner[k]
+            broken = RuntimeBroken(
+                f"{e} (putting parameter {k}, {value.dtype}{list(value.shape)}, on stage {stage}'s "
+                f"hosts; {self._stages_text(e.host)})"
+            )
+            broken.host = e.host
+            raise broken from None
 
     def pre_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         return [x if isinstance(x, RemoteArray) or is_key(x) else np.asarray(x) for x in leaves]

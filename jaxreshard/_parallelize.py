@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
+from jaxreshard._tracebacks import api_boundary
 from jaxreshard.comm import Cluster, describe_sharding
 from jaxreshard.comm._layout import normalized_spec
 from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
@@ -33,6 +34,7 @@ from jaxreshard.runtime._specs import (
 )
 
 
+@api_boundary
 def parallelize(
     fun: Callable[..., Any] | None = None,
     *,
@@ -66,7 +68,64 @@ def parallelize(
         return functools.partial(
             parallelize, config=config, batch_argnums=batch_argnums, meshes=meshes
         )
-    return Parallelized(fun, config or PipelineConfig(), batch_argnums, meshes)
+    return Parallelized(fun, PipelineConfig() if config is None else config, batch_argnums, meshes)
+
+
+def _check_argnums(batch_argnums: Any) -> tuple[int, ...]:
+    """`batch_argnums` as a tuple of ints (an int alone is one; None is none)."""
+    if batch_argnums is None:
+        return ()
+    items = (batch_argnums,) if _is_int(batch_argnums) else batch_argnums
+    if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)):
+        raise TypeError(
+            f"parallelize(batch_argnums={batch_argnums!r}) takes an int or a tuple of ints: the "
+            "positions of the arguments that hold the batch, e.g. batch_argnums=(2,)"
+        )
+    bad = [i for i in items if not _is_int(i)]
+    if bad:
+        raise TypeError(
+            f"parallelize(batch_argnums={batch_argnums!r}): {bad[0]!r} is not an argument "
+            "position; give ints, e.g. batch_argnums=(2,)"
+        )
+    if len(set(items)) != len(items):
+        raise ValueError(f"parallelize(batch_argnums={batch_argnums!r}) repeats a position")
+    return tuple(int(i) for i in items)
+
+
+def _jax_dtype(dtype: np.dtype) -> bool:
+    try:
+        jax.dtypes.canonicalize_dtype(dtype)
+        return jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_mesh_list(meshes: Any) -> list[Mesh] | None:
+    """`meshes` as a list of `jax.sharding.Mesh`es (None: the config's stage meshes)."""
+    if meshes is None:
+        return None
+    if isinstance(meshes, Mesh):
+        raise TypeError(
+            "parallelize(meshes=...) takes one Mesh per stage (a list), not one Mesh: e.g. "
+            "meshes=[mesh0, mesh1]"
+        )
+    if isinstance(meshes, (str, bytes)) or not isinstance(meshes, (list, tuple)):
+        raise TypeError(
+            f"parallelize(meshes={meshes!r}) takes a list of jax.sharding.Mesh, one per stage"
+        )
+    if not meshes:
+        raise ValueError("parallelize(meshes=[]) gives no mesh; give one Mesh per stage, or None")
+    for i, mesh in enumerate(meshes):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"parallelize(meshes=...): meshes[{i}] is {type(mesh).__name__} ({mesh!r}), not a "
+                "jax.sharding.Mesh; build one with jax.make_mesh(shape, names, devices=...)"
+            )
+    return list(meshes)
 
 
 class BatchArgnumsWarning(UserWarning):
@@ -101,7 +160,11 @@ class Parallelized:
         if not callable(fun):
             raise TypeError(f"parallelize(fun=...) needs a callable, got {type(fun).__name__}")
         if not isinstance(config, PipelineConfig):
-            raise TypeError(f"parallelize(config=...) takes a PipelineConfig, got {config!r}")
+            raise TypeError(
+                f"parallelize(config={config!r}) takes a PipelineConfig, e.g. "
+                "jr.PipelineConfig(num_micro_batches=4) or PipelineConfig.from_toml(path); None "
+                "for the defaults"
+            )
         self.fun = fun
         self.config = config
         # Mesh axes of one device on every stage mesh: a leaf's spec over them shards nothing.
@@ -110,10 +173,8 @@ class Parallelized:
             for i, name in enumerate(config.mesh_axis_names)
             if all(shape[i] == 1 for shape in config.mesh_shapes(None))
         )
-        self.batch_argnums = (
-            (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-        )
-        self.meshes = list(meshes) if meshes is not None else None
+        self.batch_argnums = _check_argnums(batch_argnums)
+        self.meshes = _check_mesh_list(meshes)
         # Compiled steps by argument signature, least recently used first (see `_remember`).
         self._cache: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._static_seen: dict[Any, list[dict[int, Any]]] = {}
@@ -171,6 +232,13 @@ class Parallelized:
                 )
             batch_leaves.append(dynamic[i])
         paths = [p for i, p in enumerate(_leaf_paths(args)) if i not in static]
+        for x, path in zip(arrays, paths):
+            if isinstance(x, np.ndarray) and x.dtype.kind in "OUSVMm" and not _jax_dtype(x.dtype):
+                raise TypeError(
+                    f"argument leaf {path} is a numpy array of dtype {x.dtype}, which JAX "
+                    "arrays cannot hold; convert it (e.g. np.asarray(x, np.float32)) or "
+                    "close over it in the step"
+                )
         self._check_batch(arrays, batch_leaves, paths)
         self._note_static(key, static, _leaf_paths(args))
         entry = self._compile(arrays, in_tree, batch_leaves, static, recorded)
@@ -247,6 +315,11 @@ class Parallelized:
                 raise ValueError(
                     f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
                     "to split into micro-batches"
+                )
+            if shape[0] == 0:
+                raise ValueError(
+                    f"batch leaf {paths[i]} has 0 rows along dim 0: an empty batch has no loss "
+                    "to compute; give at least num_micro_batches rows"
                 )
             if shape[0] % m:
                 raise ValueError(
@@ -354,10 +427,12 @@ class Parallelized:
 
     # Running ------------------------------------------------------------------------------------
 
+    @api_boundary
     def __call__(self, *args: Any) -> Any:
         entry, leaves = self._entry(args)
         return entry.outputs.assemble(entry.pipeline.run(leaves))
 
+    @api_boundary
     def profile_call(self, *args: Any, signal_only: bool = False) -> tuple[Any, list[Event]]:
         """Call the step and time everything it does: returns the outputs and the step's
         `Event`s (each action, transfer, blocked receive and post-gradient segment), with
@@ -374,11 +449,13 @@ class Parallelized:
         jax.block_until_ready(out)
         return out, list(entry.pipeline.last_events)
 
+    @api_boundary
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it."""
         entry, _ = self._entry(args)
         return PipelinePlan(entry.graph, entry.pipeline)
 
+    @api_boundary
     def pipeline(self, *args: Any) -> Any:
         """The compiled pipeline for these arguments (compiling it if needed)."""
         return self._entry(args)[0].pipeline

@@ -6,11 +6,13 @@ from typing import Any
 
 import jax
 
+from jaxreshard._tracebacks import api_boundary
 from jaxreshard.comm import Cluster, plan_reshard
 from jaxreshard.comm._local import execute_local
 from jaxreshard.comm._planner import check_strategy
 
 
+@api_boundary
 def reshard(
     x: Any,
     dst_sharding: Any,

@@ -6,7 +6,10 @@ from typing import Any
 
 import jax
 
+from jaxreshard._tracebacks import api_boundary
 
+
+@api_boundary
 def collect(tree: Any, device: Any = None) -> Any:
     """Bring every array of `tree` to the host as numpy arrays, or onto one device.
 

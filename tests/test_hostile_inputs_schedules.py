@@ -359,9 +359,7 @@ def case_file(tmp_path, change):
             "src_mesh.shape[0] = 1000; expected an integer in 1..128",
         ),
         (
-            lambda d: d["cases"][1]["src_mesh"].update(
-                shape=[8, 8, 4], axis_names=["x", "y", "z"]
-            ),
+            lambda d: d["cases"][1]["src_mesh"].update(shape=[8, 8, 4], axis_names=["x", "y", "z"]),
             "has 256 devices; at most 128 per mesh",
         ),
         (lambda d: d["cases"][1]["src_mesh"].update(axis_names=["x", "x"]), "one distinct name"),

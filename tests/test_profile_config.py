@@ -107,7 +107,7 @@ def test_bad_config_files_name_key_value_and_choices(tmp_path, text, words):
 
 
 def test_missing_config_file(tmp_path):
-    with pytest.raises(ValueError, match="nope.toml: no such file"):
+    with pytest.raises(ValueError, match=r"nope\.toml: no such file"):
         load_profile_config("gpt", tmp_path / "nope.toml")
 
 

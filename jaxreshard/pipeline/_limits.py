@@ -6,8 +6,9 @@ the backward split), and reading, checking and simulating it costs about `BYTES_
 of memory and `SECONDS_PER_ACTION` of time per action (measured on CPython 3.11 by
 `benchmarks/schedule_scale.py --memory`: a 100,000-action schedule peaks at 160-190 MB through
 CSV import, check, simulation and JSON; each step takes 1-3 s, ~10 s in all; a command on
-500,000 actions took 31 s and 0.9 GB). `MAX_ACTIONS` (~400 MB, about half a minute) refuses a count such as `--micro-batches 10**9`, or a CSV cell
-`99999999F0` whose stage implies 2e8 actions, before a list of that length exists; the message
+500,000 actions took 31 s and 0.9 GB). `MAX_ACTIONS` (~400 MB, about 20 s) refuses a count
+such as `--micro-batches 10**9`, or a CSV cell `99999999F0` whose stage implies 2e8 actions,
+before a list of that length exists; the message
 gives the estimate and the limit. Costs are per chunk, so `MAX_CHUNKS` bounds them on their
 own. The limits are module constants: a caller that means it may raise them.
 """

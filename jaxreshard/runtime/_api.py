@@ -7,6 +7,8 @@ import logging
 import weakref
 from typing import Any
 
+from jaxreshard._tracebacks import api_boundary
+
 BACKENDS = ("local", "ray")
 
 _current: Any = None
@@ -34,6 +36,7 @@ class LocalRuntime:
         return f"LocalRuntime({len(self.devices)} {self.devices[0].platform} devices)"
 
 
+@api_boundary
 def init(
     backend: str = "local",
     *,
@@ -68,7 +71,7 @@ def init(
         ValueError: an unknown backend or bad sizes.
     """
     global _current, _implicit
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"init(backend={backend!r}): choose one of {', '.join(BACKENDS)}")
     if _current is not None and _current.is_alive and _implicit:
         shutdown()
@@ -85,8 +88,9 @@ def init(
         _current = LocalRuntime()
         _implicit = False
     else:
-        from jaxreshard.runtime._ray import RayRuntime
+        from jaxreshard.runtime._ray import RayRuntime, check_init_options
 
+        check_init_options(address, options)
         _current = RayRuntime(
             address=address, num_hosts=num_hosts, devices_per_host=devices_per_host, **options
         )
@@ -119,6 +123,7 @@ def _close_pipelines_at_exit() -> None:
                 logging.getLogger(__name__).debug("closing %r at exit failed", pipeline)
 
 
+@api_boundary
 def shutdown() -> None:
     """Stop the current runtime (host actors and Ray, for the Ray backend), and close every
     pipeline built so far (their threads end; the steps compile again at their next call).

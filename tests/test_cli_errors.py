@@ -19,7 +19,8 @@ def run_cli(argv, capsys, cwd):
     assert code != 0, f"{argv}: exit 0\n{out}"
     assert "Traceback" not in err, err
     assert len(lines) == 1, f"{argv}: not one line:\n{err}"
-    assert lines[0].startswith(f"jaxreshard {argv[0]}: error: "), lines[0]
+    words = argv[:2] if argv[0] in ("profile", "bench", "cluster") else argv[:1]
+    assert lines[0].startswith(f"jaxreshard {' '.join(words)}: error: "), lines[0]
     assert set(os.listdir(cwd)) == before, f"{argv} wrote {set(os.listdir(cwd)) - before}"
     return code, lines[0]
 

@@ -48,10 +48,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print(f"jaxreshard {args.command}: interrupted", file=sys.stderr)
+        print(f"jaxreshard {_command(args)}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        return print_error(args.command, e)
+        return print_error(_command(args), e)
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command as argparse names it in its own errors (`profile gpt`, `cluster up`)."""
+    sub = next(
+        (getattr(args, k) for k in ("model", "bench", "action") if getattr(args, k, None)), None
+    )
+    return f"{args.command} {sub}" if sub else args.command
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ import heapq
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from numbers import Integral
 from typing import Any
 
@@ -78,6 +77,7 @@ from jaxreshard.runtime._executor import (
     transfer_key,
 )
 from jaxreshard.runtime._layout import PipelineLayout, Transfer
+from jaxreshard.runtime._threads import JOIN_S, DaemonPool
 
 HostsOfStage = Mapping[int, "int | Sequence[int]"]
 
@@ -419,6 +419,7 @@ class HostChannels(Channels):
         self.transport, self.signal = transport, signal
         self.nccl = transport.name == "nccl"
         self.step_id = "idle"
+        self._epoch_steps: dict[int, str] = {}
         self._gid = {d: g for g, d in self.devices.items()}
         self._steps: dict[tuple[str, int, int, int], tuple[Any, ...]] = {}
         self._signals: set[tuple[str, tuple[Any, ...]]] = set()
@@ -434,9 +435,8 @@ class HostChannels(Channels):
             and host not in self.hosts_of_stage[ins.src]
         }
         workers = len(channels_in) + (self.nccl_recv_window if self.nccl else 0)
-        self._receivers = ThreadPoolExecutor(
-            max_workers=max(1, workers), thread_name_prefix="jaxreshard-recv"
-        )
+        # Daemons that hold nothing while idle (see [Note: threads at exit] in `_threads.py`).
+        self._receivers = DaemonPool(max(1, workers), "jaxreshard-recv")
         # Every action of a step finishes within timeout_s of the one before it or the step
         # fails (the progress deadline), so no transfer of a step arrives later than this
         # after the step began: the bound on a receiving job's wait (`_step_deadline`).
@@ -497,6 +497,9 @@ class HostChannels(Channels):
             self._begun += 1
             self._begun_at = time.monotonic()
         super().begin(stages, step_id=step_id, record=record, signal_only=signal_only)
+        # The step each epoch is (a sender still moving a value of an earlier step names that
+        # step's work, not the one begun since).
+        self._epoch_steps = {**dict(list(self._epoch_steps.items())[-3:]), self.epoch: step_id}
 
     def end(self) -> None:
         try:
@@ -552,7 +555,9 @@ class HostChannels(Channels):
 
     # Work descriptions ----------------------------------------------------------------------------
 
-    def _work(self, ins: Instruction, transfer: Transfer) -> HostWork:
+    def _work(self, ins: Instruction, transfer: Transfer, step_id: str | None = None) -> HostWork:
+        """The transport's work for `ins` of step `step_id` (default: the current one)."""
+        step_id = self.step_id if step_id is None else step_id
         key = transfer_key(ins)
         steps = self._steps.get(key)
         if steps is None:
@@ -562,7 +567,7 @@ class HostChannels(Channels):
         own = self.devices
         kind, tensor, mb, src, dst = ins.key
         return HostWork(
-            work_id=f"{self.step_id}:{kind}{tensor}:mb{mb}:s{src}->s{dst}",
+            work_id=f"{step_id}:{kind}{tensor}:mb{mb}:s{src}->s{dst}",
             host=self.host,
             shape=plan.shape,
             dtype=plan.dtype,
@@ -573,7 +578,7 @@ class HostChannels(Channels):
             src_array="",
             dst_array="",
             timeout_s=self.timeout_s,
-            describe=f"{ins} of step {self.step_id}",
+            describe=f"{ins} of step {step_id}",
         )
 
     def _data(self, work: HostWork, shards: Mapping[int, Any], ins: Instruction) -> Any:
@@ -613,7 +618,8 @@ class HostChannels(Channels):
                 self.signal(peers, self.step_id, ins.key)
             self._record_send(transfer, ins, start, 0)
             return
-        work = self._work(ins, transfer)
+        epoch = getattr(self._local, "epoch", self.epoch)
+        work = self._work(ins, transfer, self._epoch_steps.get(epoch, self.step_id))
         shards = {self._gid[s.device]: s.data for s in value.addressable_shards}
         data = self._data(work, shards, ins)
         if local:  # every op is a copy between this host's devices
@@ -655,20 +661,23 @@ class HostChannels(Channels):
                 ):
                     jobs.setdefault((ins.src, ins.dst), []).append(ins)
         for items in jobs.values():
-            self._receivers.submit(self._receive_in_order, items)
+            self._receivers.submit(self._receive_in_order, items, self.epoch, self.step_id)
 
-    def _receive_in_order(self, items: Sequence[Instruction]) -> None:
+    def _receive_in_order(self, items: Sequence[Instruction], epoch: int, step_id: str) -> None:
+        """One channel's receives of one step, in order. The job belongs to its step: once a
+        later step has begun, it neither receives (that step's messages are its own job's) nor
+        delivers (a late value is dropped) nor fails the new step."""
         for ins in items:
-            if self.stopped:
+            if self.stopped or self.epoch != epoch:
                 return
             try:
-                self.deliver(ins.key, self._receive(ins))
+                self.deliver(ins.key, self._receive(ins, step_id), epoch=epoch)
                 if self.record is not None:
                     now = time.perf_counter()
                     name = f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
                     self.record(Event(ins.dst, ARRIVE, ins.mb, now, now, name, dst=ins.dst))
             except BaseException as e:
-                if self.stopped:  # woken by the failure that stopped the step
+                if self.stopped or self.epoch != epoch:  # woken by the failure that ended it
                     return
                 error = PipelineError(
                     f"{self.where(ins.dst)}: receiving {ins}: {type(e).__name__}: {e}"
@@ -684,24 +693,24 @@ class HostChannels(Channels):
         sure no job outlives its step."""
         return self._begun_at + self._step_bound_s
 
-    def _receive(self, ins: Instruction) -> Any:
+    def _receive(self, ins: Instruction, step_id: str) -> Any:
         transfer = self.layout.transfers[transfer_key(ins)]
         deadline = self._step_deadline(ins)
         if self.signal_only:
             with self._cond:
-                while (self.step_id, tuple(ins.key)) not in self._signals:
+                while (step_id, tuple(ins.key)) not in self._signals:
                     self._check_failure()
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PipelineError(
-                            f"{self.where(ins.dst)}: the signal of {ins} of step {self.step_id} "
+                            f"{self.where(ins.dst)}: the signal of {ins} of step {step_id} "
                             f"did not come within the step's bound ({self._step_bound_s:g} s: "
                             "its actions times timeout_s)"
                         )
                     self._cond.wait(min(left, 1.0))
             dst = NamedSharding(self.meshes[ins.dst], transfer.dst_spec)
             return self.placeholder(transfer, dst)
-        work = self._work(ins, transfer)
+        work = self._work(ins, transfer, step_id)
         data = self._data(work, {}, ins)
         run_host_work(work, data, self.transport, deadline=deadline)
         self.transport.forget(work.work_id)
@@ -857,8 +866,8 @@ class HostChannels(Channels):
         issuer = self._issuer
         thread = issuer.thread if issuer is not None else None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(1.0)
-        self._receivers.shutdown(wait=False, cancel_futures=True)
+            thread.join(JOIN_S)
+        self._receivers.shutdown(JOIN_S)
 
 
 _STOPPED = object()  # `_await_value`: the step ended first

@@ -450,6 +450,14 @@ class Parallelized:
         return out, list(entry.pipeline.last_events)
 
     @api_boundary
+    def wait(self) -> None:
+        """Wait until every step called so far has finished on the devices, and raise the
+        first failure among them (a call returns once its step is dispatched, and a step that
+        fails later says so here or at the next call; see [Note: asynchronous steps])."""
+        for entry in list(self._cache.values()):
+            entry.pipeline.wait()
+
+    @api_boundary
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it."""
         entry, _ = self._entry(args)

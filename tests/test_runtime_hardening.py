@@ -46,7 +46,11 @@ def hanging_step(release: threading.Event, hang: list[bool]):
     return step
 
 
-def test_a_hung_stage_fails_the_step_in_time_naming_it_and_the_next_step_is_right():
+@pytest.mark.parametrize("surfaces_at", ["wait", "next call"])
+def test_a_hung_stage_fails_the_step_in_time_naming_it_and_the_next_step_is_right(surfaces_at):
+    """The call returns once the step is dispatched (see [Note: asynchronous steps]); the
+    watch names the hung stage within timeout_s of its last progress, at `wait()` or at the
+    next call, and the step after the error is right."""
     release, hang = threading.Event(), [False]
     step = jr.parallelize(
         hanging_step(release, hang),
@@ -57,21 +61,62 @@ def test_a_hung_stage_fails_the_step_in_time_naming_it_and_the_next_step_is_righ
     ref_step = jax.jit(hanging_step(release, hang))
     ref_params, ref_loss = ref_step(params, batch)
     step(params, batch)  # compiled, and one healthy step
+    step.wait()
     hang[0] = True
     start = time.monotonic()
-    with pytest.raises(PipelineError, match="stage 1") as info:
-        step(params, batch)
-    took = time.monotonic() - start
-    assert took < TIMEOUT_S + 10, took
-    assert "timeout_s" in str(info.value)
-    hang[0] = False
-    release.set()
+    step(params, batch)  # dispatched; it hangs on the devices
+    assert time.monotonic() - start < TIMEOUT_S, "the call waited for the hung step"
+    try:
+        with pytest.raises(PipelineError, match="stage 1") as info:
+            if surfaces_at == "wait":
+                step.wait()
+            else:
+                time.sleep(TIMEOUT_S + 1.5)  # the watch gives up meanwhile
+                step(params, batch)
+        took = time.monotonic() - start
+        assert took < TIMEOUT_S + 10, took
+        assert "timeout_s" in str(info.value)
+    finally:
+        hang[0] = False
+        release.set()
     new_params, loss = step(params, batch)  # the inputs of the failed step are intact
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for k in ref_params:
         np.testing.assert_allclose(
             np.asarray(new_params[k]), np.asarray(ref_params[k]), rtol=1e-5, atol=1e-6
         )
+    step.wait()
+
+
+def test_calls_return_before_their_steps_finish_and_at_most_steps_in_flight_run():
+    """A call returns once its step is dispatched; past `steps_in_flight` unfinished steps the
+    next call waits for the oldest."""
+    release, hang = threading.Event(), [False]
+    step = jr.parallelize(
+        hanging_step(release, hang),
+        config=config(num_micro_batches=2, timeout_s=30.0, steps_in_flight=2),
+        batch_argnums=(1,),
+    )
+    params, batch = make_params(2), make_batch()
+    step(params, batch)
+    step.wait()
+    pipeline = step.pipeline(params, batch)
+    hang[0] = True
+    try:
+        outs = [step(params, batch) for _ in range(2)]  # both return: 2 may be in flight
+        assert pipeline.engine.watch.in_flight == 2
+        assert not any(x.is_ready() for x in jax.tree.leaves(outs))
+        third = threading.Thread(target=step, args=(params, batch), daemon=True)
+        third.start()
+        third.join(1.0)
+        assert third.is_alive(), "a third step was dispatched with two in flight"
+    finally:
+        hang[0] = False
+        release.set()
+    third.join(30)
+    assert not third.is_alive()
+    step.wait()
+    assert pipeline.engine.watch.in_flight == 0
 
 
 def _jaxreshard_threads() -> list[str]:

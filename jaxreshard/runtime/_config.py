@@ -78,6 +78,11 @@ class PipelineConfig:
             W), W=1, transfer=1.
         backend: `local` (this process's devices), `ray` (the running Ray runtime's host
             actors; see `jaxreshard.init`), or `auto` (whichever runtime is running).
+        steps_in_flight: how many steps a call may leave running on the devices before the
+            next call waits for the oldest: a call returns once its step is dispatched, as
+            `jax.jit`'s does, and the host runs ahead by up to this many steps (each holds its
+            batch and activations meanwhile). Errors of a step surface at a later call or at
+            `train_step.wait()`.
     """
 
     num_micro_batches: int = 1
@@ -99,6 +104,7 @@ class PipelineConfig:
     cost_weight_grad: float | tuple[float, ...] = 1.0
     cost_comm: float | tuple[float, ...] = 1.0
     backend: str = "auto"
+    steps_in_flight: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -113,6 +119,7 @@ class PipelineConfig:
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _choice("backend", self.backend, BACKENDS)
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
+        _positive_int("steps_in_flight", self.steps_in_flight, 64)
         if self.num_stages is not None:
             _positive_int("num_stages", self.num_stages, MAX_STAGES)
         if self.devices_per_host is not None:

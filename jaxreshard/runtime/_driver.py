@@ -105,6 +105,10 @@ class Hosts:
         """Before a step (the Ray driver sends dropped handles' frees, makes NCCL
         communicators an abort ended)."""
 
+    def wait(self) -> None:
+        """Wait until every step dispatched so far has finished; raise a failure among them
+        (steps whose call returns before they finish; see [Note: asynchronous steps])."""
+
     def params(self, values: Mapping[int, Any]) -> dict[int, Any]:
         """The step's parameters (by index) where their owner stages hold them."""
         raise NotImplementedError
@@ -186,6 +190,10 @@ class PipelineDriver:
             for h, ss in self._stages_of.items()
         }
         self._index = index
+
+    def wait(self) -> None:
+        """Wait until every step run so far has finished; raise a failure among them."""
+        self.processes.wait()
 
     def step_id(self) -> str:
         """A new step's id (`last_step_id` then)."""

@@ -56,6 +56,7 @@ from jaxreshard.runtime._programs import program_variants
 from jaxreshard.runtime._segments import SegmentExecutables
 from jaxreshard.runtime._specs import place, spec_of, transplant_spec
 from jaxreshard.runtime._threads import JOIN_S, DaemonPool
+from jaxreshard.runtime._watch import StepWatch
 
 
 def stage_backward(graph: StepGraph, s: int, config: PipelineConfig) -> Any:
@@ -167,6 +168,8 @@ class HostEngine:
         self.layout: PipelineLayout | None = None
         self.runner: RankRunner | None = None
         self._recorded_ready = False
+        # Where this process's steps run asynchronously (the local runtime), their watch.
+        self.watch = StepWatch()
 
     # Setting up ------------------------------------------------------------------------------
 
@@ -257,12 +260,15 @@ class HostEngine:
         inputs: StepInputs,
         *,
         wait: bool = True,
+        watch: StepWatch | None = None,
         on_segment: Callable[[str, Any], None] | None = None,
     ) -> StepOutputs:
         """Run this process's part of a step: place its inputs, run its ranks, then the
-        segments placed here. With `wait`, return once its outputs are computed (or a
-        `PipelineError` after `timeout_s` without any action finishing); without it, the
-        caller watches progress (the Ray driver's progress deadline). `on_segment(what,
+        segments placed here. With `watch`, return once everything is dispatched and have the
+        watch see it finish (see [Note: asynchronous steps]); else with `wait`, return once its
+        outputs are computed (or a `PipelineError` after `timeout_s` without any action
+        finishing); without either, the caller watches progress (the Ray driver's progress
+        deadline). A recorded step waits for every action whatever is asked. `on_segment(what,
         outputs)` hears of each segment dispatched."""
         runner, g = self.runner, self.graph
         if runner is None:
@@ -294,9 +300,11 @@ class HostEngine:
             error = stage_failure(e, f"{self.where}placing the step's inputs")
             runner.fail(error)
             raise error from e
+        watched = watch is not None and not inputs.record
         accumulators, applied = runner.run(
-            inputs.params, batches, consts, apply_inputs, losses, results, wait=wait
-        )
+            inputs.params, batches, consts, apply_inputs, losses, results,
+            wait=wait and not watched,
+        )  # fmt: skip
         grads = {
             k: value
             for s, accs in accumulators.items()
@@ -308,6 +316,15 @@ class HostEngine:
         grads = {k: v for k, v in grads.items() if not _deleted(v)}
         last = self.layout.num_stages - 1 if self.layout is not None else -1
         applied = {s: [as_named(x, self.meshes[s]) for x in xs] for s, xs in applied.items()}
+        if watched:
+            assert watch is not None
+            watch.track(
+                inputs.step_id,
+                (losses, grads, applied, produced, results),
+                runner.last_log,
+                self.config.timeout_s,
+                runner.fail,
+            )
         return StepOutputs(
             losses if last in self.compilers and not g.forward_only else None,
             grads,
@@ -359,6 +376,7 @@ class HostEngine:
 
     def close(self) -> None:
         """Free the threads, the channels and the executables (idempotent)."""
+        self.watch.close()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -405,6 +423,7 @@ class RankRunner:
         self._pool: DaemonPool | None = None  # made at the first threaded step
         self._completion = Completion()
         self._record: Callable[[Event], None] | None = None
+        self.last_log: list[tuple[str, Any]] = []
 
     def what(self, r: int) -> str:
         chunks = self.ranks[r]
@@ -480,6 +499,7 @@ class RankRunner:
         for accs, out in done.values():
             accumulators.update(accs)
             applied.update(out)
+        self.last_log = log  # (what the step dispatched, for a watch: `HostEngine.step`)
         if wait and record is None:  # a recorded step has waited for every action already
             try:
                 self._completion.wait((losses, accumulators, applied, results), log,

@@ -575,8 +575,16 @@ class Completion:
 
 def _block_until_ready(outputs: Any) -> None:
     # A blocking wait, not `wait_ready`'s polls: this is every local step's last wait, and a
-    # poll's pause would add to the step (see [Note: threads at exit]).
-    jax.block_until_ready(outputs)  # (returns None: the future holds no array)
+    # poll's pause would add to the step (see [Note: threads at exit]). An array a later step
+    # donated (and so deleted) was computed by then (see [Note: asynchronous steps]).
+    for x in jax.tree.leaves(outputs):
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            continue
+        try:
+            jax.block_until_ready(x)
+        except RuntimeError:
+            if not x.is_deleted():
+                raise
 
 
 def _finished(tree: Any) -> bool:

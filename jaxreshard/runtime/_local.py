@@ -278,6 +278,14 @@ class LocalHosts(Hosts):
     def ref(self, value: Any, hosts: Sequence[int], gather: bool = False) -> Any:
         return ("value", value)
 
+    def begin(self, step_id: str) -> None:
+        """Before a step: an earlier step's failure is raised now, and at most
+        `steps_in_flight` steps stay in flight (see [Note: asynchronous steps])."""
+        self.engine.watch.admit(self.compiled.config.steps_in_flight)
+
+    def wait(self) -> None:
+        self.engine.watch.wait()
+
     def call(self, calls: Mapping[int, StepCall]) -> dict[int, HostResult]:
         (call,) = calls.values()
         out = self.engine.step(
@@ -290,7 +298,8 @@ class LocalHosts(Hosts):
                 [SegmentCall(j, items) for j, items in call.segments],
                 call.record,
                 call.signal_only,
-            )
+            ),
+            watch=self.engine.watch,
         )
         m = self.compiled.config.num_micro_batches
         results = {

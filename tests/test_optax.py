@@ -259,3 +259,31 @@ def test_adam_turns_a_noise_gradient_into_a_learning_rate_step():
             assert np.max(np.abs(a - b)) <= lr * steps
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum"])
+@pytest.mark.parametrize("schedule, weight_delay", [("1f1b", False), ("eager_1f1b", True)])
+def test_an_optimizer_fused_into_the_last_of_several_backwards_matches_jax_jit(
+    name, schedule, weight_delay
+):
+    """fuse_optimizer='always': with 2 micro-batches, the stage that owns its parameters alone
+    (stage 1; stages 0 and 2 share `emb`) runs its optimizer inside its last backward."""
+    optimizer = OPTIMIZERS[name]()
+    step = parallelize(
+        optimizer, schedule=schedule, weight_delay=weight_delay, fuse_optimizer="always"
+    )
+    got = run(step, optimizer)
+    params, state, _ = got
+    fused = step.pipeline(params, state, make_batch()).engine.fused
+    assert 1 in fused, fused
+    assert_same(got, run(jax.jit(make_optax_step(optimizer)), optimizer))
+
+
+def test_fuse_optimizer_auto_fuses_one_micro_batch_only_and_never_fuses_nothing():
+    optimizer = OPTIMIZERS["adam"]()
+    params = make_params(3)
+    state = optimizer.init(params)
+    for m, mode, fused in ((2, "auto", False), (1, "auto", True), (1, "never", False)):
+        cfg = config(num_micro_batches=m, fuse_optimizer=mode)
+        step = jr.parallelize(make_optax_step(optimizer), config=cfg, batch_argnums=(2,))
+        assert bool(step.pipeline(params, state, make_batch()).engine.fused) == fused, (m, mode)

@@ -34,6 +34,7 @@ MAX_MICRO_BATCHES = 100_000
 MAX_MESH_DEVICES = 2**16
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("auto", "local", "ray")
+FUSE_OPTIMIZER = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,10 @@ class PipelineConfig:
             `jax.jit`'s does, and the host runs ahead by up to this many steps (each holds its
             batch and activations meanwhile). Errors of a step surface at a later call or at
             `train_step.wait()`.
+        fuse_optimizer: where the optimizer (the step's code after the gradients) runs inside
+            each stage's last backward: `auto` (with one micro-batch, where it costs nothing),
+            `always` (with any micro-batch count: faster steps, but a second backward variant
+            to compile before the first), or `never`.
     """
 
     num_micro_batches: int = 1
@@ -105,6 +110,7 @@ class PipelineConfig:
     cost_comm: float | tuple[float, ...] = 1.0
     backend: str = "auto"
     steps_in_flight: int = 2
+    fuse_optimizer: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -118,6 +124,7 @@ class PipelineConfig:
         _choice("resharding", self.resharding, RESHARDING)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _choice("backend", self.backend, BACKENDS)
+        _choice("fuse_optimizer", self.fuse_optimizer, FUSE_OPTIMIZER)
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         _positive_int("steps_in_flight", self.steps_in_flight, 64)
         if self.num_stages is not None:

@@ -154,7 +154,9 @@ class HostEngine:
         }
         # The optimizer runs inside its stage's last backward where it can (the driver finds
         # the same ones: `fusable_segments` is a function of the step and the stages).
-        self.fused = fusable_segments(graph, list(self.compilers), config.num_micro_batches)
+        self.fused = fusable_segments(
+            graph, list(self.compilers), config.num_micro_batches, config.fuse_optimizer
+        )
         grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
         for s, j in self.fused.items():
             seg = graph.segments[j]

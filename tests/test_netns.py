@@ -4,6 +4,7 @@ One 2-host cluster serves the whole module (Ray start-ups are slow on 2 cores); 
 takes it down and checks that nothing is left.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -218,6 +219,56 @@ def test_a_killed_driver_leaves_a_usable_cluster(cluster, tmp_path):
         driver.wait(30)
     (info,) = status(NAME)
     assert info["state"] == "up"
+
+
+def test_a_profiles_measured_transfer_time_is_the_wires(cluster):
+    """A profile measures a transfer from the start of its send to its arrival at the last
+    receiver: a boundary activation of 1 MiB between two hosts cannot cross a 0.1 GB/s NIC in
+    less than 10.5 ms, whatever the sender's own part took."""
+    from jaxreshard.profiler._run import StepRecord, transfer_stats
+
+    rows, width = 64, 4096  # 1 MiB of float32 per micro-batch
+    jaxreshard.init("ray", address=cluster.address, timeout_s=60)
+    try:
+
+        def step(params, batch):
+            def loss_fn(p):
+                h = jax.numpy.tanh(batch["x"] @ p["a"])
+                h = jaxreshard.stage_boundary(h)
+                return jax.numpy.mean((h @ p["b"]) ** 2)
+
+            loss, grads = jaxreshard.value_and_grad(loss_fn)(params)
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+        cfg = jaxreshard.PipelineConfig(
+            stage_mesh_shape=(1, 2),
+            mesh_axis_names=("data", "model"),
+            num_micro_batches=2,
+            backend="ray",
+        )
+        rng = np.random.default_rng(0)
+        params = {
+            "a": rng.normal(size=(8, width)).astype(np.float32) * 0.1,
+            "b": rng.normal(size=(width, 8)).astype(np.float32) * 0.1,
+        }
+        batch = {"x": rng.normal(size=(2 * rows, 8)).astype(np.float32)}
+        pstep = jaxreshard.parallelize(step, config=cfg, batch_argnums=(1,))
+        records = []
+        for _ in range(3):
+            start = time.perf_counter()
+            (params, _), events = pstep.profile_call(params, batch)
+            shifted = [
+                dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events
+            ]
+            records.append(StepRecord(time.perf_counter() - start, 0.0, shifted))
+        layout = pstep.pipeline(params, batch).layout
+        (act,) = [r for r in transfer_stats(records[1:], layout) if r["kind"] == "act"]
+        assert act["bytes"] == rows * width * 4
+        wire = act["bytes"] / (NIC_GBPS * 1e9)
+        assert act["measured_seconds"] >= 0.9 * wire, (act["measured_seconds"], wire)
+        assert act["measured_seconds"] < 20 * wire + 1.0
+    finally:
+        jaxreshard.shutdown()
 
 
 def test_down_leaves_no_namespace_link_or_ray_process(cluster):

@@ -327,11 +327,15 @@ class Parallelized:
                     f"num_micro_batches={m} does not divide; use a batch size that is a "
                     f"multiple of {m} (e.g. {shape[0] // m * m or m}) or another micro-batch count"
                 )
-        rows = {leaves[i].shape[0] for i in batch_leaves}
+        rows: dict[int, str] = {}
+        for i in batch_leaves:
+            rows.setdefault(leaves[i].shape[0], paths[i])
         if len(rows) > 1:
+            sizes = ", ".join(f"{path} has {n}" for n, path in sorted(rows.items()))
             raise ValueError(
-                f"batch leaves have different sizes along dim 0 ({sorted(rows)}); they must "
-                "agree to be split into the same micro-batches"
+                f"batch leaves have different sizes along dim 0 ({sizes}); they must agree to "
+                "be split into the same micro-batches: give every batch leaf the same rows, or "
+                "pass the odd one in an argument outside batch_argnums"
             )
 
     def _compile(

@@ -51,6 +51,12 @@ def reshard(
     check_strategy(strategy)
     if isinstance(x, RemoteArray):
         return x.runtime.reshard(x, dst_sharding, strategy=strategy)
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            "reshard(x=...) got a traced value: reshard moves concrete arrays between devices "
+            "by a plan and runs outside jax.jit; call it on the jitted function's result, or "
+            "use jax.device_put / jax.sharding.reshard inside the jitted function"
+        )
     if not isinstance(x, jax.Array):
         raise TypeError(
             f"reshard(x=...) takes a jax.Array (or a jaxreshard RemoteArray); got "

@@ -138,3 +138,55 @@ def test_the_environment_variable_keeps_every_frame(monkeypatch):
     with pytest.raises(TypeError) as info:
         jr.parallelize(step, batch_argnums="1")
     assert any(f.endswith("_parallelize.py") for f in _frames(info.value))
+
+
+def _one_stage(loss):
+    def step(params, batch):
+        return jr.value_and_grad(lambda p: loss(p, batch["x"]))(params)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("make_step", "words"),
+    [
+        (
+            lambda: _one_stage(lambda p, x: (jnp.mean(x @ p["a"]), {"m": 1.0})),
+            ["returns a tuple", "has_aux=True"],
+        ),
+        (
+            lambda: (
+                lambda params, batch: jr.value_and_grad(
+                    lambda p: (jnp.mean(batch["x"] @ p["a"]), "hi"), has_aux=True
+                )(params)
+            ),
+            ["aux leaf", "str", "pytree of arrays"],
+        ),
+    ],
+)
+def test_a_loss_that_returns_the_wrong_thing_is_named(make_step, words):
+    config = jr.PipelineConfig(num_stages=1)
+    params, batch = {"a": np.ones((8, 8), np.float32)}, {"x": np.ones((4, 8), np.float32)}
+    with pytest.raises(TypeError) as info:
+        jr.parallelize(make_step(), config=config, batch_argnums=(1,))(params, batch)
+    for word in words:
+        assert word in str(info.value)
+    assert __file__.split("/")[-1] in str(info.value)  # the user's line
+
+
+def test_reshard_inside_jit_says_where_it_runs():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[2:4])
+    with pytest.raises(TypeError, match=r"outside jax\.jit"):
+        jax.jit(lambda a: jr.reshard(a, NamedSharding(mesh, P())))(jnp.ones(4))
+
+
+def test_numpy_integers_are_ints_and_batch_leaves_of_other_sizes_are_named():
+    config = jr.PipelineConfig(devices_per_host=np.int64(2), num_micro_batches=np.int32(2))
+    assert type(config.devices_per_host) is int and config.num_micro_batches == 2
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.ones((8, 8), np.float32)}
+    with pytest.raises(ValueError) as info:
+        jr.parallelize(step, config=CONFIG, batch_argnums=(1,))(PARAMS, batch)
+    assert "args[1]['x'] has 16" in str(info.value) and "args[1]['y'] has 8" in str(info.value)

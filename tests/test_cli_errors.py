@@ -69,7 +69,7 @@ CASES = [
     ([*PROFILE, "--learning-rate", "nan"], ["learning_rate=nan", "finite"]),
     ([*PROFILE, "--hidden", "100000", "--layers", "4000"], ["hidden=100000", "available"]),
     ([*PROFILE, "--batch-size", "100000000"], ["batch_size=100000000", "activations"]),
-    ([*PROFILE, "--steps", "1000000000000"], ["steps=1000000000000", "10,000"]),
+    ([*PROFILE, "--steps", "1000000000000"], ["steps=1000000000000", "1,000"]),
     ([*PROFILE, "--num-micro-batches", "1000000000"], ["num_micro_batches=1000000000"]),
     ([*PROFILE, "--stage-mesh-shape", "100000x100000"], ["(100000, 100000)", "at most"]),
     ([*PROFILE, "--stage-mesh-shape", "32x32"], ["2,048 devices", "fake"]),
@@ -203,3 +203,66 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
         assert "Traceback" not in done.stderr
         assert done.stderr.strip().count("\n") == 0, done.stderr
         assert set(os.listdir(tmp_path)) == {"dir.toml"}
+
+
+def test_outputs_are_written_through_devices_links_and_kept_permissions(tmp_path, capsys):
+    """A FIFO (as /dev/stdout or /dev/null would be) is written through, not replaced; a
+    symbolic link's target is written; an existing file keeps its permissions; a long name
+    that the file system takes is fine (the temporary file's name is short)."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    argv = ["schedule", "1f1b", "--stages", "2", "--micro-batches", "2"]
+    assert main([*argv, "--json", str(fifo)]) == 0
+    reader.join(10)
+    assert got and '"format"' in got[0] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    os.chmod(target, 0o600)
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert main([*argv, "--json", str(link)]) == 0
+    assert link.is_symlink() and '"format"' in target.read_text()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    long = tmp_path / ("a" * 250 + ".json")
+    assert main([*argv, "--json", str(long)]) == 0 and long.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+    capsys.readouterr()
+
+
+def test_a_json_timeline_keeps_its_costs_and_bad_costs_are_named(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "f5.json"
+    argv = ["schedule", "1f1b", "--stages", "2", "--micro-batches", "2", "--forward", "5"]
+    assert main([*argv, "--json", str(out)]) == 0
+    made = json.loads(out.read_text())["makespan"]
+    capsys.readouterr()
+    assert main(["schedule", "import", str(out), "--json", str(tmp_path / "again.json")]) == 0
+    assert json.loads((tmp_path / "again.json").read_text())["makespan"] == made
+    data = json.loads(out.read_text())
+    data["costs"]["forward"] = "x"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    code, line = run_cli(["schedule", "import", str(tmp_path / "bad.json")], capsys, tmp_path)
+    assert code == 2 and "costs" in line and "forward='x'" in line
+
+
+def test_cluster_measure_and_status_name_a_missing_cluster(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAXRESHARD_CLUSTER_DIR", str(tmp_path / "state"))
+    _, line = run_cli(["cluster", "measure", "--name", "nosuch"], capsys, tmp_path)
+    assert "no such cluster" in line
+    assert main(["cluster", "status", "--name", "nosuch"]) == 0
+    assert "no jaxreshard cluster named 'nosuch'" in capsys.readouterr().out
+
+
+def test_bench_names_a_bad_address_before_planning(tmp_path, capsys):
+    _, line = run_cli(
+        ["bench", "reshard", "--execute", "ray", "--address", "../x"], capsys, tmp_path
+    )
+    assert "--address ('../x')" in line and "HOST:PORT" in line

@@ -127,7 +127,7 @@ def test_deep_json_is_refused_not_a_recursion_error(tmp_path):
         ),
         (
             "0F0,0B0\n1F0,1B0,1F5000000",
-            "2 chunks x 5,000,001 micro-batches x 2 kinds = 2e+07 actions",
+            "2 chunks x 5,000,001 micro-batches x 2 kinds = 20,000,004 actions",
         ),
         ("0F" + "9" * 5000, "has an index of 5000 digits; stages and micro-batches have at most 9"),
         ("0F0,0B0\n0F٣", "cannot parse '0F٣'"),  # a non-ASCII digit is no index
@@ -192,9 +192,9 @@ def test_build_schedule_refuses_huge_counts_fast_with_the_estimate():
         build_schedule("eager_1f1b", 10**9, 10**9)
     message = str(info.value)
     assert "eager_1f1b with 1,000,000,000 stages" in message
-    assert "x 2 kinds = 2e+18 actions (~4e+03 EB, ~6.35e+06 years" in message
-    assert "at most 200,000 actions (~400 MB) and 100,000 chunks" in message
-    with pytest.raises(ValueError, match=r"2e\+09 actions \(~4 TB, ~\d+ h to .*at most 200,000"):
+    assert "x 2 kinds = 2e+18 actions (~1.8e+04 EB, ~6.35e+06 years" in message
+    assert "at most 200,000 actions (~1.8 GB) and 100,000 chunks" in message
+    with pytest.raises(ValueError, match=r"2e\+09 actions \(~18 TB, ~\d+ h to .*at most 200,000"):
         build_schedule("gpipe", 10, 10**8)
     with pytest.raises(ValueError, match="would take ~40 GB of costs alone"):
         Costs.make(10**9)
@@ -298,7 +298,7 @@ def _set(data, path, value):
         (
             ("num_micro_batches",),
             10**5,
-            "3 chunks x 100,000 micro-batches x 2 kinds = 6e+05 actions",
+            "3 chunks x 100,000 micro-batches x 2 kinds = 600,000 actions",
         ),
         (("placement",), {"0": 0}, "placement is an object"),
         (("placement", 0), 7, "placement[0] = 7; expected an integer in 0..2"),

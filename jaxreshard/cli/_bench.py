@@ -123,6 +123,13 @@ def _bench_reshard(args: argparse.Namespace) -> int:
         raise CommandError(
             f"--address {args.address}: only with --execute ray (joins that cluster)"
         )
+    if args.address is not None:
+        from jaxreshard.runtime._ray import check_init_options
+
+        try:
+            check_init_options(args.address, {})
+        except ValueError as e:
+            raise CommandError(str(e).replace("init(address=", "--address (", 1)) from None
     given = [k for k in EXECUTE_OPTIONS if getattr(args, k) is not None]
     if args.execute is None and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)

@@ -57,15 +57,23 @@ def _cluster(args: argparse.Namespace) -> int:
             if not removed:
                 console.print("no jaxreshard clusters on this machine")
         elif args.action == "status":
-            clusters = emu.status(args.name)
+            clusters = [  # (a name with no state file and nothing left behind: no cluster)
+                c
+                for c in emu.status(args.name)
+                if c.get("state") != "unknown" or c.get("namespaces")
+            ]
             if args.json:
                 write_json(args.json, {"clusters": clusters})
             for table in _cluster_tables(clusters):
                 console.print(table)
             if not clusters:
-                console.print("no jaxreshard clusters on this machine")
+                console.print(
+                    f"no jaxreshard cluster named {args.name!r} on this machine"
+                    if args.name
+                    else "no jaxreshard clusters on this machine"
+                )
         else:  # measure
-            states = emu.status(args.name)
+            states = [c for c in emu.status(args.name) if c.get("state") != "unknown"]
             if not states:
                 raise CommandError(
                     f"--name {args.name}: no such cluster on this machine; start it with "

@@ -19,8 +19,11 @@ import json
 import math
 import os
 import re
+import stat
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 TRACEBACK_ENV = "JAXRESHARD_TRACEBACK"
 _MESSAGE_CHARS = 2000  # one line, not a dump of a hostile input
@@ -120,19 +123,44 @@ def write_json(path: str | Path, data: object) -> None:
 
 
 def write_text(path: str | Path, text: str) -> None:
+    """Write `text` to the path the user gave. A regular file (or a new one) is written whole
+    or not at all: a temporary file beside it, then renamed over it, keeping an existing file's
+    permissions (and refused where the user may not write it, as a plain write would be). A
+    device, pipe or socket (`/dev/null`, `/dev/stdout`) is written as it is: renaming over it
+    would replace it. A symbolic link is followed."""
     given = path
     path = normalized(path)
-    if path.is_dir():
-        raise CommandError(f"{given}: is a directory; give a file name to write")
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part.write_text(text)
-        os.replace(part, path)
+        if path.exists() and not path.is_file():  # (is_file follows links)
+            if path.is_dir():
+                raise CommandError(f"{given}: is a directory; give a file name to write")
+            with open(path, "w") as f:  # a device, pipe or socket: write through
+                f.write(text)
+            return
+        target = Path(os.path.realpath(path))  # a link's target is what gets written
+        mode = None
+        if target.exists():
+            if not os.access(target, os.W_OK):
+                raise PermissionError(errno.EACCES, "Permission denied", str(given))
+            mode = stat.S_IMODE(target.stat().st_mode)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(prefix=".jaxreshard-", suffix=".part", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(part, mode if mode is not None else 0o666 & ~_umask())
+            os.replace(part, target)
+        finally:
+            if os.path.exists(part):
+                os.unlink(part)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(given)) from None
-    finally:
-        part.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def normalized(path: str | Path) -> Path:
@@ -142,6 +170,30 @@ def normalized(path: str | Path) -> Path:
 
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_writable(flag: str, value: Any, path: Path) -> None:
+    """Refuse, before any work, an output path this process could not write: an existing file
+    it may not write, or a new one whose first existing folder is a file or not writable."""
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise CommandError(
+                f"{flag} {value}: permission denied (the file is not writable); give another "
+                "path or change its permissions"
+            )
+        return
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CommandError(
+            f"{flag} {value}: {parent} is a file, not a folder; give a path inside a folder"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(
+            f"{flag} {value}: the folder {parent} is not writable; give a path inside a folder "
+            "you may write"
+        )
 
 
 def check_outputs(args: argparse.Namespace, files: dict[str, tuple[str, ...] | None],
@@ -156,7 +208,7 @@ def check_outputs(args: argparse.Namespace, files: dict[str, tuple[str, ...] | N
         if value is None:
             continue
         flag = "--" + dest.replace("_", "-")
-        if not str(value).strip() or "\0" in str(value):
+        if not str(value).strip() or "\0" in str(value) or str(value) == "-":
             raise CommandError(f"{flag} {value!r}: not a path; give a file name")
         path = normalized(value)
         if path in seen:
@@ -176,13 +228,7 @@ def check_outputs(args: argparse.Namespace, files: dict[str, tuple[str, ...] | N
                     f"{flag} {value}: the file name must end in {' or '.join(suffixes)} (the "
                     "format follows it)"
                 )
-        parent = path.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise CommandError(
-                f"{flag} {value}: {parent} is a file, not a folder; give a path inside a folder"
-            )
+        check_writable(flag, value, path)
 
 
 # -- argument types -----------------------------------------------------------------------------

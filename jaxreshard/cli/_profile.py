@@ -9,6 +9,7 @@ from jaxreshard.cli._console import (
     PLOT_SUFFIXES,
     CommandError,
     check_outputs,
+    check_writable,
     cpu_devices,
     field_docs,
     make_console,
@@ -28,6 +29,7 @@ def _profile(args: argparse.Namespace) -> int:
                 f"--compile-cache {args.compile_cache}: is a file, not a folder; give a folder "
                 "for JAX's compilation cache, or off"
             )
+        check_writable("--compile-cache", args.compile_cache, cache_dir)
     overrides: dict[str, dict[str, object]] = {"model": {}, "run": {}, "pipeline": {}}
     for dest, value in vars(args).items():
         if value is not None and dest.startswith(("model__", "run__", "pipeline__")):

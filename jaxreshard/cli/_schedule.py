@@ -25,8 +25,11 @@ from jaxreshard.cli._console import (
     write_text,
 )
 
+COST_FLAGS = ("forward", "backward", "weight_grad", "comm", "apply")
+COST_DEFAULTS = {"forward": 1.0, "backward": 2.0, "comm": 0.0, "apply": 0.0}
+
 # A picture of a bigger schedule is unreadable and slow to draw (the trace has no limit).
-MAX_PLOT_ACTIONS = 20_000
+MAX_PLOT_ACTIONS = 5_000  # (20,000 took 41-50 s to draw)
 MAX_PLOT_RANKS = 128
 
 
@@ -72,19 +75,20 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="split each backward into B and W and delay the Ws",
     )
-    schedule.add_argument("--forward", type=floats, default=1.0, help="forward time (1)")
-    schedule.add_argument("--backward", type=floats, default=2.0, help="whole backward time (2)")
+    # (None: the default below, or an imported timeline's own costs)
+    schedule.add_argument("--forward", type=floats, default=None, help="forward time (1)")
+    schedule.add_argument("--backward", type=floats, default=None, help="whole backward time (2)")
     schedule.add_argument(
         "--weight-grad",
         type=floats,
         default=None,
         help="weight-gradient part of the backward (default: half)",
     )
-    schedule.add_argument("--comm", type=floats, default=0.0, help="transfer time (0)")
+    schedule.add_argument("--comm", type=floats, default=None, help="transfer time (0)")
     schedule.add_argument(
         "--apply",
         type=floats,
-        default=0.0,
+        default=None,
         help="apply-gradient time; > 0 adds the optimizer step (A)",
     )
     schedule.add_argument(
@@ -114,8 +118,9 @@ def run_schedule(args: argparse.Namespace) -> int:
     """The `jaxreshard schedule` command."""
     check_outputs(args, {"json": None, "csv": (".csv",), "plot": PLOT_SUFFIXES, "trace": None})
     console = make_console()
+    file_costs = None
     if args.name == "import":
-        schedule = _import(args)
+        schedule, file_costs = _import(args)
     else:
         if args.file is not None:
             raise CommandError(
@@ -128,7 +133,11 @@ def run_schedule(args: argparse.Namespace) -> int:
             return _compare(args, console)
         schedule = _build(args)
     overlap = not args.no_overlap
-    costs = _costs(args, schedule.num_chunks)
+    if file_costs is not None and all(getattr(args, k) is None for k in COST_FLAGS):
+        costs = file_costs  # the timeline's own (a flag replaces them all)
+        console.print("costs: the file's", highlight=False)
+    else:
+        costs = _costs(args, schedule.num_chunks)
     if args.apply:
         schedule = schedule.with_apply()
     from jaxreshard.pipeline import check_schedule, simulate
@@ -173,14 +182,8 @@ def run_schedule(args: argparse.Namespace) -> int:
 def _costs(args: argparse.Namespace, num_chunks: int) -> Any:
     from jaxreshard.pipeline import Costs
 
-    return Costs.make(
-        num_chunks,
-        forward=args.forward,
-        backward=args.backward,
-        weight_grad=args.weight_grad,
-        comm=args.comm,
-        apply=args.apply,
-    )
+    given = {k: getattr(args, k) for k in COST_FLAGS if getattr(args, k) is not None}
+    return Costs.make(num_chunks, **{**COST_DEFAULTS, **given})
 
 
 def _build(args: argparse.Namespace) -> Any:
@@ -210,13 +213,15 @@ def _build(args: argparse.Namespace) -> Any:
 
 
 def _import(args: argparse.Namespace) -> Any:
-    from jaxreshard.pipeline import read_csv, read_json
+    from jaxreshard.pipeline import read_csv
+    from jaxreshard.pipeline._formats import read_json_with_costs
 
     if args.file is None:
         raise ValueError("import needs FILE: jaxreshard schedule import FILE.csv --forward ...")
     path = Path(args.file)
+    costs = None
     if path.suffix.lower() == ".json":
-        schedule = read_json(path, blocking=args.no_overlap)
+        schedule, costs = read_json_with_costs(path, blocking=args.no_overlap)
     else:
         schedule = read_csv(path, blocking=args.no_overlap)
     for flag, value, have in (
@@ -228,31 +233,15 @@ def _import(args: argparse.Namespace) -> Any:
             raise ValueError(f"{flag}={value}, but {path} has {have}; leave it out with import")
     if args.weight_delay:
         raise ValueError("--weight-delay: an imported schedule keeps its own order; leave it out")
-    return schedule
+    return schedule, costs
 
 
 def _compare(args: argparse.Namespace, console: Any) -> int:
-    from jaxreshard.pipeline import Costs
     from jaxreshard.pipeline._compare import compare_json, compare_schedules, compare_table
-    from jaxreshard.pipeline._limits import check_counts
 
     p, m = args.stages, args.micro_batches
     v = 2 if args.virtual_stages is None else args.virtual_stages
-    check_counts(
-        f"compare: --stages {p} x --virtual-stages {v} x --micro-batches {m}",
-        p * v,
-        m,
-        3,
-        "use fewer stages or micro-batches",
-    )
-    costs = Costs.make(
-        p,
-        forward=args.forward,
-        backward=args.backward,
-        weight_grad=args.weight_grad,
-        comm=args.comm,
-        apply=args.apply,
-    )
+    costs = _costs(args, p)
     rows = compare_schedules(p, m, costs, virtual_stages=v)
     title = (
         f"Schedules, {p} stages x {m} micro-batches, costs {costs.to_json()} per stage "

@@ -237,6 +237,11 @@ def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[.
     return wrapped
 
 
+def _is_value(x: Any) -> bool:
+    """An array (or tracer) or a Python number: what a traced function may return."""
+    return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, int, float, complex))
+
+
 def _bind_pipeline_grad(
     fun: Callable[..., Any], argnums: tuple[int, ...], args: tuple[Any, ...], has_aux: bool
 ) -> tuple[Any, tuple[Any, ...], Any]:
@@ -274,6 +279,17 @@ def _bind_pipeline_grad(
         full = [next(it_d) if i in argnums else next(it_r) for i in range(len(args))]
         out = fun(*full)
         if not has_aux:
+            if not _is_value(out):
+                pair = isinstance(out, tuple) and len(out) == 2
+                raise TypeError(
+                    f"{caller_location()}: the loss given to jr.value_and_grad returns a "
+                    f"{type(out).__name__}, not one real scalar"
+                    + (
+                        "; for a loss that returns (loss, aux), pass has_aux=True"
+                        if pair
+                        else "; return a mean or a sum over the batch"
+                    )
+                )
             return [out]
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -282,6 +298,13 @@ def _bind_pipeline_grad(
                 f"(loss, aux), not {type(out).__name__}"
             )
         aux_leaves, tree = jax.tree.flatten(out[1])
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out[1])[0]:
+            if not _is_value(leaf):
+                raise TypeError(
+                    f"{caller_location()}: jr.value_and_grad(..., has_aux=True): aux leaf "
+                    f"{jax.tree_util.keystr(path) or '(the aux)'} is a {type(leaf).__name__}; "
+                    "the aux must be a pytree of arrays (return other values outside the loss)"
+                )
         aux_tree.append(tree)
         return [out[0], *aux_leaves]
 

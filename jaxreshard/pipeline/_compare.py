@@ -93,11 +93,12 @@ def compare_schedules(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg}={value!r} must be an int >= 1")
     check_virtual_stages("interleaved_1f1b", virtual_stages)
-    check_counts(  # the largest row, before any placement of p x v chunks is made
+    check_counts(  # every row's schedule, as large as the largest, before any is made
         f"compare with {num_stages:,} stages x {virtual_stages} virtual stages and "
-        f"{num_micro_batches:,} micro-batches",
+        f"{num_micro_batches:,} micro-batches ({len(ABLATION)} schedules, counted as "
+        f"{len(ABLATION)} x the micro-batches)",
         num_stages * max(virtual_stages, 2),
-        num_micro_batches,
+        num_micro_batches * len(ABLATION),
         3,
         "use fewer stages, virtual stages or micro-batches",
     )

@@ -389,13 +389,35 @@ def read_json(path: str | Path, *, blocking: bool = False) -> Schedule:
         ValueError: the file cannot be read as JSON (see [Note: hostile input] in
             `jaxreshard/_files.py`; at most `MAX_JSON_BYTES`), or is not such a timeline.
     """
+    return read_json_with_costs(path, blocking=blocking)[0]
+
+
+def read_json_with_costs(path: str | Path, *, blocking: bool = False) -> tuple[Schedule, Any]:
+    """`read_json`, and the `Costs` the timeline was simulated with (None if it has none)."""
     data = _files.read_json(
         path,
         what="schedule JSON",
         max_bytes=_limits.MAX_JSON_BYTES,
         expected="a jaxreshard-schedule/2 timeline, as `jaxreshard schedule ... --json` writes",
     )
-    return schedule_from_json(data, source=str(path), blocking=blocking)
+    schedule = schedule_from_json(data, source=str(path), blocking=blocking)
+    return schedule, costs_from_json(data.get("costs"), schedule.num_chunks, str(path))
+
+
+def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
+    """The `costs` of a timeline (per chunk; `Costs.to_json`'s form), checked; None if absent."""
+    from jaxreshard.pipeline._costs import Costs
+
+    if value is None:
+        return None
+    where = f"{source}: costs"
+    costs = _files.expect_dict(value, where, "the costs the timeline was simulated with")
+    keys = ("forward", "backward", "weight_grad", "comm", "apply")
+    _files.reject_unknown_keys(costs, keys, where)
+    try:
+        return Costs.make(num_chunks, **{k: costs[k] for k in keys if k in costs})
+    except (ValueError, TypeError) as e:
+        raise _files.InputError(f"{where}: {e}; fix the file, or give the costs as flags") from None
 
 
 def schedule_from_json(

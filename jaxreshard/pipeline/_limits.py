@@ -6,7 +6,8 @@ the backward split), and reading, checking and simulating it costs about `BYTES_
 of memory and `SECONDS_PER_ACTION` of time per action (measured on CPython 3.11 by
 `benchmarks/schedule_scale.py --memory`: a 100,000-action schedule peaks at 160-190 MB through
 CSV import, check, simulation and JSON; each step takes 1-3 s, ~10 s in all; a command on
-500,000 actions took 31 s and 0.9 GB). `MAX_ACTIONS` (~400 MB, about 20 s) refuses a count
+500,000 actions took 31 s and 0.9 GB; 200,000 with JSON, CSV and trace outputs peaked at 1.8 GB).
+`MAX_ACTIONS` (~1.8 GB, about 20 s) refuses a count
 such as `--micro-batches 10**9`, or a CSV cell `99999999F0` whose stage implies 2e8 actions,
 before a list of that length exists; the message
 gives the estimate and the limit. Costs are per chunk, so `MAX_CHUNKS` bounds them on their
@@ -19,7 +20,7 @@ from jaxreshard._files import human_bytes
 
 MAX_ACTIONS = 200_000
 MAX_CHUNKS = 100_000
-BYTES_PER_ACTION = 2_000  # peak, through import, check, simulation and JSON
+BYTES_PER_ACTION = 9_000  # peak, through import, check, simulation and JSON, CSV and trace
 SECONDS_PER_ACTION = 1e-4  # reading, checking, simulating and writing JSON once each
 MAX_INDEX_DIGITS = 9  # a stage or micro-batch index in a CSV cell or an action string
 MAX_CSV_BYTES = 16 * 2**20  # ~6 bytes a cell: MAX_ACTIONS fit with room
@@ -32,8 +33,9 @@ def estimate(num_actions: int) -> str:
     when = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
     if seconds >= 7200:
         when = f"{seconds / 3600:.0f} h" if seconds < 3e7 else f"{seconds / 3.15e7:.3g} years"
+    count = f"{num_actions:,}" if num_actions < 10**9 else f"{num_actions:.3g}"
     return (
-        f"{num_actions:.3g} actions (~{human_bytes(num_actions * BYTES_PER_ACTION)}, ~{when} to "
+        f"{count} actions (~{human_bytes(num_actions * BYTES_PER_ACTION)}, ~{when} to "
         "read, check and simulate)"
     )
 

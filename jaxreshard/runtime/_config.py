@@ -119,7 +119,7 @@ class PipelineConfig:
         check_virtual_stages(
             self.schedule,
             self.virtual_stages,
-            f"PipelineConfig(schedule={self.schedule!r}, virtual_stages",
+            f"PipelineConfig(schedule={self.schedule!r}): virtual_stages",
         )
         _choice("resharding", self.resharding, RESHARDING)
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
@@ -131,6 +131,10 @@ class PipelineConfig:
             _positive_int("num_stages", self.num_stages, MAX_STAGES)
         if self.devices_per_host is not None:
             _positive_int("devices_per_host", self.devices_per_host, MAX_MESH_DEVICES)
+        for name in ("num_micro_batches", "steps_in_flight", "num_stages", "devices_per_host"):
+            value = getattr(self, name)
+            if value is not None:  # (a numpy integer is taken as the int it is)
+                object.__setattr__(self, name, int(value))
         if not isinstance(self.weight_delay, bool):
             raise ValueError(
                 f"PipelineConfig(weight_delay={self.weight_delay!r}): use True or False"
@@ -314,7 +318,8 @@ def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
 
 
 def _positive_int(name: str, value: Any, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    if not integral or not 1 <= value <= high:
         raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from 1 to {high:,}")
 
 

@@ -434,6 +434,8 @@ def parse_tuple(text: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]
                 "e.g. 0.02,0.018"
             ) from None
     parts = [p.strip() for p in text.replace("x", ",").split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"{where}={text!r}: must be comma-separated integers, e.g. 1,2")
     try:
         return tuple(int(p) for p in parts)
     except ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import tomllib
@@ -282,6 +283,21 @@ class PipelineConfig:
                 "keys (e.g. num_micro_batches = 4) or use PipelineConfig() for the defaults"
             )
         return cls.from_dict({**table, **overrides}, where=f"{path} [pipeline]")
+
+
+def _checked_init(init: Any) -> Any:
+    """`PipelineConfig(...)` that names an unknown field with the valid ones (the dataclass's
+    own error names only the argument)."""
+
+    @functools.wraps(init)
+    def __init__(self: PipelineConfig, *args: Any, **kwargs: Any) -> None:
+        _check_keys(kwargs, "PipelineConfig(...)")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+PipelineConfig.__init__ = _checked_init(PipelineConfig.__init__)  # type: ignore[method-assign]
 
 
 def _check_keys(data: Mapping[str, Any], where: str) -> None:

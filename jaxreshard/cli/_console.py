@@ -265,26 +265,22 @@ def count(low: int, high: int):
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
-    return value
+def _finite_float(rule: str, ok: Any):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number {rule}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
-def nonnegative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
-    return value
+positive_float = _finite_float("> 0", lambda v: v > 0)  # an argparse type
+nonnegative_float = _finite_float(">= 0", lambda v: v >= 0)  # an argparse type
 
 
 # -- help from docstrings -----------------------------------------------------------------------

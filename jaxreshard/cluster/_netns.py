@@ -142,7 +142,10 @@ def run(args: Sequence[str], *, check: bool = True, what: str = "") -> str:
 
 
 def namespaces(prefix: str) -> list[str]:
-    """Network namespaces whose name starts with `prefix`."""
+    """Network namespaces whose name starts with `prefix` (none where iproute2 is missing:
+    nothing of ours can have made one there)."""
+    if shutil.which("ip") is None:
+        return []
     out = run(["ip", "netns", "list"], check=False)
     return sorted(
         line.split()[0] for line in out.splitlines() if line.split() and line.startswith(prefix)
@@ -150,7 +153,10 @@ def namespaces(prefix: str) -> list[str]:
 
 
 def links(prefix: str) -> list[str]:
-    """Interfaces of the root namespace whose name starts with `prefix`."""
+    """Interfaces of the root namespace whose name starts with `prefix` (none without
+    iproute2, as `namespaces`)."""
+    if shutil.which("ip") is None:
+        return []
     out = run(["ip", "-o", "link", "show"], check=False)
     found = []
     for line in out.splitlines():

@@ -32,7 +32,9 @@ pytestmark = [
     ),
 ]
 
-NAME = "jrstest"
+# A name of this run's own: a cluster left up by an earlier, interrupted run (its state outlives
+# the process, as `cluster up`'s must) would otherwise refuse this one. Names are 1-7 characters.
+NAME = f"t{os.getpid() % 10**6:06d}"
 NIC_GBPS = 0.1
 
 

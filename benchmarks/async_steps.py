@@ -201,7 +201,11 @@ def print_table(rows: list[dict]) -> None:
             f"{r['model']:<14} {r['variant']:<28} {r['step_ms']:>9.2f} {r['x_jit']:>7.3f} "
             f"{r['x_scan']:>7.3f} {r['returns_ms']:>11.2f} {r['ready_ms']:>9.2f} "
             f"{r['returns_fraction']:>9.2f}"
-            + (f"  (max |diff| vs scan {r['max_abs_diff_vs_scan']:.2e})" if "max_abs_diff_vs_scan" in r else "")
+            + (
+                f"  (max |diff| vs scan {r['max_abs_diff_vs_scan']:.2e})"
+                if "max_abs_diff_vs_scan" in r
+                else ""
+            )
         )
 
 
@@ -228,7 +232,9 @@ if __name__ == "__main__":
         record = {
             "benchmark": "async_steps",
             "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {jax.devices()[0].device_kind}",
+            "machine": (
+                f"{platform.machine()}, {os.cpu_count()} cores, {jax.devices()[0].device_kind}"
+            ),
             "jax": jax.__version__,
             "args": vars(args),
             "rows": rows,

@@ -27,7 +27,7 @@ from rich.table import Table
 
 import jaxreshard as jr
 from jaxreshard.comm._local import execute_local
-from jaxreshard.runtime._executor import transfer_key
+from jaxreshard.runtime.engine._events import transfer_key
 
 SHAPES = {"64 KiB": (4, 64, 64), "256 KiB": (2, 128, 256), "4 MiB": (8, 256, 512)}
 

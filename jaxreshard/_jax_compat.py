@@ -342,7 +342,7 @@ def cpu_collectives_on(hostname: str) -> None:
     `jax.distributed.initialize`) run cross-process collectives over gloo's TCP transport bound
     to `hostname`. JAX's own choice resolves the machine's host name, which on an emulated
     cluster (network namespaces of one machine) names an address the namespace does not have.
-    See [Note: multi-host stages] in `runtime/_pipeline_ray.py`."""
+    See [Note: multi-host stages] in `runtime/ray/_pipeline.py`."""
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax
 

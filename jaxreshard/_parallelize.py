@@ -23,9 +23,10 @@ from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
 from jaxreshard.frontend._trace import StepOutputs, is_array, trace_step
 from jaxreshard.pipeline._emit import format_programs
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._executor import Event
-from jaxreshard.runtime._local import LocalPipeline, compile_local
-from jaxreshard.runtime._specs import (
+from jaxreshard.runtime.engine._events import Event
+from jaxreshard.runtime.local._compiled import compile_local
+from jaxreshard.runtime.local._pipeline import LocalPipeline
+from jaxreshard.runtime.step._specs import (
     batch_spec,
     check_meshes,
     spec_of,
@@ -374,7 +375,7 @@ class Parallelized:
                     "parallelize(meshes=...) is for the local runtime; on Ray the "
                     "stages take the runtime's devices in order"
                 )
-            from jaxreshard.runtime._pipeline_ray import RayPipeline
+            from jaxreshard.runtime.ray._pipeline import RayPipeline
 
             pipeline = RayPipeline(
                 runtime,

@@ -46,7 +46,7 @@ def reshard(
         ValueError: the sharding does not fit `x` (rank, divisibility), names devices this
             process does not have, or the strategy is unknown.
     """
-    from jaxreshard.runtime._remote import RemoteArray
+    from jaxreshard.runtime.ray._remote import RemoteArray
 
     check_strategy(strategy)
     if isinstance(x, RemoteArray):

@@ -29,7 +29,7 @@ def collect(tree: Any, device: Any = None) -> Any:
     Returns:
         `tree` with its arrays gathered.
     """
-    from jaxreshard.runtime._remote import RemoteArray
+    from jaxreshard.runtime.ray._remote import RemoteArray
 
     def one(x: Any) -> Any:
         if isinstance(x, RemoteArray):

@@ -11,7 +11,7 @@ from jaxreshard import cli as _cli
 from jaxreshard.cluster import _describe, _emulated, _netns
 from jaxreshard.cluster._describe import EmulatedCluster, HostInfo, links_of
 from jaxreshard.comm import Cluster
-from jaxreshard.runtime._ray import _host_nodes
+from jaxreshard.runtime.ray._start import _host_nodes
 
 
 def example(name="emu", nic_gbps=0.1, latency_ms=2.0):

@@ -19,14 +19,10 @@ from jaxreshard.comm._layout import device_key
 from jaxreshard.comm._nccl import NcclTransport
 from jaxreshard.comm._transport import Transport, expected_chunks
 from jaxreshard.pipeline._emit import RECV_OP, RUN, SEND_OP
-from jaxreshard.runtime._executor import PipelineError
-from jaxreshard.runtime._host_channels import (
-    HostChannels,
-    ThreadSignal,
-    check_channel_order,
-    nccl_programs,
-)
-from jaxreshard.runtime._local import LocalPipeline
+from jaxreshard.runtime.engine._events import PipelineError
+from jaxreshard.runtime.local._pipeline import LocalPipeline
+from jaxreshard.runtime.ray._channels import HostChannels, ThreadSignal
+from jaxreshard.runtime.ray._nccl_order import check_channel_order, nccl_programs
 
 SCHEDULES = [("gpipe", False), ("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
 

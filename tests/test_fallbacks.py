@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard.runtime._specs import ReplicatedSpecWarning, batch_spec, transplant_spec
+from jaxreshard.runtime.step._specs import ReplicatedSpecWarning, batch_spec, transplant_spec
 
 # -- specs that do not fit their mesh ------------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_a_step_in_a_module_named_like_jax_still_travels_by_value(monkeypatch):
     import pickle
     import sys
 
-    from jaxreshard.runtime._pipeline_ray import _by_value
+    from jaxreshard.runtime.ray._pipeline import _by_value
 
     # Only jaxreshard, jax, jaxlib and numpy themselves are left to the hosts' own imports
     # (a name that merely starts with "jax" was, and then the hosts could not load the step).
@@ -106,7 +106,7 @@ def test_a_step_in_a_module_named_like_jax_still_travels_by_value(monkeypatch):
 def test_a_module_that_cannot_travel_by_value_warns(monkeypatch):
     from ray import cloudpickle
 
-    from jaxreshard.runtime._pipeline_ray import _by_value
+    from jaxreshard.runtime.ray._pipeline import _by_value
 
     module = _module("user_steps_unregistrable", "def step(x):\n    return x\n", monkeypatch)
 
@@ -127,7 +127,7 @@ def test_a_host_that_cannot_load_the_step_says_which_module_it_misses(monkeypatc
     import pickle
     import sys
 
-    from jaxreshard.runtime._host import load_step
+    from jaxreshard.runtime.ray._actor import load_step
 
     code = "def double(x):\n    return 2 * x\n"
     helpers = _module("user_helpers_not_on_hosts", code, monkeypatch)
@@ -151,8 +151,9 @@ def _must_not_start(*args, **kwargs):
 def test_a_local_ray_runtime_with_too_few_gpus_is_an_error_not_cpu_devices(monkeypatch):
     import ray
 
-    from jaxreshard.runtime import _ray
-    from jaxreshard.runtime._ray import RayRuntime, local_platform
+    from jaxreshard.runtime.ray import _runtime as _ray
+    from jaxreshard.runtime.ray._runtime import RayRuntime
+    from jaxreshard.runtime.ray._start import local_platform
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -184,7 +185,7 @@ def test_a_local_ray_runtime_with_too_few_gpus_is_an_error_not_cpu_devices(monke
 
 
 def test_gpus_the_machine_shows_are_counted_as_cuda_visible_devices_says(monkeypatch):
-    from jaxreshard.runtime._ray import _machine_gpus
+    from jaxreshard.runtime.ray._start import _machine_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     assert _machine_gpus() == 2
@@ -195,7 +196,7 @@ def test_gpus_the_machine_shows_are_counted_as_cuda_visible_devices_says(monkeyp
 
 
 def test_devices_a_host_actor_reports_must_be_the_planned_ones():
-    from jaxreshard.runtime._ray import check_reported_devices
+    from jaxreshard.runtime.ray._start import check_reported_devices
 
     planned = [(0, 1), (2, 3)]
     infos = [
@@ -215,7 +216,7 @@ def test_devices_a_host_actor_reports_must_be_the_planned_ones():
 
 
 def test_step_progress_counts_actions_once_their_outputs_are_ready():
-    from jaxreshard.runtime._host_pipeline import StepProgress
+    from jaxreshard.runtime.ray._host_pipeline import StepProgress
 
     progress = StepProgress()
     progress.begin("s:0")
@@ -241,7 +242,7 @@ def test_an_output_with_a_gspmd_sharding_becomes_named_on_its_mesh(cpu_devices):
     from jax.sharding import PartitionSpec as P
 
     from jaxreshard._jax_compat import named_sharding_on
-    from jaxreshard.runtime._engine import as_named
+    from jaxreshard.runtime.engine._placing import as_named
 
     mesh = Mesh(np.array(cpu_devices[:4]).reshape(2, 2), ("data", "model"))
     named = NamedSharding(mesh, P("model", None))
@@ -264,7 +265,7 @@ def test_a_single_device_output_is_named_on_its_one_device_mesh(cpu_devices):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxreshard.runtime._engine import as_named
+    from jaxreshard.runtime.engine._placing import as_named
 
     mesh = Mesh(np.array(cpu_devices[:1]).reshape(1, 1), ("data", "model"))
     x = jax.device_put(np.ones((8, 8), np.float32), cpu_devices[0])

@@ -80,3 +80,41 @@ def test_the_cli_has_no_import_circle():
             if module.startswith("jaxreshard.cli"):
                 dst = module.split(".")[2] if module.count(".") >= 2 else "__init__"
                 assert rank[dst] < rank[path.stem], f"cli/{path.name} imports {module}"
+
+
+# The runtime by role (docs/design.md, "Layers"), bottom to top: a unit imports only lower ones,
+# so the host engine runs the same under either runtime and `local` and `ray` never meet.
+RUNTIME = {"_config": 0, "step": 1, "engine": 2, "driver": 3, "local": 4, "ray": 4, "_api": 5}
+RUNTIME |= {"__init__": 6}
+
+
+def _runtime_unit(parts: list[str]) -> str:
+    return parts[0] if parts else "__init__"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "runtime").rglob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT / "runtime")),
+)
+def test_the_runtime_is_laid_out_by_role(path):
+    rel = path.relative_to(ROOT / "runtime").with_suffix("")
+    src = _runtime_unit([p for p in rel.parts if p != "__init__"])
+    assert src in RUNTIME, f"runtime/{rel}: add its unit {src!r} to RUNTIME"
+    for module in _imports(path):
+        if not module.startswith("jaxreshard.runtime."):
+            continue
+        dst = _runtime_unit(module.split(".")[2:3])
+        assert dst in RUNTIME, f"runtime/{rel} imports {module}: add {dst!r} to RUNTIME"
+        assert dst == src or RUNTIME[dst] < RUNTIME[src], (
+            f"runtime/{rel} (unit {src}) imports {module}, a unit at or above its own"
+        )
+
+
+def test_the_runtime_layer_check_can_fail(tmp_path):
+    """The check above reads imports inside functions too: a lazy import of `ray` from the
+    engine is one."""
+    bad = tmp_path / "m.py"
+    bad.write_text("def f():\n    from jaxreshard.runtime.ray._runtime import RayRuntime\n")
+    assert list(_imports(bad)) == ["jaxreshard.runtime.ray._runtime"]
+    assert RUNTIME["ray"] >= RUNTIME["engine"]

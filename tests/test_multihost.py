@@ -179,7 +179,7 @@ def test_a_killed_host_of_a_multi_host_stage_is_named_and_init_works_again(ray_r
     The kill waits for host 3 to report a finished action of the step: a timer (as this test
     once had) could land, on a loaded machine, while the parameters were still being put, which
     fails differently (see the next test)."""
-    from jaxreshard.runtime._ray import RuntimeBroken
+    from jaxreshard.runtime.ray._wait import RuntimeBroken
 
     cfg = ray_config(num_micro_batches=8, timeout_s=60)
     pstep = jr.parallelize(slow_step, config=cfg, batch_argnums=(1,))
@@ -211,7 +211,7 @@ def test_a_host_killed_before_a_step_puts_its_parameters_is_named(ray_runtime):
     as host data on their stages' hosts, names the host, the parameter and the host's stage."""
     import ray
 
-    from jaxreshard.runtime._ray import RuntimeBroken
+    from jaxreshard.runtime.ray._wait import RuntimeBroken
 
     cfg = ray_config(num_micro_batches=2, timeout_s=60)
     pstep = jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,))

@@ -31,18 +31,17 @@ from jaxreshard.comm._layout import device_key
 from jaxreshard.comm._nccl import DeviceData, NcclTransport
 from jaxreshard.comm._order import Collective, OrderError, check_issue_order, host_programs
 from jaxreshard.comm._transport import HostWork
-from jaxreshard.runtime._executor import PipelineError
-from jaxreshard.runtime._host_channels import (
+from jaxreshard.runtime.engine._events import PipelineError
+from jaxreshard.runtime.local._pipeline import LocalPipeline
+from jaxreshard.runtime.ray._channels import HostChannels, ThreadSignal
+from jaxreshard.runtime.ray._nccl_order import (
     RECV,
     SEND,
-    HostChannels,
-    ThreadSignal,
     check_nccl_items,
     nccl_issue_plan,
     nccl_programs,
 )
-from jaxreshard.runtime._local import LocalPipeline
-from jaxreshard.runtime._ray import RayRuntime
+from jaxreshard.runtime.ray._runtime import RayRuntime
 
 # -- the stand-in -------------------------------------------------------------------------------
 

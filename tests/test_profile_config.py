@@ -205,7 +205,7 @@ def test_optimizer_flags_exist(capsys):
 def test_per_stage_costs_from_file_and_flags(tmp_path):
     """The schedule builder's cost model may be one number or one per stage (a profile's
     measured costs); lengths are checked against the step's stages, naming the field."""
-    from jaxreshard.runtime._layout import schedule_costs
+    from jaxreshard.runtime.step._layout import schedule_costs
 
     path = write(tmp_path, "[pipeline]\ncost_forward = [2, 1]\ncost_weight_grad = 0.5\n")
     pc = load_profile_config(

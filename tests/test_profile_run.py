@@ -177,7 +177,7 @@ def test_which_costs_place_weight_gradients():
 
 def test_step_overhead_is_the_time_outside_the_actions():
     from jaxreshard.profiler._run import StepRecord, step_overhead
-    from jaxreshard.runtime._executor import Event
+    from jaxreshard.runtime.engine._events import Event
 
     def record(seconds, first, last):
         return StepRecord(seconds, 0.0, [Event(0, "F", 0, first, last, "F")])

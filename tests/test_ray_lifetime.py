@@ -111,7 +111,7 @@ def settled(rt):
 def _run_and_drop(rt, before):
     """Build, run and drop a parallelized step; check that the hosts let its pipeline go (and
     its threads), and its outputs once those are dropped too. The hosts' live jax.Arrays then."""
-    from jaxreshard.runtime import _api
+    from jaxreshard.runtime.driver import _lifetime
 
     step = parallelized()
     params, batch = make_params(), make_batch()
@@ -121,7 +121,7 @@ def _run_and_drop(rt, before):
     (entry,) = step._cache.values()
     pipe = entry.pipeline
     key, hosts = pipe.key, list(pipe.hosts)
-    assert len(hosts) == 2 and pipe in _api._pipelines  # jaxreshard.shutdown() would close it
+    assert len(hosts) == 2 and pipe in _lifetime._pipelines  # jaxreshard.shutdown() would close it
     during = held(rt)
     for h in hosts:  # each host keeps it, with its channels' threads
         assert key in during[h]["pipelines"]

@@ -199,7 +199,7 @@ def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
     import jax.numpy as jnp
     import ray
 
-    from jaxreshard.runtime import _pipeline_ray
+    from jaxreshard.runtime.ray import _pipeline as _pipeline_ray
 
     @jax.custom_jvp
     def slow(x):  # an identity that takes 0.5 s on the host
@@ -238,7 +238,7 @@ def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
     import ray
     from conftest import RAY_CONFIG
 
-    from jaxreshard.runtime._ray import RuntimeBroken
+    from jaxreshard.runtime.ray._wait import RuntimeBroken
 
     rt = ray_runtime
     src, dst = sharding(rt, (2,), [0, 1], P()), sharding(rt, (2,), [6, 7], P("x"))

@@ -244,8 +244,8 @@ def test_the_reference_check_catches_made_up_ones():
     made_up = (
         "See `jaxreshard/runtime/_pipeline.py`, `benchmarks/no_such_bench.py`, `DESIGN.md`,\n"
         "[the design](no-such-page.md), [GPUs](ray-and-gpus.md#no-such-heading) and\n"
-        "[Note: no such note] in `runtime/_executor.py`.\n"
-        "These exist: `jaxreshard/runtime/_local.py`,\n"
+        "[Note: no such note] in `runtime/engine/_program.py`.\n"
+        "These exist: `jaxreshard/runtime/local/_pipeline.py`,\n"
         "`benchmarks/first_step.py`, `examples/train_nnx.py`, `comm/_stream.py`,\n"
         "[design](design.md#layers), `jaxreshard-profile/1`, `/tmp/x.json`,\n"
         "`python benchmarks/planning_time.py --out x.json`.\n"

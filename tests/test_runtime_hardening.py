@@ -16,7 +16,7 @@ from test_parallelize import assert_same, config, make_batch, make_params, make_
 
 import jaxreshard as jr
 from jaxreshard import _parallelize
-from jaxreshard.runtime._executor import PipelineError
+from jaxreshard.runtime.engine._events import PipelineError
 
 TIMEOUT_S = 2.0
 

@@ -238,7 +238,7 @@ def test_late_messages_of_a_forgotten_work_are_dropped():
 def test_an_unknown_transport_is_refused_before_ray_starts():
     import ray
 
-    from jaxreshard.runtime._ray import RayRuntime
+    from jaxreshard.runtime.ray._runtime import RayRuntime
 
     with pytest.raises(ValueError, match="init\\(transport='udp'\\): choose 'auto', 'tcp', "):
         RayRuntime(num_hosts=1, transport="udp")

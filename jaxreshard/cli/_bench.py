@@ -124,7 +124,7 @@ def _bench_reshard(args: argparse.Namespace) -> int:
             f"--address {args.address}: only with --execute ray (joins that cluster)"
         )
     if args.address is not None:
-        from jaxreshard.runtime._ray import check_init_options
+        from jaxreshard.runtime.ray._options import check_init_options
 
         try:
             check_init_options(args.address, {})
@@ -192,7 +192,7 @@ def _execute_cases(args, cases, cluster, results, console) -> list[str]:
         cpu_devices(ex.devices_needed(scaled), "the cases")
         run = lambda case: ex.run_local(case, args.repeats)
     else:
-        from jaxreshard.runtime._ray import RayRuntime
+        from jaxreshard.runtime.ray._runtime import RayRuntime
 
         num_hosts, per_host = ex.ray_shape(scaled)
         links = {k: v for k, v in cluster.items() if k != "devices_per_host"}

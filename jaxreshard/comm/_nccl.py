@@ -15,7 +15,7 @@
 - Order across communicators: a device blocked in one communicator's collective does not get to
   another's (see [Note: one issue order] in `_order.py`), so a pipeline's channels, which share
   devices, issue all their collectives in one order derived from the schedule, one issuer per
-  host (see [Note: NCCL issue order] in `runtime/_host_channels.py`), checked before anything
+  host (see [Note: NCCL issue order] in `runtime/ray/_nccl_order.py`), checked before anything
   runs. Each broadcast carries a label naming its op, for the test stand-in's messages.
 - Ordering with JAX, both ways, without host waits: a source shard is taken through DLPack with
   the channel's stream current, so the DLPack protocol makes that stream wait for the JAX

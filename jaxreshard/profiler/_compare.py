@@ -10,9 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxreshard.pipeline import Costs
-from jaxreshard.profiler._config import (
-    ProfileConfig,
-)
+from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import (
     COMPARE_FORMAT,

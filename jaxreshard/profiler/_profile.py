@@ -8,9 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jaxreshard.profiler._config import (
-    ProfileConfig,
-)
+from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._report import (
     chrome_trace,
     header_lines,

@@ -24,7 +24,7 @@ from jaxreshard.profiler._run import (
     stage_stats,
     transfer_stats,
 )
-from jaxreshard.runtime._executor import SEND, WAIT
+from jaxreshard.runtime.engine._events import SEND, WAIT
 
 PROFILE_FORMAT = "jaxreshard-profile/1"
 COMPARE_FORMAT = "jaxreshard-profile-compare/1"

@@ -27,8 +27,8 @@ import jaxreshard as jr
 from jaxreshard._jax_compat import make_mesh
 from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import ProfileConfig
-from jaxreshard.runtime._executor import APPLY_EVENT, ARRIVE, SEND, WAIT, Event
-from jaxreshard.runtime._specs import transplant_spec
+from jaxreshard.runtime.engine._events import APPLY_EVENT, ARRIVE, SEND, WAIT, Event
+from jaxreshard.runtime.step._specs import transplant_spec
 
 COMPUTE_KINDS = ("F", "B", "W", APPLY_EVENT)
 LOCAL_STRATEGY = "local"  # between two stages of one mesh (virtual stages): nothing moves

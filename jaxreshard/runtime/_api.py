@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
-import logging
-import weakref
 from typing import Any
 
 from jaxreshard._tracebacks import api_boundary
+from jaxreshard.runtime.driver._lifetime import close_pipelines
 
 BACKENDS = ("local", "ray")
 
 _current: Any = None
-# The pipelines built since the runtime started: `shutdown` closes those still alive.
-_pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
 # True while `_current` is the local runtime started on demand (not by `init`): `init` replaces it.
 _implicit = False
 
@@ -88,7 +84,8 @@ def init(
         _current = LocalRuntime()
         _implicit = False
     else:
-        from jaxreshard.runtime._ray import RayRuntime, check_init_options
+        from jaxreshard.runtime.ray._options import check_init_options
+        from jaxreshard.runtime.ray._runtime import RayRuntime
 
         check_init_options(address, options)
         _current = RayRuntime(
@@ -98,31 +95,6 @@ def init(
     return _current
 
 
-def track_pipeline(pipeline: Any) -> None:
-    """Have `shutdown` close `pipeline` (its `close()`) if it is still alive then, and the
-    interpreter's exit too if it runs steps in this process (`pipeline.close_at_exit`)."""
-    global _exit_hook
-    _pipelines.add(pipeline)
-    if not _exit_hook:
-        # Registered after JAX's exit hooks (JAX is imported before any pipeline is built), so
-        # it runs before them: the threads end while JAX is still whole (see
-        # [Note: threads at exit] in `runtime/_threads.py`).
-        atexit.register(_close_pipelines_at_exit)
-        _exit_hook = True
-
-
-_exit_hook = False
-
-
-def _close_pipelines_at_exit() -> None:
-    for pipeline in list(_pipelines):
-        if getattr(pipeline, "close_at_exit", False):
-            try:
-                pipeline.close()
-            except Exception:  # exit goes on; the other pipelines still close
-                logging.getLogger(__name__).debug("closing %r at exit failed", pipeline)
-
-
 @api_boundary
 def shutdown() -> None:
     """Stop the current runtime (host actors and Ray, for the Ray backend), and close every
@@ -130,9 +102,7 @@ def shutdown() -> None:
     Idempotent."""
     global _current, _implicit
     _implicit = False
-    for pipeline in list(_pipelines):
-        pipeline.close()
-    _pipelines.clear()
+    close_pipelines()
     if _current is not None:
         runtime, _current = _current, None
         runtime.shutdown()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxreshard.runtime._host_naive import NaiveBaseline
+from jaxreshard.runtime.ray._naive import NaiveBaseline
 
 
 class HostActor(NaiveBaseline):
@@ -59,7 +59,7 @@ class HostActor(NaiveBaseline):
         self._stream: Any = None  # the TCP transport, once `open_stream` made its listener
         self._emulator: Any = None
         self._nccl: Any = None
-        self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (runtime/_host_pipeline.py)
+        self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (runtime/ray/_host_pipeline.py)
         self._dropped: collections.deque[str] = collections.deque(maxlen=64)  # for messages
 
     # -- setup ---------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ class HostActor(NaiveBaseline):
     def join(self, coordinator: str, num_hosts: int, timeout_s: float) -> None:
         """Join the hosts' one jax.distributed runtime as process `host` (every host calls it
         at once; host 0 serves it at `coordinator`), so that a stage's mesh can span hosts
-        (see [Note: multi-host stages] in `runtime/_pipeline_ray.py`). Collectives between
+        (see [Note: multi-host stages] in `ray/_pipeline.py`). Collectives between
         hosts run over gloo on this node's address (CPU) or NCCL (GPUs). Global device ids:
         each host's devices in order, hosts in order, as the driver numbered them."""
         import jax
@@ -289,7 +289,7 @@ class HostActor(NaiveBaseline):
         """Make this host's ranks of a communicator (every member host calls it at once)."""
         self._nccl_transport().create(tuple(group), uid, channel)
 
-    # -- pipelines (see runtime/_pipeline_ray.py) ---------------------------------------------
+    # -- pipelines (see runtime/ray/_pipeline.py) ---------------------------------------------
 
     def pipeline_prepare(
         self,
@@ -305,7 +305,7 @@ class HostActor(NaiveBaseline):
         """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves);
         return its fingerprint."""
         from jaxreshard.frontend._trace import fingerprint
-        from jaxreshard.runtime._host_pipeline import HostPipeline
+        from jaxreshard.runtime.ray._host_pipeline import HostPipeline
 
         step, static = load_step(self.host, fun)
         pipeline = HostPipeline(

@@ -1,6 +1,6 @@
 """The Ray runtime's driver: remote arrays, multi-host plan execution, NCCL communicators and
-pipelines' lifetime (starting the host actors: `_ray_start.py`; waiting for them:
-`_ray_wait.py`).
+pipelines' lifetime (starting the host actors: `ray/_start.py`; waiting for them:
+`ray/_wait.py`).
 
 [Note: Ray runtime]
 One `HostActor` per host owns that host's devices. The driver plans (the planner sees the
@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import queue
-import re
 import threading
 import uuid
 import weakref
@@ -31,52 +30,32 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxreshard._machine import available_memory_bytes, format_bytes
 from jaxreshard.cluster._describe import links_of
 from jaxreshard.comm import Cluster, Layout, VirtualMesh, VirtualSharding
-from jaxreshard.comm import plan_reshard as _plan_reshard
 from jaxreshard.comm._cluster import PAPER_LATENCY_S
-from jaxreshard.comm._order import check_programs, host_programs
-from jaxreshard.comm._plan import Plan
-from jaxreshard.comm._transport import HostWork
-from jaxreshard.runtime._ray_start import (
+from jaxreshard.runtime.ray._remote import RemoteArray
+from jaxreshard.runtime.ray._resharding import HostResharding
+from jaxreshard.runtime.ray._start import (
     PLATFORMS,
     TRANSPORTS,
     HostStartup,
     LocalRayToken,
     _auto_transport,
     _described_cluster,
-    _host_nodes,
     _machine_gpus,
     _start_local_nodes,
-    check_reported_devices,
+    check_local_memory,
     join_ray,
     local_platform,
 )
-from jaxreshard.runtime._ray_wait import PROBE_EVERY_S, HostWaits, RuntimeBroken
-from jaxreshard.runtime._remote import RemoteArray
-
-__all__ = [  # (names others import from here)
-    "PLATFORMS",
-    "PROBE_EVERY_S",
-    "TRANSPORTS",
-    "RayRuntime",
-    "RuntimeBroken",
-    "_host_nodes",
-    "_machine_gpus",
-    "check_reported_devices",
-    "local_platform",
-]
+from jaxreshard.runtime.ray._wait import HostWaits, RuntimeBroken
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_HOSTS = 4096
 MAX_DEVICES_PER_HOST = 1024
-# What one local host costs before it holds any array: a Ray node (raylet, object store) and a
-# host actor process with JAX loaded (measured here: about 300 MiB resident per actor).
-_LOCAL_HOST_BYTES = 400 * 2**20
 
 
-class RayRuntime(HostStartup, HostWaits):
+class RayRuntime(HostStartup, HostWaits, HostResharding):
     """Host actors on a Ray cluster (or a local Ray instance that emulates one)."""
 
     backend = "ray"
@@ -137,7 +116,7 @@ class RayRuntime(HostStartup, HostWaits):
                     "num_hosts (and devices_per_host): e.g. init(backend='ray', num_hosts=4, "
                     "devices_per_host=2). To join a cluster, pass address='HOST:PORT' or 'auto'."
                 )
-            _check_local_memory(num_hosts, object_store_memory, nodes)
+            check_local_memory(num_hosts, object_store_memory, nodes)
             # Before Ray starts: too few GPUs is an error, not fake CPU devices.
             platform = local_platform(platform, num_hosts, devices_per_host, nodes, _machine_gpus())
         if ray.is_initialized():
@@ -307,133 +286,6 @@ class RayRuntime(HostStartup, HostWaits):
         for h, ids in batches.items():
             self.actors[h].free_many.remote(ids)
 
-    # -- resharding ----------------------------------------------------------------------------
-
-    def plan(
-        self, array: RemoteArray, dst_sharding: VirtualSharding, *, strategy: str = "auto"
-    ) -> Plan:
-        self._check_array(array)
-        self._check_sharding(dst_sharding, "dst_sharding")
-        return _plan_reshard(
-            array.shape,
-            array.dtype,
-            array.sharding,
-            dst_sharding,
-            cluster=self.cluster,
-            strategy=strategy,
-        )
-
-    def reshard(
-        self, array: RemoteArray, dst_sharding: VirtualSharding, *, strategy: str = "auto"
-    ) -> RemoteArray:
-        """Move `array` to `dst_sharding` by plan, host to host (see [Note: Ray runtime])."""
-        plan = self.plan(array, dst_sharding, strategy=strategy)
-        collectives = self.transport == "nccl"
-        programs = host_programs(plan, collectives=collectives)
-        check_programs(programs, plan.cluster)
-        if collectives:
-            self._ensure_communicators(programs)
-        dst_id = self._new_id("reshard")
-        what = f"resharding {array!r} to {dst_sharding.spec}"
-        works = self._host_works(plan, programs, array.array_id, dst_id, what)
-        calls = {h: self.actors[h].run.remote(work, self.transport) for h, work in works.items()}
-        self.last_stats = self._wait(calls, what, self.timeout_s + 10.0, work_id=dst_id)
-        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
-
-    def reshard_naive(self, array: RemoteArray, dst_sharding: VirtualSharding) -> RemoteArray:
-        """The executed benchmark's baseline: every receiving host pulls the whole tensor.
-
-        Each source region is put into the object store once (one replica); every host with
-        destination devices fetches all of them and cuts out its devices' regions. No plan.
-        """
-        self._check_array(array)
-        self._check_sharding(dst_sharding, "dst_sharding")
-        src = Layout.from_sharding(array.sharding, array.shape)
-        dst = Layout.from_sharding(dst_sharding, array.shape, what="dst_sharding")
-        first: dict[Any, int] = {}
-        for device, index in zip(src.devices, src.indices):
-            first.setdefault(index, device)
-        by_host: dict[int, list[int]] = {}
-        for device in first.values():
-            by_host.setdefault(self.cluster.host_of(device), []).append(device)
-        what = f"naively resharding {array!r}"
-        published = self._wait(
-            {
-                h: self.actors[h].publish.remote(array.array_id, devices)
-                for h, devices in by_host.items()
-            },
-            what,
-        )
-        refs = [
-            (index, published[self.cluster.host_of(d)][d], self.cluster.host_of(d))
-            for index, d in first.items()
-        ]
-        dst_id = self._new_id("naive")
-        receivers: dict[int, dict[int, Any]] = {}
-        for device, index in zip(dst.devices, dst.indices):
-            receivers.setdefault(self.cluster.host_of(device), {})[device] = index
-        self._wait(
-            {
-                h: self.actors[h].pull_whole.remote(
-                    dst_id, array.dtype.name, refs, regions, self.timeout_s
-                )
-                for h, regions in receivers.items()
-            },
-            what,
-        )
-        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
-
-    def _host_works(
-        self, plan: Plan, programs: dict[int, list[Any]], src_id: str, dst_id: str, what: str
-    ) -> dict[int, HostWork]:
-        works = {}
-        involved = set(programs) | {self.cluster.host_of(d) for d in plan.dst.devices}
-        for h in sorted(involved):
-            steps = tuple(programs.get(h, ()))
-            own = set(self.hosts[h])
-            works[h] = HostWork(
-                work_id=dst_id,
-                host=h,
-                shape=plan.shape,
-                dtype=plan.dtype,
-                steps=steps,
-                ops={s.op: plan.ops[s.op] for s in steps},
-                src_regions={d: i for d, i in zip(plan.src.devices, plan.src.indices) if d in own},
-                dst_regions={d: i for d, i in zip(plan.dst.devices, plan.dst.indices) if d in own},
-                src_array=src_id,
-                dst_array=dst_id,
-                timeout_s=self.timeout_s,
-                describe=what,
-                **self._chunking(plan),
-            )
-        return works
-
-    def _chunking(self, plan: Plan) -> dict[str, int]:
-        """The TCP transport moves slices in the cluster model's chunks (cheap per message, and
-        what the simulator assumes); the object store keeps its larger default chunks, as every
-        chunk costs it an object and an actor call."""
-        return {"chunk_bytes": plan.cluster.chunk_bytes} if self.transport == "tcp" else {}
-
-    def _ensure_communicators(
-        self, programs: dict[int, list[Any]], channel: str = "reshard"
-    ) -> None:
-        """Create the communicators the programs use that do not exist yet (see
-        [Note: NCCL transport]), one group at a time in sorted order."""
-        groups = sorted({s.group for steps in programs.values() for s in steps if s.group})
-        for group in groups:  # one fixed global order, the same on every host
-            if (channel, group) in self._communicators:
-                continue
-            members = sorted({self.cluster.host_of(d) for d in group})
-            uid = self._wait(
-                {members[0]: self.actors[members[0]].nccl_unique_id.remote()},
-                f"making the NCCL id of {list(group)}",
-            )[members[0]]
-            self._wait(
-                {h: self.actors[h].nccl_create.remote(group, uid, channel) for h in members},
-                f"creating the NCCL communicator {list(group)} ({channel})",
-            )
-            self._communicators.add((channel, group))
-
     # -- pipelines' lifetime -----------------------------------------------------------------------
 
     def start_dropper(self) -> None:
@@ -554,82 +406,6 @@ class RayRuntime(HostStartup, HostWaits):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "running")
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
-
-
-def check_init_options(address: Any, options: dict[str, Any]) -> None:
-    """`init(backend='ray', ...)`'s arguments, checked before Ray starts: known option names,
-    an address of a form Ray takes, and the numbers `RayRuntime` would otherwise check only
-    after its host actors started."""
-    import inspect
-
-    known = [
-        p for p in inspect.signature(RayRuntime.__init__).parameters if p not in ("self", "address")
-    ]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(
-            f"init(backend='ray') got unknown options {unknown}; valid: address, {', '.join(known)}"
-        )
-    if address is not None and (not isinstance(address, str) or not _ADDRESS.fullmatch(address)):
-        raise ValueError(
-            f"init(address={address!r}): give 'auto' (the cluster this machine's Ray is in), "
-            "'HOST:PORT' of the head node (e.g. '10.0.0.1:6379', or what `jaxreshard "
-            "cluster up` prints), or 'ray://HOST:PORT'"
-        )
-    fraction = options.get("gpu_memory_fraction", 0.6)
-    if not _number(fraction) or not 0 < fraction <= 1:
-        raise ValueError(f"init(gpu_memory_fraction={fraction!r}): a fraction in (0, 1]")
-    gbps = options.get("emulate_network_gbps")
-    if gbps is not None and not (_number(gbps) and 1e-6 <= gbps <= 1e6):
-        raise ValueError(
-            f"init(emulate_network_gbps={gbps!r}): a number of GB/s from 1e-06 to 1e+06, or None"
-        )
-    store = options.get("object_store_memory")
-    if store is not None and not (isinstance(store, int) and 64 * 2**20 <= store <= 2**50):
-        raise ValueError(
-            f"init(object_store_memory={store!r}): bytes of each node's object store, an int of "
-            "at least 64 MiB (67108864), or None for 512 MiB"
-        )
-    start = options.get("start_timeout_s", 180.0)
-    if not _number(start) or not 0 < start < math.inf:
-        raise ValueError(f"init(start_timeout_s={start!r}): a finite number of seconds > 0")
-    links = options.get("cluster_links")
-    if links is not None:
-        if not isinstance(links, dict):
-            raise TypeError(
-                f"init(cluster_links={links!r}): a dict of the cost model's link figures, e.g. "
-                "{'inter_host_gbytes_per_s': 1.25, 'latency_s': 2e-05}"
-            )
-        for key, value in links.items():
-            if not _number(value) or not 0 <= value < math.inf:
-                raise ValueError(
-                    f"init(cluster_links={{{key!r}: {value!r}}}): a finite number >= 0"
-                )
-
-
-_ADDRESS = re.compile(r"auto|(ray://)?[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_local_memory(num_hosts: int, object_store_memory: int | None, nodes: str) -> None:
-    """Refuse, before Ray starts, a local cluster this machine cannot hold (one Ray node and host
-    actor per host, each node with its own object store)."""
-    available = available_memory_bytes()
-    if available is None:
-        return
-    store = (object_store_memory or 512 * 2**20) if nodes == "per_host" else 0
-    need = num_hosts * (_LOCAL_HOST_BYTES + store)
-    if need > available:
-        raise ValueError(
-            f"init(backend='ray', num_hosts={num_hosts}) starts {num_hosts} local host actors"
-            + (f" and Ray nodes ({store // 2**20} MiB object store each)" if store else "")
-            + f", about {format_bytes(need)}, but this machine has "
-            f"{format_bytes(available)} available; use fewer hosts, or join a cluster with "
-            "address='HOST:PORT'"
-        )
 
 
 def _tell_drop(runtime: RayRuntime, key: str, hosts: Sequence[int]) -> list[Any]:

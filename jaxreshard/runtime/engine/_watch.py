@@ -5,9 +5,9 @@ finish.
 A step of `jax.jit` returns as soon as its work is enqueued; its outputs are arrays still being
 computed, and the host goes on to the next step (or the next batch) while the device works. A
 pipelined step on this process does the same: the dispatching thread enqueues every stage's
-actions (see [Note: one dispatching thread] in `_executor.py`), the optimizer segments and the
-loss's combination, and returns the outputs as they are. What used to end every step, the wait
-for its outputs under the progress deadline (`Completion`), runs in a `StepWatch` thread
+actions (see [Note: one dispatching thread] in `engine/_dispatch.py`), the optimizer segments
+and the loss's combination, and returns the outputs as they are. What used to end every step,
+the wait for its outputs under the progress deadline (`Completion`), runs in a `StepWatch` thread
 instead, which never blocks the caller:
 - Steps are watched in order, one thread for the pipeline. A step fails only when none of its
   actions finished for `timeout_s` (the deadline moves with progress), and the error names the
@@ -31,8 +31,9 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from jaxreshard.runtime._executor import Completion, PipelineError
-from jaxreshard.runtime._threads import JOIN_S, DaemonPool
+from jaxreshard.runtime.engine._dispatch import Completion
+from jaxreshard.runtime.engine._events import PipelineError
+from jaxreshard.runtime.engine._threads import JOIN_S, DaemonPool
 
 
 class StepWatch:

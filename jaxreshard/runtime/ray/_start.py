@@ -4,7 +4,7 @@
 Ray instance of one node per host (`_start_local_nodes`) or a cluster's nodes (`_host_nodes`), the
 platform each host's JAX uses (`local_platform`: never fake CPU devices in place of missing GPUs),
 one `HostActor` per host with its device ids checked (`check_reported_devices`), the hosts'
-jax.distributed runtime (see [Note: multi-host stages] in `_pipeline_ray.py`), the emulated NICs
+jax.distributed runtime (see [Note: multi-host stages] in `ray/_pipeline.py`), the emulated NICs
 and the TCP transport's listeners with the runtime's secret (see [Note: stream authentication]
 in `comm/_stream.py`). A driver joins a cluster with `join_ray`.
 """
@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxreshard._machine import available_memory_bytes, format_bytes
 from jaxreshard.cluster._describe import (
     HOST_RESOURCE,
     driver_ip_for,
@@ -55,7 +56,7 @@ class HostStartup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from jaxreshard.runtime._host import HostActor
+        from jaxreshard.runtime.ray._actor import HostActor
 
         nodes = _host_nodes([n for n in ray.nodes() if n["Alive"]])
         gpus_per_node = [int(n["Resources"].get("GPU", 0)) for n in nodes]
@@ -151,7 +152,7 @@ class HostStartup:
             )
             hosts.append(tuple(range(first, first + count)))
             first += count
-        if joining:  # see [Note: multi-host stages] in `_pipeline_ray.py`
+        if joining:  # see [Note: multi-host stages] in `ray/_pipeline.py`
             coordinator = self._wait(
                 {0: self.actors[0].coordinator_address.remote()},
                 "choosing the jax.distributed coordinator",
@@ -384,3 +385,26 @@ def _described_cluster() -> dict[str, Any] | None:
     except Exception as e:  # a malformed entry must not stop the runtime; say so
         logging.getLogger(__name__).warning("ignoring the cluster description in Ray: %s", e)
         return None
+
+
+# What one local host costs before it holds any array: a Ray node (raylet, object store) and a
+# host actor process with JAX loaded (measured here: about 300 MiB resident per actor).
+LOCAL_HOST_BYTES = 400 * 2**20
+
+
+def check_local_memory(num_hosts: int, object_store_memory: int | None, nodes: str) -> None:
+    """Refuse, before Ray starts, a local cluster this machine cannot hold (one Ray node and host
+    actor per host, each node with its own object store)."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    store = (object_store_memory or 512 * 2**20) if nodes == "per_host" else 0
+    need = num_hosts * (LOCAL_HOST_BYTES + store)
+    if need > available:
+        raise ValueError(
+            f"init(backend='ray', num_hosts={num_hosts}) starts {num_hosts} local host actors"
+            + (f" and Ray nodes ({store // 2**20} MiB object store each)" if store else "")
+            + f", about {format_bytes(need)}, but this machine has "
+            f"{format_bytes(available)} available; use fewer hosts, or join a cluster with "
+            "address='HOST:PORT'"
+        )

@@ -1,4 +1,4 @@
-"""Pipelines on the Ray runtime: the driver's side (the hosts' side is `_host_pipeline.py`).
+"""Pipelines on the Ray runtime: the driver's side (the hosts' side is `ray/_host_pipeline.py`).
 
 [Note: pipelines on Ray]
 The driver traces and cuts the step; every host actor that runs stages traces and cuts it too
@@ -78,103 +78,20 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard.comm import VirtualMesh, VirtualSharding
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import fingerprint
-from jaxreshard.runtime._api import track_pipeline
-from jaxreshard.runtime._compile import fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._driver import NOT_THERE, HostResult, Hosts, PipelineDriver, StepCall
-from jaxreshard.runtime._executor import Event
-from jaxreshard.runtime._host_channels import check_channel_order, nccl_programs
-from jaxreshard.runtime._host_pipeline import from_wire, is_key, merge_wire, to_wire
-from jaxreshard.runtime._layout import PipelineLayout, layout_pipeline, pipeline_schedule
-from jaxreshard.runtime._remote import RemoteArray
-from jaxreshard.runtime._specs import spec_of
+from jaxreshard.runtime.driver._driver import NOT_THERE, HostResult, Hosts, PipelineDriver, StepCall
+from jaxreshard.runtime.driver._lifetime import track_pipeline
+from jaxreshard.runtime.engine._events import Event
+from jaxreshard.runtime.ray._nccl_order import check_channel_order, nccl_programs
+from jaxreshard.runtime.ray._placement import COMPILE_WAIT_S, _RemoteCompiler, stage_placement
+from jaxreshard.runtime.ray._remote import RemoteArray
+from jaxreshard.runtime.ray._wire import from_wire, is_key, merge_wire, to_wire
+from jaxreshard.runtime.step._compile import fusable_segments
+from jaxreshard.runtime.step._layout import PipelineLayout, layout_pipeline, pipeline_schedule
+from jaxreshard.runtime.step._specs import spec_of
 
 STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
-# How long tracing and compiling a pipeline on the hosts may take (a big stage or optimizer
-# compiles for minutes); the runtime's `timeout_s` bounds its data movement, not XLA.
-COMPILE_WAIT_S = 900.0
 DROP_WAIT_S = 5.0  # how long `RayPipeline.close` waits for the hosts to have dropped it
-
-
-class _RemoteCompiler:
-    """A `StageCompiler` in the host actors of a stage, seen from the driver: every host of the
-    stage compiles it (they run it together); the lead host's answer is the stage's."""
-
-    def __init__(self, runtime: Any, hosts: Sequence[int], key: str, s: int):
-        self.runtime, self.hosts, self.key, self.s = runtime, tuple(hosts), key, s
-
-    def _call(self, method: str, what: str, *args: Any) -> Any:
-        calls = {
-            h: getattr(self.runtime.actors[h], method).remote(self.key, self.s, *args)
-            for h in self.hosts
-        }
-        answers = self.runtime._wait(calls, f"{what} of stage {self.s}", COMPILE_WAIT_S)
-        lead = answers[self.hosts[0]]
-        for h in self.hosts[1:]:
-            if answers[h] != lead:
-                raise RuntimeError(
-                    f"stage {self.s} spans hosts {list(self.hosts)}, but host {h} compiled it "
-                    f"to {answers[h]} and host {self.hosts[0]} to {lead}; every host of a stage "
-                    "needs the same JAX and XLA versions and flags"
-                )
-        return lead
-
-    def prepare(self, specs: Sequence[P], loss_scale: float | None) -> None:
-        self._call("pipeline_prepare_stage", "preparing the executables", list(specs), loss_scale)
-
-    def compile_forward(self) -> tuple[list[P], list[P]]:
-        return self._call("pipeline_compile_forward", "compiling the forward")
-
-    def compile_variants(self, names: Sequence[str], extra_specs: Sequence[P] | None) -> None:
-        self._call(
-            "pipeline_compile_variants", "compiling the executables", list(names), extra_specs
-        )
-
-
-def stage_placement(
-    runtime: Any, config: PipelineConfig, num_meshes: int
-) -> tuple[list[VirtualMesh], list[tuple[int, ...]]]:
-    """Each rank's mesh over the runtime's devices (taken in order) and its hosts (see
-    [Note: multi-host stages]); errors name the mesh and the fix."""
-    shapes = config.mesh_shapes(num_meshes)
-    need = sum(int(np.prod(s)) for s in shapes)
-    devices = list(runtime.devices)
-    if need > len(devices):
-        raise ValueError(
-            f"the step runs on meshes {list(shapes)}: {need} devices, but the Ray runtime has "
-            f"{len(devices)} ({runtime.cluster.describe()})"
-        )
-    on_host: dict[int, list[int]] = {}
-    for d in devices:
-        on_host.setdefault(d.process_index, []).append(d.id)
-    meshes, hosts_of_rank, at = [], [], 0
-    for r, shape in enumerate(shapes):
-        n = int(np.prod(shape))
-        chosen = devices[at : at + n]
-        at += n
-        ids = [d.id for d in chosen]
-        hosts = sorted({d.process_index for d in chosen})
-        if len(hosts) > 1:
-            partial = [h for h in hosts if not set(on_host[h]) <= set(ids)]
-            if partial:
-                h = partial[0]
-                raise ValueError(
-                    f"mesh {r} {tuple(shape)} would take devices {ids}: part of host {h}'s "
-                    f"{on_host[h]}; a stage mesh either fits in one host or takes whole hosts "
-                    f"(see [Note: multi-host stages]): give it a number of devices that divides "
-                    f"or is a multiple of the hosts' {len(on_host[h])}, or reorder the stage "
-                    "mesh shapes"
-                )
-            if not getattr(runtime, "distributed", False):
-                raise ValueError(
-                    f"mesh {r} {tuple(shape)} spans hosts {hosts}, but the host actors did not "
-                    "join a jax.distributed runtime (init(backend='ray', distributed=False), or "
-                    "a single host); start the runtime with distributed=True (the default with "
-                    "two or more hosts), or make every stage mesh fit in one host"
-                )
-        hosts_of_rank.append(tuple(hosts))
-        meshes.append(runtime.mesh(shape, config.mesh_axis_names, ids))
-    return meshes, hosts_of_rank
 
 
 class RayHosts(Hosts):
@@ -225,7 +142,7 @@ class RayHosts(Hosts):
         """Put parameter `k` on its stage's hosts; a host that died meanwhile is named with its
         stages, as in a step (a step's first act is to put the parameters it was given as host
         data, so a host lost just before a step fails here)."""
-        from jaxreshard.runtime._ray import RuntimeBroken
+        from jaxreshard.runtime.ray._wait import RuntimeBroken
 
         try:
             return self.runtime.put(value, sharding)
@@ -342,8 +259,8 @@ class RayHosts(Hosts):
         step) and the error says so. A dead host's error names its stage."""
         import ray
 
-        from jaxreshard.runtime._executor import STOP_GRACE_S
-        from jaxreshard.runtime._ray import RuntimeBroken
+        from jaxreshard.runtime.engine._dispatch import STOP_GRACE_S
+        from jaxreshard.runtime.ray._wait import RuntimeBroken
 
         rt = self.runtime
         spanning = {s: hs for s, hs in self.hosts_of_stage.items() if len(hs) > 1}

@@ -1,18 +1,17 @@
 """A pipeline's part in a Ray host actor: the host engine behind the actor's calls.
 
-The actor (`_host.py`) keeps one `HostPipeline` per pipeline the driver built; it traces the step
-again (the function travels by value, and a fingerprint proves the driver's and this trace
+The actor (`ray/_actor.py`) keeps one `HostPipeline` per pipeline the driver built; it traces
+the step again (the function travels by value, and a fingerprint proves the driver's and this trace
 agree), compiles its stages through its `HostEngine`, and turns the driver's step calls into the
 engine's: array ids into the arrays it keeps, host data into arrays; the engine's outputs into
 ids (with small values), kept here for the next step (see [Note: pipelines on Ray] in
-`_pipeline_ray.py`). It also reports progress for the driver's deadline ([Note: progress
+`ray/_pipeline.py`). It also reports progress for the driver's deadline ([Note: progress
 deadline]) and lets everything go when the driver drops the pipeline ([Note: pipeline
 lifetime]).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import weakref
@@ -26,15 +25,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard.frontend._trace import trace_step
-from jaxreshard.runtime._compile import StageCompiler
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._driver import StepCall
-from jaxreshard.runtime._engine import HostEngine, SegmentCall, StepInputs, as_named
-from jaxreshard.runtime._executor import PipelineError
-from jaxreshard.runtime._host_channels import HostChannels
-from jaxreshard.runtime._layout import PipelineLayout
-from jaxreshard.runtime._remote import SMALL_BYTES
-from jaxreshard.runtime._specs import place, spec_of, transplant_spec
+from jaxreshard.runtime.driver._driver import StepCall
+from jaxreshard.runtime.engine._events import PipelineError
+from jaxreshard.runtime.engine._host import HostEngine, SegmentCall, StepInputs
+from jaxreshard.runtime.engine._placing import as_named
+from jaxreshard.runtime.ray._channels import HostChannels
+from jaxreshard.runtime.ray._remote import SMALL_BYTES
+from jaxreshard.runtime.ray._wire import from_wire, is_key, local_value, to_wire
+from jaxreshard.runtime.step._compile import StageCompiler
+from jaxreshard.runtime.step._layout import PipelineLayout
+from jaxreshard.runtime.step._specs import place, spec_of, transplant_spec
 
 
 class StepProgress:
@@ -156,7 +157,7 @@ class HostPipeline:
 
     `stage_devices` gives, per stage this host runs, its mesh as a grid of global device ids;
     a stage that spans hosts has devices of other hosts in it (every host of it runs it, see
-    [Note: multi-host stages] in `_pipeline_ray.py`)."""
+    [Note: multi-host stages] in `ray/_pipeline.py`)."""
 
     def __init__(
         self,
@@ -424,88 +425,3 @@ class HostPipeline:
         values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
         outs = self.engine.segment(index, values)
         return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
-
-
-# -- values on the wire -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyData:
-    """A typed PRNG key array on its way between the driver and a host (numpy cannot hold one):
-    its key data and implementation."""
-
-    data: Any
-    impl: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Shards:
-    """One host's pieces of an array sharded over several hosts' devices, on its way to the
-    driver: (global index, data) of each shard it holds a first replica of."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    pieces: tuple[tuple[tuple[tuple[int, int], ...], np.ndarray], ...]
-
-
-def is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def local_value(x: Any, required: bool = True) -> Any:
-    """A jax.Array's value as numpy, read in this process: whole if this process holds all of
-    it (every device, or a replica on one of its own); else None, or an error if `required`."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    if required:
-        raise ValueError(
-            f"an array of shape {x.shape} is sharded over other processes' devices too; "
-            "this process holds only its part of it (this is a jaxreshard bug, please report it)"
-        )
-    return None
-
-
-def to_wire(x: Any) -> Any:
-    """A value as a step call carries it: numpy, `KeyData` for typed keys, `Shards` for this
-    process's part of an array spread over several processes."""
-    if is_key(x):
-        return KeyData(to_wire(jax.random.key_data(x)), str(jax.random.key_impl(x)))
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        pieces = tuple(
-            (
-                tuple(_bounds(s.index, x.shape)),
-                np.asarray(s.data),
-            )
-            for s in x.addressable_shards
-            if s.replica_id == 0
-        )
-        return Shards(tuple(x.shape), np.dtype(x.dtype).name, pieces)
-    return local_value(x)
-
-
-def from_wire(x: Any) -> Any:
-    """The inverse of `to_wire` (`Shards` are merged by `merge_wire` first)."""
-    if isinstance(x, KeyData):
-        return jax.random.wrap_key_data(from_wire(x.data), impl=x.impl)
-    return x
-
-
-def merge_wire(parts: Sequence[Any]) -> Any:
-    """One value from the `to_wire` forms that each host of a stage sent (the same value from
-    each, or its `Shards`)."""
-    first = parts[0]
-    if isinstance(first, KeyData):
-        return KeyData(merge_wire([p.data for p in parts]), first.impl)
-    if not isinstance(first, Shards):
-        return first
-    out = np.empty(first.shape, first.dtype)
-    for part in parts:
-        for index, data in part.pieces:
-            out[tuple(slice(a, b) for a, b in index)] = data
-    return out
-
-
-def _bounds(index: Sequence[slice], shape: Sequence[int]) -> list[tuple[int, int]]:
-    return [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape)]

@@ -2,7 +2,7 @@
 
 [Note: one step]
 What `PipelineDriver.run` does with a step's arguments (the hosts' side is `HostEngine.step`,
-[Note: host engine] in `_engine.py`):
+[Note: host engine] in `engine/_host.py`):
 1. The parameters go where their owner stage's mesh is, as planned (`Hosts.params`: placed on
    this process's devices, or put on the hosts once and kept there; a parameter a step returned
    is already there).
@@ -19,8 +19,8 @@ What `PipelineDriver.run` does with a step's arguments (the hosts' side is `Host
    owner stage's lead host), the aux outputs per micro-batch, combined as [Note: micro-batch
    semantics] says; the segments the driver places run now, in order; the step's outputs are
    read off.
-`Hosts` is the protocol to the processes: `LocalHosts` (`_local.py`) calls this process's engine
-directly, `RayHosts` (`_pipeline_ray.py`) the host actors.
+`Hosts` is the protocol to the processes: `LocalHosts` (`local/_pipeline.py`) calls this
+process's engine directly, `RayHosts` (`ray/_pipeline.py`) the host actors.
 """
 
 from __future__ import annotations
@@ -35,15 +35,10 @@ import jax
 import numpy as np
 
 from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
-from jaxreshard.runtime._engine import literal_or
-from jaxreshard.runtime._executor import APPLY_EVENT, Event
-from jaxreshard.runtime._layout import PipelineLayout
-from jaxreshard.runtime._step import (
-    combine_losses,
-    combine_results,
-    pre_values,
-    step_value,
-)
+from jaxreshard.runtime.engine._events import APPLY_EVENT, Event
+from jaxreshard.runtime.engine._placing import literal_or
+from jaxreshard.runtime.step._around import combine_losses, combine_results, pre_values, step_value
+from jaxreshard.runtime.step._layout import PipelineLayout
 
 
 @dataclasses.dataclass

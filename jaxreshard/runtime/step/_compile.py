@@ -17,7 +17,7 @@ from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
 from jaxreshard.frontend._backward import StageBackward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._specs import place, spec_of
+from jaxreshard.runtime.step._specs import place, spec_of
 
 # The message of a compiled executable called with inputs laid out otherwise than it was compiled
 # for (it checks before running, so nothing was donated yet).

@@ -157,7 +157,7 @@ def check_meshes(meshes: Sequence[Any], num_meshes: int) -> None:
 
 def place(x: Any, sharding: Any) -> Any:
     """`x` (host data or a jax.Array) on `sharding`. A sharding over devices of several
-    processes (a stage that spans hosts, see [Note: multi-host stages] in `_pipeline_ray.py`)
+    processes (a stage that spans hosts, see [Note: multi-host stages] in `ray/_pipeline.py`)
     takes host data as every process's own shards of it (each process holds the same value);
     an array of this process alone goes there through host memory."""
     import jax

@@ -2,7 +2,7 @@
 
 `HostWaits._wait` is the one way `RayRuntime` waits for its host actors' calls: with a deadline
 from the start of the wait, or one that moves with the hosts' progress (see [Note: progress
-deadline] in `_pipeline_ray.py`); a host whose call fails or whose actor dies is named at once,
+deadline] in `ray/_pipeline.py`); a host whose call fails or whose actor dies is named at once,
 and the others are told to stop (`_abort`).
 """
 

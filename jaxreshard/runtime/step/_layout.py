@@ -29,10 +29,10 @@ from jaxreshard.pipeline._emit import (
     emit,
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
-from jaxreshard.runtime._compile import stage_acc_params
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._programs import program_variants
-from jaxreshard.runtime._specs import batch_spec, spec_of, transplant_spec
+from jaxreshard.runtime.step._compile import stage_acc_params
+from jaxreshard.runtime.step._programs import program_variants
+from jaxreshard.runtime.step._specs import batch_spec, spec_of, transplant_spec
 
 
 @dataclasses.dataclass

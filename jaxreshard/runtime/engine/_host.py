@@ -4,7 +4,7 @@
 A pipeline runs its stages (chunks) in the processes that hold their devices: the local runtime
 runs every stage in the calling process, the Ray runtime the stages of each host in that host's
 actor, and a stage whose mesh spans several hosts in every one of their actors at once (one
-multi-controller SPMD program; see [Note: multi-host stages] in `_pipeline_ray.py`). Whatever
+multi-controller SPMD program; see [Note: multi-host stages] in `ray/_pipeline.py`). Whatever
 the process, the same `HostEngine` does its part of a step:
 1. Compile: a `StageCompiler` per chunk it holds, with the optimizer fused into the last
    backward where it can be (`fusable_segments`), and its post-gradient segments compiled ahead
@@ -18,45 +18,33 @@ the process, the same `HostEngine` does its part of a step:
 5. Hand back what the step made here (`StepOutputs`): losses, its parameters' gradients, fused
    and placed segments' outputs, aux outputs; the caller describes them (the Ray actor keeps
    them as arrays and returns ids; the local driver takes them as they are).
-The driver side of a step, one for both runtimes, is `PipelineDriver` in `_driver.py`.
+The driver side of a step, one for both runtimes, is `PipelineDriver` in `driver/_driver.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
-from jaxreshard._jax_compat import named_sharding_on
 from jaxreshard.frontend._backward import derive_backward, derive_forward
 from jaxreshard.frontend._split import BATCH, CONST, StepGraph
-from jaxreshard.pipeline._emit import Instruction
-from jaxreshard.runtime._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime._executor import (
-    APPLY_EVENT,
-    Channels,
-    Completion,
-    Event,
-    PipelineError,
-    StageProgram,
-    dispatch,
-    stage_failure,
-    wait_for_stages,
-)
-from jaxreshard.runtime._layout import PipelineLayout
-from jaxreshard.runtime._programs import program_variants
-from jaxreshard.runtime._segments import SegmentExecutables
-from jaxreshard.runtime._specs import place, spec_of, transplant_spec
-from jaxreshard.runtime._threads import JOIN_S, DaemonPool
-from jaxreshard.runtime._watch import StepWatch
+from jaxreshard.runtime.engine._channels import Channels
+from jaxreshard.runtime.engine._dispatch import stage_failure
+from jaxreshard.runtime.engine._events import APPLY_EVENT, Event, PipelineError
+from jaxreshard.runtime.engine._placing import FeedSplitter, Placement, _deleted, as_named, on_mesh
+from jaxreshard.runtime.engine._program import StageProgram
+from jaxreshard.runtime.engine._ranks import RankRunner
+from jaxreshard.runtime.engine._watch import StepWatch
+from jaxreshard.runtime.step._compile import StageCompiler, fusable_segments
+from jaxreshard.runtime.step._layout import PipelineLayout
+from jaxreshard.runtime.step._programs import program_variants
+from jaxreshard.runtime.step._segments import SegmentExecutables
 
 
 def stage_backward(graph: StepGraph, s: int, config: PipelineConfig) -> Any:
@@ -385,344 +373,3 @@ class HostEngine:
         self.compilers = {}
         self.segments = SegmentExecutables(self.graph)
         self.layout = None
-
-
-# -- running a process's ranks ---------------------------------------------------------------
-
-
-class RankRunner:
-    """Runs the ranks a process holds for one step (see [Note: host engine]).
-
-    `begin` starts a step on the ranks' channels; `run` drives every rank's `StageProgram`, from
-    this thread (`dispatch`) or, where a channel needs it (profiles, emulated links, several
-    channel objects), one pooled thread per rank, ends the step on the channels, and with
-    `wait` waits for the step's outputs under a progress deadline (`Completion`). Errors name
-    the rank's stage, after `where` ("host 2: ").
-
-    Args:
-        programs: the ranks' programs, by rank.
-        ranks: each rank's chunks (model stages), by rank.
-        channels_of: the channels of each chunk.
-        meshes: each chunk's mesh (a threaded rank runs under its first chunk's).
-        owner: the stage that owns each parameter.
-        timeout_s: `PipelineConfig.timeout_s`.
-        where: what the errors start with.
-    """
-
-    def __init__(
-        self,
-        programs: dict[int, StageProgram],
-        ranks: dict[int, Sequence[int]],
-        channels_of: Mapping[int, Channels],
-        meshes: Mapping[int, Any],
-        owner: Sequence[int],
-        timeout_s: float,
-        where: str = "",
-    ):
-        self.programs, self.ranks, self.channels_of = programs, ranks, dict(channels_of)
-        self.meshes, self.owner, self.timeout_s, self.where = meshes, owner, timeout_s, where
-        self.channels = list({id(c): c for c in self.channels_of.values()}.values())
-        self._pool: DaemonPool | None = None  # made at the first threaded step
-        self._completion = Completion()
-        self._record: Callable[[Event], None] | None = None
-        self.last_log: list[tuple[str, Any]] = []
-
-    def what(self, r: int) -> str:
-        chunks = self.ranks[r]
-        rank = f"stage {chunks[0]}" if len(chunks) == 1 else f"rank {r} {list(chunks)}"
-        return self.where + rank
-
-    @property
-    def threaded(self) -> bool:
-        """Whether the ranks run in threads of their own (see [Note: one dispatching thread])."""
-        return len(self.ranks) > 1 and (
-            len(self.channels) > 1 or any(getattr(c, "threaded", True) for c in self.channels)
-        )
-
-    def begin(
-        self,
-        step_id: str,
-        *,
-        record: Callable[[Event], None] | None = None,
-        signal_only: bool = False,
-    ) -> None:
-        """Start step `step_id` on the ranks' channels (their receives are posted)."""
-        chunks_here = [c for r in self.ranks for c in self.ranks[r]]
-        for channels in self.channels:
-            stages = [c for c in chunks_here if self.channels_of[c] is channels]
-            channels.begin(stages, step_id=step_id, record=record, signal_only=signal_only)
-        self._record = record
-
-    def fail(self, error: PipelineError) -> None:
-        """Fail the step on every channel (every rank, and the hosts they talk to, stop)."""
-        for channels in self.channels:
-            channels.fail(error)
-
-    def run(
-        self,
-        params: Mapping[int, Any],
-        batches: Mapping[int, list[list[Any]]],
-        consts: Mapping[int, list[Any]],
-        apply_inputs: Mapping[int, Sequence[Any]],
-        losses: list[Any],
-        results: dict[tuple[int, int], Any],
-        *,
-        wait: bool = True,
-    ) -> tuple[dict[int, dict[int, Any]], dict[int, list[Any]]]:
-        """Run the step `begin` started: `params` by parameter index (each rank takes its
-        chunks'), `batches` / `consts` / `apply_inputs` by chunk. Fills `losses` (by
-        micro-batch) and `results` (by (result, micro-batch)); returns the gradient
-        accumulators and the fused optimizers' outputs, by chunk. A step that fails raises
-        `PipelineError` after failing the channels (so every other rank and host stops too)."""
-        record = self._record
-        log: list[tuple[str, Any]] = []
-
-        def program(r: int) -> Generator[Instruction, None, Any]:
-            chunks = self.ranks[r]
-            self.programs[r].record = record
-            return self.programs[r].steps(
-                {k: v for k, v in params.items() if self.owner[k] in chunks},
-                {c: batches[c] for c in chunks if c in batches},
-                {c: consts[c] for c in chunks if c in consts},
-                losses,
-                {c: v for c, v in apply_inputs.items() if c in chunks},
-                results,
-                log,
-            )
-
-        if self.threaded:
-            done = self._run_threads(program)
-        else:
-            done = dispatch({r: program(r) for r in self.ranks}, self.channels[0], self.what)
-        for channels in self.channels:
-            channels.end()  # a step ends when its sends have: their errors and events belong to it
-        accumulators: dict[int, dict[int, Any]] = {}
-        applied: dict[int, list[Any]] = {}
-        for accs, out in done.values():
-            accumulators.update(accs)
-            applied.update(out)
-        self.last_log = log  # (what the step dispatched, for a watch: `HostEngine.step`)
-        if wait and record is None:  # a recorded step has waited for every action already
-            try:
-                self._completion.wait((losses, accumulators, applied, results), log,
-                                      self.timeout_s)  # fmt: skip
-            except PipelineError as e:
-                self.fail(e)
-                raise
-        return accumulators, applied
-
-    def _run_threads(self, program: Callable[[int], Any]) -> dict[int, Any]:
-        """Each rank's program in a (pooled) thread of its own, blocking in its RECVs."""
-        if self._pool is None:  # daemons: see [Note: threads at exit]
-            self._pool = DaemonPool(len(self.ranks), "jaxreshard-stage")
-        done: dict[int, Any] = {}
-
-        def worker(r: int) -> None:
-            runner = program(r)
-            channels = self.channels_of[self.ranks[r][0]]
-            try:
-                with jax.set_mesh(self.meshes[self.ranks[r][0]]):
-                    while True:
-                        try:
-                            waiting = next(runner)
-                        except StopIteration as stop:
-                            done[r] = stop.value
-                            return
-                        channels.wait_any([waiting], time.monotonic() + channels.timeout_s)
-            except BaseException as e:
-                error = stage_failure(e, self.what(r))
-                for each in self.channels:
-                    each.fail(error)
-
-        futures = [self._pool.submit(worker, r) for r in self.ranks]
-        name = self.where.removesuffix(": ") or "local runtime"
-        wait_for_stages(futures, self.channels, self.timeout_s, name)
-        return done
-
-    def close(self, join_s: float = JOIN_S) -> None:
-        """Free the threads and the channels (idempotent), waiting at most about `join_s`
-        for each kind of thread to end (see [Note: threads at exit])."""
-        for channels in self.channels:
-            channels.close()  # (it joins its sender threads)
-        if self._pool is not None:
-            self._pool.shutdown(join_s)
-            self._pool = None
-        self._completion.close(join_s)
-
-
-# -- placing inputs -----------------------------------------------------------------------------
-
-
-class FeedSplitter:
-    """The batch inputs of every chunk, per micro-batch: each chunk gets each whole feed it
-    reads once (moved as a whole, a copy per device where the layouts allow), and one
-    executable per chunk cuts all its micro-batches out of them on its mesh. (Cutting first
-    and placing each piece cost two JAX calls per piece: most of a tiny pipeline's step.) On
-    a mesh that spans processes, each process builds its own shards of each piece from the
-    feed instead (`place`): cutting a batch sharded over processes would move rows between
-    them.
-
-    Args:
-        m: micro-batches per step.
-        dims: per feed, the dimension its micro-batches are cut along.
-        refs: per chunk, the feed of each of its batch inputs, in input order.
-        shardings: per chunk, the sharding of each of its batch inputs (of a micro-batch's
-            piece; the whole feed takes the same).
-    """
-
-    def __init__(
-        self,
-        m: int,
-        dims: Sequence[int],
-        refs: Mapping[int, Sequence[int]],
-        shardings: Mapping[int, Sequence[NamedSharding]],
-    ):
-        self.m, self.dims, self.refs, self.shardings = m, list(dims), dict(refs), shardings
-        self._cut = {s: self._cutter(s) for s in self.refs}
-
-    def _cutter(self, s: int) -> Any:
-        if not self.refs[s] or not all(sh.is_fully_addressable for sh in self.shardings[s]):
-            return None
-        m, dims = self.m, [self.dims[f] for f in self.refs[s]]
-
-        def cut(*wholes: Any) -> list[list[Any]]:
-            return [
-                [
-                    jax.lax.slice_in_dim(
-                        x, j * (x.shape[d] // m), (j + 1) * (x.shape[d] // m), 1, d
-                    )
-                    for x, d in zip(wholes, dims)
-                ]
-                for j in range(m)
-            ]
-
-        out = [list(self.shardings[s]) for _ in range(m)]
-        return jax.jit(cut, in_shardings=list(self.shardings[s]), out_shardings=out)
-
-    def split(self, values: Mapping[int, Any]) -> dict[int, list[list[Any]]]:
-        """Per chunk, per micro-batch, its batch inputs, from the feeds' whole values (by feed
-        index)."""
-        batches: dict[int, list[list[Any]]] = {}
-        for s, refs in self.refs.items():
-            if not refs:
-                batches[s] = [[] for _ in range(self.m)]
-                continue
-            if self._cut[s] is None:  # a mesh of several processes: each places its shards
-                batches[s] = [
-                    [
-                        place(_rows(values[f], self.m, j, self.dims[f]), sh)
-                        for f, sh in zip(refs, self.shardings[s])
-                    ]
-                    for j in range(self.m)
-                ]
-                continue
-            placing = Placement()
-            wholes = placing.done(
-                [_whole_on(values[f], sh, placing) for f, sh in zip(refs, self.shardings[s])]
-            )
-            batches[s] = self._cut[s](*wholes)
-        return batches
-
-
-def _rows(x: Any, m: int, j: int, dim: int) -> np.ndarray:
-    """Micro-batch j of a feed (host data), cut along `dim`."""
-    x = np.asarray(x)
-    rows = x.shape[dim] // m
-    return np.take(x, np.arange(j * rows, (j + 1) * rows), axis=dim)
-
-
-def _whole_on(x: Any, sharding: NamedSharding, placing: Placement) -> Any:
-    """`x` on `sharding`, or where the cutting executable can take it: as it is (a host array
-    goes in with the call, which places it faster than `jax.device_put`), by a copy per device
-    where each holds what it must, else by `placing` (the batched `jax.device_put`)."""
-    from jaxreshard._jax_compat import copy_shards
-
-    if isinstance(x, np.ndarray):
-        return x
-    if isinstance(x, jax.Array):
-        if x.sharding == sharding:
-            return x
-        if len(x.sharding.device_set) == 1 == len(sharding.device_set):
-            return copy_shards(x, sharding)
-    return placing.put(x, sharding)
-
-
-class Placement:
-    """Values placed on shardings with one `jax.device_put` for all that must move (a call per
-    value costs about 150 us on a small CPU box): `put` each, then `done` on the tree of what
-    `put` returned. A value for a sharding that spans processes is placed at once (`place`)."""
-
-    def __init__(self) -> None:
-        self._values: list[Any] = []
-        self._shardings: list[Any] = []
-
-    def put(self, x: Any, sharding: Any) -> Any:
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        if not sharding.is_fully_addressable:
-            return place(x, sharding)
-        self._values.append(x)
-        self._shardings.append(sharding)
-        return _Pending(len(self._values) - 1)
-
-    def done(self, tree: Any) -> Any:
-        if not self._values:
-            return tree
-        placed = jax.device_put(self._values, self._shardings)
-        return jax.tree.map(
-            lambda x: placed[x.index] if isinstance(x, _Pending) else x,
-            tree,
-            is_leaf=lambda x: isinstance(x, _Pending),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    index: int
-
-
-def on_mesh(x: Any, mesh: Mesh, devices: frozenset[Any] | None = None, aval: Any = None) -> Any:
-    """`x` on `mesh`'s devices (`devices`, when the caller has them): as it is if it is there
-    already, else moved (same spec if it fits, else replicated). Host data becomes an array of
-    `aval`'s dtype, when given."""
-    if devices is None:
-        devices = frozenset(mesh.devices.flat)
-    if isinstance(x, jax.Array) and x.sharding.device_set == devices:
-        return x
-    if not hasattr(x, "shape"):
-        if aval is None:
-            return x
-        x = np.asarray(x, aval.dtype)
-    if aval is not None and isinstance(x, np.ndarray) and x.dtype != aval.dtype:
-        x = x.astype(aval.dtype)
-    spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
-    return place(x, NamedSharding(mesh, spec))
-
-
-def as_named(x: Any, mesh: Mesh) -> Any:
-    """`x` with a NamedSharding on `mesh` (the same buffers): XLA hands some outputs back with
-    a GSPMD sharding, which has no `PartitionSpec` to plan with, compare or describe."""
-    if not isinstance(x, jax.Array) or isinstance(x.sharding, NamedSharding):
-        return x
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x
-    named = named_sharding_on(x.sharding, mesh, x.ndim)
-    if named is None:
-        warnings.warn(
-            f"an output of shape {x.shape} has a sharding no PartitionSpec of its stage mesh "
-            f"{dict(mesh.shape)} expresses ({x.sharding}); it is kept as it is, and may be "
-            "moved again at the next step (please report it to jaxreshard)",
-            stacklevel=2,
-        )
-        return x
-    shards = [s.data for s in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, named, shards)
-
-
-def _deleted(x: Any) -> bool:
-    return isinstance(x, jax.Array) and x.is_deleted()
-
-
-def literal_or(values: Mapping[Any, Any], v: Any) -> Any:
-    """A step output: its value, or a literal's."""
-    return v.val if isinstance(v, jc.Literal) else values[v]

@@ -26,9 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend._split import StepGraph
-from jaxreshard.runtime._compile import _MISMATCH
-from jaxreshard.runtime._specs import spec_of, transplant_spec
-from jaxreshard.runtime._step import donated
+from jaxreshard.runtime.step._around import donated
+from jaxreshard.runtime.step._compile import _MISMATCH
+from jaxreshard.runtime.step._specs import spec_of, transplant_spec
 
 
 def placed(spec: Any, aval: Any, mesh: Any) -> NamedSharding:

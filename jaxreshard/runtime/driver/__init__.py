@@ -1,0 +1,1 @@
+"""The driver's side of a step, the same for every runtime."""

@@ -1,0 +1,1 @@
+"""The host engine: one process's part of a step (interpreter, channels, completion)."""

@@ -1,0 +1,1 @@
+"""The local runtime: every stage on this process's devices."""

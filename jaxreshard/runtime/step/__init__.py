@@ -1,0 +1,1 @@
+"""Compiling and laying out a step: stage executables, specs, transfer plans, programs."""

@@ -2,9 +2,10 @@
 
 Issue 12 asks whether Ray Compiled Graphs (`ray.dag.InputNode`, `experimental_compile`, shared
 memory channels) should carry the per-step action graph of the Ray runtime. This program measures,
-on a local Ray cluster of two nodes (one per emulated host, each with its own object store, as
-`jaxreshard/runtime/ray/_start.py:_start_local_nodes` makes them; one threaded actor pinned to each by
-a custom resource), float32 numpy arrays of 64 KiB to 32 MiB moved from actor A to actor B by:
+on a local Ray cluster of two nodes (one per emulated host, each with its own object store,
+as `jaxreshard/runtime/ray/_start.py:_start_local_nodes` makes them; one threaded actor pinned to
+each by a custom resource), float32 numpy arrays of 64 KiB to 32 MiB moved from actor A to
+actor B by:
 
 - `actor_put_ref` (ours today, `ObjectStoreTransport`): A `ray.put`s the array and calls
   `B.deliver.remote(key, [ref])`; B's waiting thread wakes, `ray.get`s it and copies it into a

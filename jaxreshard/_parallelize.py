@@ -635,6 +635,10 @@ class PipelinePlan:
                 f"{len(stage.jaxpr.jaxpr.eqns)} equations; inputs: {kinds[PARAM]} params, "
                 f"{kinds[BATCH]} batch, {kinds[CONST]} consts, {kinds[ACT]} activations"
             )
+        if layout.reductions:
+            lines.append("parameter gradients summed over the batch axes:")
+            for s, how in sorted(layout.reductions.items()):
+                lines.append(f"  stage {s}: {how}")
         lines.append("boundary tensors:")
         for t in self.boundary_tensors():
             lines.append(

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.extend import core as jc
 
-from jaxreshard._jax_compat import new_jaxpr
+from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, OUT, PARAM, Stage
 
 
@@ -45,6 +45,10 @@ class StageBackward:
         act_grads: positions in `diff` whose cotangents B returns (activation inputs).
         param_grads: positions in `diff` whose cotangents W returns (parameter inputs).
         num_exports: how many exports B hands to W.
+        reduced: mesh axes the parameters at `reduced_inputs` (positions in `stage.inputs`)
+            are cast to `reduced` over before differentiating (see [Note: gradients reduced
+            once] in `runtime/step/_reduction.py`): their gradients then come out `unreduced`
+            over those axes. Empty: plain gradients.
     """
 
     stage: Stage
@@ -58,12 +62,16 @@ class StageBackward:
     param_grads: tuple[int, ...]
     num_exports: int
     _treedef: Any = dataclasses.field(repr=False, compare=False, default=None)
+    reduced: tuple[str, ...] = ()
+    reduced_inputs: tuple[int, ...] = ()
 
     def forward(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
         """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
         if self.full is None:  # forward only
             return list(jc.jaxpr_as_fun(self.stage.jaxpr)(*inputs)), []
-        outputs, leaves, _ = _forward(self.stage, self.diff, inputs)
+        outputs, leaves, _ = _forward(
+            self.stage, self.diff, inputs, self.reduced, self.reduced_inputs
+        )
         return outputs, leaves
 
 
@@ -76,9 +84,89 @@ def _differentiated(stage: Stage) -> list[int]:
     return [i for i, ref in enumerate(stage.outputs) if ref.kind != OUT]
 
 
-def _forward(stage: Stage, diff: Sequence[int], inputs: Sequence[Any]):
-    fn = jc.jaxpr_as_fun(stage.jaxpr)
+def plain(spec: Any) -> Any:
+    """A PartitionSpec without `reduced`/`unreduced` axes."""
+    return spec.update(reduced=frozenset(), unreduced=frozenset())
+
+
+def _spec(x: Any) -> Any:
+    try:
+        return jax.typeof(x).sharding.spec
+    except (AttributeError, TypeError):  # a Python or NumPy scalar
+        return None
+
+
+def _split_over(spec: Any) -> set[str]:
+    """The mesh axes a PartitionSpec splits some dimension over."""
+    return {a for e in spec.partitions for a in ((e,) if isinstance(e, str) else e or ())}
+
+
+def _broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether an elementwise op broadcasts `shape` to `target` (same rank, 1s widen)."""
+    return len(shape) == len(target) and all(a in (b, 1) for a, b in zip(shape, target))
+
+
+def _reconciled(values: Sequence[Any]) -> list[Any]:
+    """One equation's operands, each typed `reduced` over axes that another operand of its
+    (broadcast) shape is split over widened and resharded to that operand's spec: JAX refuses
+    to mix the two (a bias added to a batch-split activation), and the slice transposes to the
+    partial sum the parameter's gradient wants."""
+    specs = [_spec(v) for v in values]
+    out = list(values)
+    for i, (v, spec) in enumerate(zip(values, specs)):
+        if spec is None or not spec.reduced:
+            continue
+        shape = jax.typeof(v).shape
+        for u, other in zip(values, specs):
+            if u is v or other is None or not _split_over(other) & set(spec.reduced):
+                continue
+            target = jax.typeof(u).shape
+            if _broadcasts(shape, target):
+                wide = v if shape == target else jax.numpy.broadcast_to(v, target)
+                out[i] = jax.reshard(wide, plain(other))
+                break
+    return out
+
+
+def _typed_eval(closed: Any) -> Any:
+    """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
+    equation's operands go through `_reconciled` first."""
+    jaxpr = closed.jaxpr
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jc.Literal) else env[v]
+
+        mesh = jax.sharding.get_abstract_mesh()  # the Explicit one the caller traces under
+        for eqn in jaxpr.eqns:
+            outs = bind_equation(eqn, _reconciled([read(v) for v in eqn.invars]), mesh)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    return run
+
+
+def _as_reduced(x: Any, axes: Sequence[str]) -> Any:
+    """`x` (typed on an Explicit mesh) as `reduced` over `axes`: free, and its cotangent comes
+    out `unreduced` over them."""
+    spec = jax.typeof(x).sharding.spec
+    return jax.reshard(x, spec.update(reduced=frozenset(axes) | spec.reduced))
+
+
+def _forward(
+    stage: Stage,
+    diff: Sequence[int],
+    inputs: Sequence[Any],
+    reduced: Sequence[str] = (),
+    cast: Sequence[int] = (),
+):
+    fn = _typed_eval(stage.jaxpr) if reduced else jc.jaxpr_as_fun(stage.jaxpr)
     kept = _differentiated(stage)
+    if reduced:  # cast before the VJP, so the cast's transpose (a reduction) is not in it
+        inputs = [_as_reduced(x, reduced) if i in cast else x for i, x in enumerate(inputs)]
 
     def on_diff(*d: Any) -> tuple[list[Any], list[Any]]:
         full = list(inputs)
@@ -97,8 +185,19 @@ def derive_forward(stage: Stage) -> StageBackward:
     return StageBackward(stage, (), (), (), None, None, None, (), (), 0)
 
 
-def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
-    """Trace stage `stage`'s forward and backward and (with `split`) cut B from W."""
+def derive_backward(
+    stage: Stage,
+    *,
+    split: bool,
+    in_shardings: Sequence[Any] | None = None,
+    reduced: Sequence[str] = (),
+    reduced_inputs: Sequence[int] = (),
+) -> StageBackward:
+    """Trace stage `stage`'s forward and backward and (with `split`) cut B from W.
+
+    `in_shardings` (under `jax.set_mesh` of an Explicit mesh) types the inputs, so that the
+    traced pieces carry shardings; the gradients of the parameters at `reduced_inputs` then
+    come out `unreduced` over the `reduced` axes."""
     in_avals = stage.jaxpr.in_avals
     out_avals = stage.jaxpr.out_avals
     diff = tuple(
@@ -110,13 +209,17 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
     float_outputs = tuple(i for i in kept if _is_float(out_avals[i]))
     holder: dict[str, Any] = {}
 
-    def traced_forward(*inputs: Any) -> list[Any]:
-        _, leaves, treedef = _forward(stage, diff, inputs)
+    def traced_forward(*inputs: Any) -> tuple[list[Any], list[Any]]:
+        outputs, leaves, treedef = _forward(stage, diff, inputs, reduced, reduced_inputs)
         holder["treedef"] = treedef
-        return leaves
+        return outputs, leaves
 
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    residuals = tuple(jax.eval_shape(traced_forward, *structs))
+    shardings = in_shardings or [None] * len(in_avals)
+    structs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(in_avals, shardings)
+    ]
+    out_structs, residual_structs = jax.eval_shape(traced_forward, *structs)
+    residuals = tuple(residual_structs)
     treedef = holder["treedef"]
 
     def backward(*args: Any) -> list[Any]:
@@ -129,9 +232,12 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
         vjp = jax.tree.unflatten(treedef, leaves)
         return list(vjp(cts))
 
-    ct_structs = [
-        jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in float_outputs
-    ]
+    if in_shardings is None:
+        ct_structs = [
+            jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in float_outputs
+        ]
+    else:  # the outputs' types, their shardings included (the cotangents come with them)
+        ct_structs = [out_structs[kept.index(i)] for i in float_outputs]
     full = jax.make_jaxpr(backward)(*residuals, *ct_structs)
     act_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == ACT)
     param_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == PARAM)
@@ -151,6 +257,8 @@ def derive_backward(stage: Stage, *, split: bool) -> StageBackward:
         param_grads,
         num_exports,
         treedef,
+        tuple(reduced),
+        tuple(reduced_inputs),
     )
 
 

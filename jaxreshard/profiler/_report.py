@@ -121,6 +121,9 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
     for row, mem in zip(stats, memory):
         row.update(mem)
         row["mesh_shape"] = dict(shapes[row["stage"]])
+        # How the stage sums its parameter gradients over its batch axes (see [Note: gradients
+        # reduced once] in `runtime/step/_reduction.py`).
+        row["gradient_reduction"] = layout.reductions.get(row["stage"], "")
     out: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "model": pc.model,
@@ -271,6 +274,12 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
             if row["peak_memory_bytes"] is not None
             else "n/a (backend reports none)",
         )
+    stages.caption = "; ".join(
+        f"stage {row['stage']} sums its gradients {row['gradient_reduction']}"
+        for row in result["stages"]
+        if row.get("gradient_reduction")
+    )
+    stages.caption_justify = "left"
     tensors = Table(title="boundary tensors (measured: median per transfer)", title_justify="left")
     for col in (
         "transfer",

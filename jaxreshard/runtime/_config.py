@@ -36,6 +36,7 @@ MAX_MESH_DEVICES = 2**16
 LOSS_REDUCTIONS = ("mean", "sum")
 BACKENDS = ("auto", "local", "ray")
 FUSE_OPTIMIZER = ("auto", "always", "never")
+REDUCE_GRADIENTS = ("once", "every_micro_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,11 @@ class PipelineConfig:
             each stage's last backward: `auto` (with one micro-batch, where it costs nothing),
             `always` (with any micro-batch count: faster steps, but a second backward variant
             to compile before the first), or `never`.
+        reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
+            its parameter gradients over that axis: `once` a step, after its last backward
+            (the gradients of the micro-batches stay per device until then), where JAX can
+            type them so (the plan says which stages do, and why not the others), or
+            `every_micro_batch`, inside each backward.
     """
 
     num_micro_batches: int = 1
@@ -112,6 +118,7 @@ class PipelineConfig:
     backend: str = "auto"
     steps_in_flight: int = 2
     fuse_optimizer: str = "auto"
+    reduce_gradients: str = "once"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -126,6 +133,7 @@ class PipelineConfig:
         _choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _choice("backend", self.backend, BACKENDS)
         _choice("fuse_optimizer", self.fuse_optimizer, FUSE_OPTIMIZER)
+        _choice("reduce_gradients", self.reduce_gradients, REDUCE_GRADIENTS)
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         _positive_int("steps_in_flight", self.steps_in_flight, 64)
         if self.num_stages is not None:

@@ -103,7 +103,10 @@ def _whole_on(x: Any, sharding: NamedSharding, placing: Placement) -> Any:
     from jaxreshard._jax_compat import copy_shards
 
     if isinstance(x, np.ndarray):
-        return x
+        # (Not where this process is one of several of a distributed runtime, a Ray host of
+        # stages spanning hosts: jit refuses host arrays with a non-trivial sharding there,
+        # even for a mesh of this process's devices alone.)
+        return x if jax.process_count() == 1 else placing.put(x, sharding)
     if isinstance(x, jax.Array):
         if x.sharding == sharding:
             return x

@@ -296,13 +296,14 @@ class StageProgram:
             ch.early[mb] = act_grads
             done: Any = (outs, act_grads, ch.acc, ch.applied)
             kind = "FB"
+            backward_at = self.fused_fb[position]
         elif kind == BACKWARD and mb in ch.early:
             keep_act_grads(ch, mb, ch.early.pop(mb))
             return
         elif kind == FORWARD:
             outs, ch.residuals[mb] = comp.call("forward", *forward_inputs(ch, mb))
             keep_outputs(ch, mb, outs)
-            done = outs
+            done, backward_at = outs, -1
         elif kind == BACKWARD:
             final = fused and position == self.last_backward[c]
             res, cts = ch.residuals[mb], cotangents(ch, mb)
@@ -317,6 +318,7 @@ class StageProgram:
             # Everything the executable wrote (a first stage sends nothing back: its backward
             # is all accumulators).
             done = (act_grads, ch.acc, ch.applied, ch.exports.get(mb))
+            backward_at = position
         else:  # WEIGHT
             res, cts, exports = ch.residuals[mb], cotangents(ch, mb), ch.exports.pop(mb)
             if fused and position == self.last_backward[c]:  # with the optimizer
@@ -325,6 +327,15 @@ class StageProgram:
             else:
                 ch.acc = comp.call("w_part", ch.acc or [], res, cts, exports)
                 done = ch.acc
+            backward_at = position
+        if comp.reduced and ch.acc and backward_at == self.last_backward[c]:
+            # The step's one reduction of this chunk's gradients over its batch axes (see
+            # [Note: gradients reduced once] in `step/_reduction.py`).
+            ch.acc = comp.call("reduce", ch.acc)  # (donates the unreduced ones)
+            kept = [
+                x for x in jax.tree.leaves(done) if isinstance(x, jax.Array) and not x.is_deleted()
+            ]
+            done = (kept, ch.acc)
         if log is not None:
             log.append((f"stage {c}'s {'FB' if kind == 'FB' else kind}{mb}", done))
         if self.record is not None:

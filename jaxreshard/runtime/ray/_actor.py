@@ -339,9 +339,10 @@ class HostActor(NaiveBaseline):
 
     def pipeline_prepare_stage(
         self, key: str, stage: int, specs: Any, loss_scale: float | None
-    ) -> None:
-        """Stage `stage`'s input specs (and the last stage's loss cotangent), to compile for."""
-        self._pipeline(key).compilers[stage].prepare(specs, loss_scale)
+    ) -> str:
+        """Stage `stage`'s input specs (and the last stage's loss cotangent), to compile for;
+        how the stage reduces its gradients."""
+        return self._pipeline(key).compilers[stage].prepare(specs, loss_scale)
 
     def pipeline_compile_forward(self, key: str, stage: int) -> Any:
         """Compile stage `stage`'s forward; its output and residual specs."""

@@ -39,8 +39,10 @@ class _RemoteCompiler:
                 )
         return lead
 
-    def prepare(self, specs: Sequence[P], loss_scale: float | None) -> None:
-        self._call("pipeline_prepare_stage", "preparing the executables", list(specs), loss_scale)
+    def prepare(self, specs: Sequence[P], loss_scale: float | None) -> str:
+        return self._call(
+            "pipeline_prepare_stage", "preparing the executables", list(specs), loss_scale
+        )
 
     def compile_forward(self) -> tuple[list[P], list[P]]:
         return self._call("pipeline_compile_forward", "compiling the forward")

@@ -14,9 +14,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
-from jaxreshard.frontend._backward import StageBackward
+from jaxreshard.frontend._backward import StageBackward, derive_backward, plain
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._reduction import (
+    describe,
+    explicit_copy,
+    reduction_axes,
+    unreduced,
+)
 from jaxreshard.runtime.step._specs import place, spec_of
 
 # The message of a compiled executable called with inputs laid out otherwise than it was compiled
@@ -44,6 +50,8 @@ def fan_in(graph: StepGraph, s: int) -> list[int]:
 #       micro-batch: see `fusable_segments`)
 #   fb(acc, inputs) -> (outputs, activation gradients, acc)  (the last stage's F and B at once)
 #   fb_apply(acc, inputs, extra) -> (outputs, activation gradients, optimizer outputs)
+#   reduce(acc) -> the accumulators summed over the batch axes they were kept unreduced over
+#       (after the step's last backward; see [Note: gradients reduced once])
 # Accumulators start at zero rather than from the first micro-batch's gradients, so every
 # backward has one variant (0 + g is g exactly). `used_variants` (`_executor.py`) reads from a
 # rank's program which of them a step calls; those compile before the first step, in parallel
@@ -73,6 +81,12 @@ class StageCompiler:
         self._extra_avals: list[Any] = []
         self._extra_specs: list[P] = []
         self.fans = fan_in(graph, self.s)
+        # Where the executables are traced: the stage's mesh, or its all-Explicit copy when the
+        # accumulators stay unreduced over `reduced` (see [Note: gradients reduced once]).
+        self.exec_mesh = mesh
+        self.reduced: tuple[str, ...] = ()
+        self.reduction = ""  # how the stage reduces its gradients, for the plan
+        self._plain_bw = bw
 
     def mb_index(self, mb: int) -> Any:
         """Micro-batch `mb`'s index as the stage reads it (see [Note: random draws]): an int32
@@ -84,24 +98,91 @@ class StageCompiler:
 
     def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:
         return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, sp))
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, sp))
             for a, sp in zip(avals, specs)
         ]
 
     # Planning: what each executable takes ------------------------------------------------------
 
-    def prepare(self, input_specs: Sequence[P], loss_scale: float | None) -> None:
-        """Take the stage's input specs (and, for the last stage, the loss's cotangent)."""
-        bw = self.bw
-        structs = self._sharded(bw.stage.jaxpr.in_avals, input_specs)
-        self.input_shardings = [st.sharding for st in structs]
+    def prepare(self, input_specs: Sequence[P], loss_scale: float | None) -> str:
+        """Take the stage's input specs (and, for the last stage, the loss's cotangent); return
+        how the stage reduces its parameter gradients (see [Note: gradients reduced once])."""
         self.loss_scale = loss_scale
-        self.acc_shardings = [self.input_shardings[bw.diff[k]] for k in bw.param_grads]
+        self._use(self._plain_bw, self.mesh, (), frozenset(), input_specs)
+        axes: tuple[str, ...] = ()
+        params: frozenset[int] = frozenset()
+        why = "the step computes no gradients"
+        if self.bw.full is not None:
+            axes, params, why = reduction_axes(
+                self.graph, self.s, self.mesh, input_specs, self.config, self.acc_params
+            )
+        if axes:
+            try:
+                self._reduce_once(axes, params, input_specs)
+            except Exception as e:  # JAX refused the typed trace: today's path
+                self._use(self._plain_bw, self.mesh, (), frozenset(), input_specs)
+                axes, why = (), f"JAX: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        kept = len(self.acc_params) - len(params) if axes else 0
+        self.reduction = describe(axes, why, kept)
+        return self.reduction
+
+    def _use(
+        self,
+        bw: StageBackward,
+        exec_mesh: Mesh,
+        reduced: tuple[str, ...],
+        params: frozenset[int],
+        specs: Sequence[P],
+    ) -> None:
+        """Compile from `bw` on `exec_mesh`, keeping the accumulators of `params` unreduced
+        over `reduced`."""
+        self.bw, self.exec_mesh, self.reduced = bw, exec_mesh, reduced
+        self._ready.clear()
+        self.residual_specs = self._output_specs = self._exports = None
+        self.input_shardings = [NamedSharding(self.mesh, sp) for sp in specs]
+        # Per accumulator, whether it stays unreduced until the step's `reduce`.
+        self.unreduced = [bw.stage.inputs[bw.diff[k]].index in params for k in bw.param_grads]
+        acc = [spec_of(self.input_shardings[bw.diff[k]]) for k in bw.param_grads]
+        self.acc_shardings = [
+            NamedSharding(exec_mesh, unreduced(sp, reduced))
+            if keep
+            else NamedSharding(self.mesh, sp)
+            for sp, keep in zip(acc, self.unreduced)
+        ]
         # An activation's gradient leaves with the activation's own sharding, the same in every
         # executable: each transfer is planned once for one source sharding.
         self.act_grad_shardings = [self.input_shardings[bw.diff[k]] for k in bw.act_grads]
         if bw.full is not None:
-            self.fns = backward_functions(bw, self.fans, loss_scale)
+            self.fns = backward_functions(bw, self.fans, self.loss_scale)
+
+    def _reduce_once(
+        self, axes: tuple[str, ...], params: frozenset[int], specs: Sequence[P]
+    ) -> None:
+        """Derive the stage again typed on an Explicit copy of its mesh, the accumulators of
+        `params` unreduced over `axes`, and trace every backward variant (so that JAX's
+        refusals come now, while the stage can still take today's path)."""
+        mesh = explicit_copy(self.mesh)
+        shardings = [NamedSharding(mesh, sp) for sp in specs]
+        stage = self.bw.stage
+        cast = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and r.index in params]
+        with jax.set_mesh(mesh):
+            bw = derive_backward(
+                stage,
+                split=self.bw.w is not None,
+                in_shardings=shardings,
+                reduced=axes,
+                reduced_inputs=cast,
+            )
+        self._use(bw, mesh, axes, params, specs)
+        self.compile_forward()
+        names = ["zeros", "reduce"]
+        names += ["backward"] if bw.w is None else ["b_part", "w_part"]
+        if self.loss_scale is not None:
+            names.append("fb")
+        for name in names:
+            fn, args, out_shardings, donate = self._spec(name)
+            with jax.set_mesh(mesh):
+                jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
     def compile_forward(self) -> tuple[list[P], list[P]]:
         """Compile the forward; return the specs of its outputs and of its residuals (its
@@ -109,7 +190,10 @@ class StageCompiler:
         outs, res = self.executable("forward").output_shardings
         out_avals = self.bw.stage.jaxpr.out_avals
         self._output_specs = [self._spec_of(x, a) for x, a in zip(outs, out_avals)]
-        self.residual_specs = [self._spec_of(x, a) for x, a in zip(res, self.bw.residuals)]
+        if self.reduced:  # typed residuals (a `reduced` parameter among them) keep their type
+            self.residual_specs = [plain(r.sharding.spec) for r in self.bw.residuals]
+        else:
+            self.residual_specs = [self._spec_of(x, a) for x, a in zip(res, self.bw.residuals)]
         return list(self._output_specs), list(self.residual_specs)
 
     def _spec_of(self, sharding: Any, aval: Any) -> P:
@@ -129,6 +213,8 @@ class StageCompiler:
     def _residuals(self) -> list[jax.ShapeDtypeStruct]:
         if self.residual_specs is None:
             self.compile_forward()
+        if self.reduced:  # typed as traced (a parameter kept for the backward is `reduced`)
+            return list(self.bw.residuals)
         return self._sharded(self.bw.residuals, self.residual_specs or [])
 
     def _cotangents(self) -> list[jax.ShapeDtypeStruct]:
@@ -148,11 +234,19 @@ class StageCompiler:
     def _accumulators(self) -> list[jax.ShapeDtypeStruct]:
         avals = [self.bw.stage.jaxpr.in_avals[self.bw.diff[k]] for k in self.bw.param_grads]
         return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, sh.spec))
             for a, sh in zip(avals, self.acc_shardings)
         ]
 
     def _export_structs(self) -> list[jax.ShapeDtypeStruct]:
+        if self.reduced:  # typed as traced, on the Explicit mesh
+            avals = self.bw.b.out_avals[len(self.bw.act_grads) :]
+            return [
+                jax.ShapeDtypeStruct(
+                    a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, a.sharding.spec)
+                )
+                for a in avals
+            ]
         if self._exports is None:
             self._exports = list(self.executable("b_part").output_shardings[1])
         avals = self.bw.b.out_avals[len(self.bw.act_grads) :]
@@ -181,6 +275,16 @@ class StageCompiler:
                 self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
             )
             return self.bw.forward, tuple(structs), None, ()
+        if name == "reduce":
+            params = [self.input_shardings[self.bw.diff[k]] for k in self.bw.param_grads]
+
+            def reduce(acc: Sequence[Any]) -> list[Any]:
+                return [
+                    jax.reshard(a, plain(spec_of(sh))) if keep else a
+                    for a, sh, keep in zip(acc, params, self.unreduced)
+                ]
+
+            return reduce, (self._accumulators(),), params, (0,)
         if name == "zeros":
             avals = [st for st in self._accumulators()]
 
@@ -230,7 +334,9 @@ class StageCompiler:
         if found is not None:
             return found
         fn, args, out_shardings, donate = self._spec(name, extra)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.exec_mesh):
+            if self.reduced:
+                out_shardings = self._on_stage_mesh(fn, args, out_shardings)
             jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
             try:
                 compiled = jitted.lower(*args).compile()
@@ -247,6 +353,24 @@ class StageCompiler:
         with self._lock:
             return self._ready.setdefault(key, compiled)
 
+    def _on_stage_mesh(self, fn: Any, args: Sequence[Any], out_shardings: Any) -> Any:
+        """`out_shardings` with the outputs left to XLA pinned to their traced types, on the
+        stage's own mesh (a typed trace decides them anyway): what leaves the executables is
+        laid out as on the plain path. Unreduced outputs (the accumulators) stay as they are."""
+        shapes = jax.eval_shape(fn, *args)
+
+        def on_mesh(struct: Any) -> Any:
+            sharding = struct.sharding
+            spec = sharding.spec
+            if spec.unreduced or spec.reduced:
+                return sharding
+            return NamedSharding(self.mesh, plain(spec))
+
+        filled = jax.tree.map(on_mesh, shapes)
+        if out_shardings is None:
+            return filled
+        return _merged(out_shardings, filled)
+
     def compile_variants(
         self, names: Sequence[str], extra_specs: Sequence[P] | None = None
     ) -> None:
@@ -254,6 +378,8 @@ class StageCompiler:
         the fused optimizer's other inputs come with at the first step."""
         if extra_specs is not None:
             self._extra_specs = list(extra_specs)
+        if self.reduced:
+            names = [*names, "reduce"]
         first = ("forward", "b_part")  # the others take their output shardings
         for name in sorted(names, key=lambda n: first.index(n) if n in first else len(first)):
             self.executable(name)
@@ -332,6 +458,15 @@ class StageCompiler:
     def acc_slot(self) -> dict[int, int]:
         """A parameter's position among the accumulators."""
         return {k: i for i, k in enumerate(self.acc_params)}
+
+
+def _merged(out_shardings: Any, filled: Any) -> Any:
+    """`out_shardings` (None for outputs left to XLA) with those outputs taken from `filled`."""
+    if out_shardings is None:
+        return filled
+    if isinstance(out_shardings, (tuple, list)):
+        return type(out_shardings)(_merged(o, f) for o, f in zip(out_shardings, filled))
+    return out_shardings
 
 
 def _filled(out_shardings: Any, shapes: Any, default: Any) -> Any:

@@ -70,6 +70,9 @@ class PipelineLayout:
     # When each RECV's consumer starts in the simulated schedule (by instruction key): a
     # stage's outgoing transfers go out in this order (see [Note: boundary tensors]).
     need: dict[tuple[Any, ...], float] = dataclasses.field(default_factory=dict)
+    # Per stage, how it reduces its parameter gradients over its batch axes (see
+    # [Note: gradients reduced once] in `step/_reduction.py`).
+    reductions: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def schedule_costs(config: PipelineConfig, num_stages: int) -> Costs:
@@ -184,6 +187,7 @@ def layout_pipeline(
 
     out_specs: list[list[P]] = []
     input_specs: list[list[P]] = []
+    reductions: dict[int, str] = {}
     act_spec: dict[int, P] = {}
     scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
     # Forwards compile in model order (a stage's input specs are the last one's output specs);
@@ -215,7 +219,7 @@ def layout_pipeline(
                     what = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
                     specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, what))
             input_specs.append(specs)
-            compilers[s].prepare(specs, scale if s == p - 1 and grads else None)
+            reductions[s] = compilers[s].prepare(specs, scale if s == p - 1 and grads else None)
             if "forward" in variants[s] or any(r.kind == ACT for r in stage.outputs):
                 outs, _ = compilers[s].compile_forward()
             else:  # the last stage, when its forwards run fused with its backwards
@@ -315,6 +319,7 @@ def layout_pipeline(
         scale,
         next(iter(rows)) if rows else 0,
         need_times(schedule, schedule_costs(config, p), programs),
+        reductions,
     )
 
 

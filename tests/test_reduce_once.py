@@ -1,0 +1,238 @@
+"""Gradients summed over a stage's batch axes once per step (see [Note: gradients reduced once]):
+equal to jax.jit, no all-reduce in the per-micro-batch backwards, one in the step's reduction,
+and the plan names the stages that keep the per-micro-batch reduction and why."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_parallelize import (
+    adam_step,
+    assert_same,
+    make_batch,
+    make_params,
+    make_step,
+    mlp_loss,
+    run_steps,
+)
+
+import jaxreshard as jr
+
+ONCE = "once per step, over data"
+ROWS = 16
+
+
+def _compilers(step, *args):
+    return step.pipeline(*args).compiled.engine.compilers
+
+
+def _all_reduces(compiled) -> int:
+    return len(re.findall(r"all-reduce(-start)?\(", compiled.as_text()))
+
+
+def _run(config, stages=2, shared=False, steps=3):
+    step = jr.parallelize(make_step(stages, shared=shared), config=config, batch_argnums=(1,))
+    ref = run_steps(
+        jax.jit(make_step(stages, shared=shared)), make_params(stages), make_batch(ROWS), steps
+    )
+    out = run_steps(step, make_params(stages), make_batch(ROWS), steps)
+    return step, out, ref
+
+
+@pytest.mark.parametrize(
+    "stages, mesh, schedule, weight_delay, m",
+    [
+        (1, (4,), "1f1b", False, 4),
+        (2, (2,), "1f1b", False, 4),
+        (2, (2,), "eager_1f1b", True, 4),
+        (3, (2,), "gpipe", False, 2),
+        (2, (2, 1), "zb_h1", True, 8),
+        (2, [(2,), (1,)], "1f1b", False, 4),  # the second stage has no batch axis to sum over
+    ],
+)
+def test_reduced_once_equals_jit(cpu_devices, stages, mesh, schedule, weight_delay, m):
+    names = ("data", "model") if isinstance(mesh, tuple) and len(mesh) == 2 else ("data",)
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=stages,
+        num_micro_batches=m,
+        stage_mesh_shape=mesh,
+        mesh_axis_names=names,
+        schedule=schedule,
+        weight_delay=weight_delay,
+    )
+    step, out, ref = _run(config, stages)
+    assert_same(*out, *ref, tol=2e-5)
+    reductions = step.pipeline(make_params(stages), make_batch(ROWS)).layout.reductions
+    if isinstance(mesh, list):
+        assert reductions[0] == ONCE
+        assert reductions[1].startswith("every micro-batch (no mesh axis splits"), reductions
+    else:
+        assert set(reductions.values()) == {ONCE}, reductions
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_the_backwards_all_reduce_nothing_and_the_step_reduces_once(cpu_devices, split):
+    """The compiled programs: a per-micro-batch backward of a data-parallel stage has no
+    all-reduce (it had one per micro-batch before), the step's one reduction has it."""
+    counts = {}
+    for how in ("once", "every_micro_batch"):
+        config = jr.PipelineConfig(
+            backend="local",
+            num_stages=2,
+            num_micro_batches=4,
+            stage_mesh_shape=(2,),
+            schedule="eager_1f1b" if split else "1f1b",
+            weight_delay=split,
+            reduce_gradients=how,
+        )
+        step, out, ref = _run(config, steps=1)
+        assert_same(*out, *ref, tol=2e-5)
+        first = _compilers(step, make_params(2), make_batch(ROWS))[0]
+        counts[how] = {name: _all_reduces(c) for (name, _), c in first._ready.items()}
+    backwards = ["b_part", "w_part"] if split else ["backward"]
+    assert [counts["once"][b] for b in backwards] == [0] * len(backwards), counts
+    assert counts["once"]["reduce"] >= 1, counts
+    assert sum(counts["every_micro_batch"][b] for b in backwards) >= 1, counts
+    assert "reduce" not in counts["every_micro_batch"], counts
+
+
+def test_the_reduction_runs_once_a_step_after_the_last_backward(cpu_devices):
+    config = jr.PipelineConfig(
+        backend="local", num_micro_batches=4, stage_mesh_shape=(2,), num_stages=2
+    )
+    step = jr.parallelize(make_step(2), config=config, batch_argnums=(1,))
+    params, batch = make_params(2), make_batch(ROWS)
+    _, events = step.profile_call(params, batch)
+    compilers = _compilers(step, params, batch)
+    calls = []
+    for c in compilers.values():
+        original = c.call
+
+        def counting(name, *args, _c=c, _original=original):
+            calls.append((_c.s, name))
+            return _original(name, *args)
+
+        c.call = counting
+    step(params, batch)
+    step.wait()
+    assert calls.count((0, "reduce")) == 1 and calls.count((1, "reduce")) == 1, calls
+    last_backward = max(i for i, (s, n) in enumerate(calls) if s == 0 and n == "backward")
+    assert calls.index((0, "reduce")) == last_backward + 1, calls
+    assert events, "the recorded step ran the same programs"
+
+
+@pytest.mark.parametrize(
+    "kwargs, shared, why",
+    [
+        ({"num_micro_batches": 1}, False, "one micro-batch"),
+        ({"reduce_gradients": "every_micro_batch"}, False, "reduce_gradients"),
+        ({"fuse_optimizer": "always"}, False, 'fuse_optimizer="always"'),
+        ({"stage_mesh_shape": (1,)}, False, "no mesh axis splits"),
+        ({"batch_axis": None}, False, "no mesh axis splits"),
+    ],
+)
+def test_stages_that_keep_the_per_micro_batch_reduction_say_why(cpu_devices, kwargs, shared, why):
+    settings = {"num_stages": 2, "num_micro_batches": 4, "stage_mesh_shape": (2,)} | kwargs
+    step, out, ref = _run(jr.PipelineConfig(backend="local", **settings), 2, shared=shared)
+    assert_same(*out, *ref, tol=2e-5)
+    plan = str(step.plan(make_params(2), make_batch(ROWS)))
+    assert "parameter gradients summed over the batch axes:" in plan
+    assert re.search(rf"stage 0: every micro-batch \(.*{re.escape(why)}", plan), plan
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_parameters_shared_between_stages_keep_the_per_micro_batch_reduction(cpu_devices, stages):
+    """A tied embedding's gradient contributions arrive reduced from the other stage: it keeps
+    today's path, the stage's other parameters are reduced once."""
+    config = jr.PipelineConfig(
+        backend="local", num_stages=stages, num_micro_batches=4, stage_mesh_shape=(2,)
+    )
+    step, out, ref = _run(config, stages, shared=True)
+    assert_same(*out, *ref, tol=2e-5)
+    reductions = step.pipeline(make_params(stages), make_batch(ROWS)).layout.reductions
+    assert reductions[0] == "every micro-batch (every parameter is shared with another stage)"
+    last = f"{ONCE} (the 1 shared with other stages: every micro-batch)"
+    assert reductions[stages - 1] == last, reductions
+
+
+def test_a_stage_jax_cannot_type_keeps_todays_path_and_says_so(cpu_devices):
+    """A model-parallel matmul that contracts a sharded dimension is ambiguous on an Explicit
+    mesh: the stage falls back, the plan keeps JAX's words, the step still equals jax.jit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=1,
+        num_micro_batches=2,
+        stage_mesh_shape=(2, 2),
+        mesh_axis_names=("data", "model"),
+    )
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params = make_params(1)
+    params["emb"] = jax.device_put(params["emb"], NamedSharding(mesh, P(None, "model")))
+    params["out"] = jax.device_put(params["out"], NamedSharding(mesh, P("model", None)))
+    step = jr.parallelize(make_step(1), config=config, batch_argnums=(1,))
+    ref = run_steps(jax.jit(make_step(1)), make_params(1), make_batch(ROWS))
+    out = run_steps(step, params, make_batch(ROWS))
+    assert_same(*out, *ref, tol=2e-5)
+    (how,) = step.pipeline(params, make_batch(ROWS)).layout.reductions.values()
+    assert how == ONCE or how.startswith("every micro-batch (JAX: "), how
+
+
+def test_adam_with_biases_and_several_steps_equals_jit(cpu_devices):
+    """An optimizer after the gradients, biases broadcast against batch-split activations (the
+    case JAX refuses without the reshard of `_reconciled`), and steps that reuse the programs."""
+    import optax
+
+    optimizer = optax.adam(1e-2)
+    train = adam_step(mlp_loss, optimizer)
+    params = make_params(2)
+    config = jr.PipelineConfig(
+        backend="local", num_micro_batches=4, stage_mesh_shape=(2,), num_stages=2
+    )
+    step = jr.parallelize(train, config=config, batch_argnums=(2,))
+    ours = (params, optimizer.init(params))
+    ref = (params, optimizer.init(params))
+    jitted = jax.jit(train)
+    for seed in range(4):
+        batch = make_batch(ROWS, seed=seed)
+        *ours, loss = step(*ours, batch)
+        *ref, ref_loss = jitted(*ref, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(ours[0][k]), np.asarray(ref[0][k]), atol=2e-5)
+    assert set(step.pipeline(*ours, batch).layout.reductions.values()) == {ONCE}
+
+
+def test_the_config_refuses_an_unknown_reduction():
+    with pytest.raises(ValueError, match="reduce_gradients"):
+        jr.PipelineConfig(backend="local", reduce_gradients="sometimes")
+
+
+def test_a_typed_trace_reshards_a_reduced_bias_against_a_split_activation(cpu_devices):
+    """`_reconciled` in isolation: the bias is widened and split like the activation."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard.frontend._backward import _reconciled, _spec
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+    seen = []
+
+    def f(x, b):
+        b = jax.reshard(b, P(None, None, reduced={"data"}))
+        x2, b2 = _reconciled([x, b])
+        seen.extend([(jax.typeof(v).shape, _spec(v)) for v in (x2, b2)])
+        return x2 + b2
+
+    with jax.set_mesh(mesh):
+        args = (
+            jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("data"))),
+            jax.ShapeDtypeStruct((1, 8), jnp.float32, sharding=NamedSharding(mesh, P())),
+        )
+        jax.jit(f).lower(*args)
+    assert seen[1][0] == (4, 8) and not seen[1][1].reduced, seen

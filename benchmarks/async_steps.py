@@ -2,7 +2,8 @@
 
 One stage of `jr.parallelize` with M micro-batches against `jax.jit` of the whole batch and
 against `jax.jit` of a hand-written `lax.scan` that accumulates the gradients of the same M
-micro-batches (the same arithmetic as the pipeline), for an MLP (default 4 x 1024, batch 256,
+micro-batches (the same arithmetic as the pipeline), all three donating the parameters and the
+optimizer state (`donate_argnums=(0, 1)`), for an MLP (default 4 x 1024, batch 256,
 Adam) and optionally a GPT (`--gpt`, 12 layers of `jaxreshard.models.gpt`).
 
 For each variant:
@@ -114,7 +115,9 @@ def variants(loss, tx, m: int):
     return {
         "jax.jit (whole batch)": jax.jit(jit_step, donate_argnums=(0, 1)),
         f"jax.jit + lax.scan over {m}": jax.jit(scan_step, donate_argnums=(0, 1)),
-        f"parallelize 1 stage x {m}": jr.parallelize(pipe_step, config=config, batch_argnums=(2,)),
+        f"parallelize 1 stage x {m}": jr.parallelize(
+            pipe_step, config=config, batch_argnums=(2,), donate_argnums=(0, 1)
+        ),
     }
 
 

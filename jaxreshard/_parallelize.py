@@ -41,6 +41,7 @@ def parallelize(
     *,
     config: PipelineConfig | None = None,
     batch_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
     meshes: Sequence[Mesh] | None = None,
 ) -> Any:
     """Run a train step as a pipeline of stages, each on its own device mesh.
@@ -63,33 +64,49 @@ def parallelize(
         config: how to cut, place and schedule it (default: `PipelineConfig()`).
         batch_argnums: the positions of the arguments that hold the batch (every leaf is split
             along dim 0).
+        donate_argnums: as `jax.jit`'s: the positions of the arguments whose buffers the step
+            may reuse for its outputs (typically the parameters and the optimizer state, which
+            the optimizer then updates in place); don't use them after the call. An argument
+            whose placement differs from its stage's is copied there first, and the copy is
+            what is donated.
         meshes: explicit stage meshes (disjoint), instead of consecutive groups of devices.
     """
     if fun is None:
         return functools.partial(
-            parallelize, config=config, batch_argnums=batch_argnums, meshes=meshes
+            parallelize,
+            config=config,
+            batch_argnums=batch_argnums,
+            donate_argnums=donate_argnums,
+            meshes=meshes,
         )
-    return Parallelized(fun, PipelineConfig() if config is None else config, batch_argnums, meshes)
+    config = PipelineConfig() if config is None else config
+    return Parallelized(fun, config, batch_argnums, meshes, donate_argnums)
 
 
-def _check_argnums(batch_argnums: Any) -> tuple[int, ...]:
-    """`batch_argnums` as a tuple of ints (an int alone is one; None is none)."""
-    if batch_argnums is None:
+def _check_argnums(argnums: Any, name: str = "batch_argnums") -> tuple[int, ...]:
+    """`batch_argnums` (or `donate_argnums`) as a tuple of ints (an int alone is one; None is
+    none)."""
+    what = {
+        "batch_argnums": "the arguments that hold the batch, e.g. batch_argnums=(2,)",
+        "donate_argnums": "the arguments whose buffers the step may reuse, e.g. "
+        "donate_argnums=(0, 1)",
+    }[name]
+    if argnums is None:
         return ()
-    items = (batch_argnums,) if _is_int(batch_argnums) else batch_argnums
+    items = (argnums,) if _is_int(argnums) else argnums
     if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)):
         raise TypeError(
-            f"parallelize(batch_argnums={batch_argnums!r}) takes an int or a tuple of ints: the "
-            "positions of the arguments that hold the batch, e.g. batch_argnums=(2,)"
+            f"parallelize({name}={argnums!r}) takes an int or a tuple of ints: the positions of "
+            f"{what}"
         )
     bad = [i for i in items if not _is_int(i)]
     if bad:
         raise TypeError(
-            f"parallelize(batch_argnums={batch_argnums!r}): {bad[0]!r} is not an argument "
-            "position; give ints, e.g. batch_argnums=(2,)"
+            f"parallelize({name}={argnums!r}): {bad[0]!r} is not an argument position; give "
+            f"ints: the positions of {what}"
         )
     if len(set(items)) != len(items):
-        raise ValueError(f"parallelize(batch_argnums={batch_argnums!r}) repeats a position")
+        raise ValueError(f"parallelize({name}={argnums!r}) repeats a position")
     return tuple(int(i) for i in items)
 
 
@@ -157,6 +174,7 @@ class Parallelized:
         config: PipelineConfig,
         batch_argnums: int | Sequence[int],
         meshes: Sequence[Mesh] | None,
+        donate_argnums: int | Sequence[int] = (),
     ):
         if not callable(fun):
             raise TypeError(f"parallelize(fun=...) needs a callable, got {type(fun).__name__}")
@@ -175,6 +193,14 @@ class Parallelized:
             if all(shape[i] == 1 for shape in config.mesh_shapes(None))
         )
         self.batch_argnums = _check_argnums(batch_argnums)
+        self.donate_argnums = _check_argnums(donate_argnums, "donate_argnums")
+        both = {i for i in self.batch_argnums} & {i for i in self.donate_argnums}
+        if both:
+            raise ValueError(
+                f"parallelize(batch_argnums={self.batch_argnums}, donate_argnums="
+                f"{self.donate_argnums}): argument {min(both)} is in both; a batch is split "
+                "into micro-batches, not reused: drop it from donate_argnums"
+            )
         self.meshes = _check_mesh_list(meshes)
         # Compiled steps by argument signature, least recently used first (see `_remember`).
         self._cache: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
@@ -214,11 +240,13 @@ class Parallelized:
         arrays = [x for x in leaves if is_array(x)]
         if entry is not None:
             return entry, arrays
-        for i in self.batch_argnums:
-            if not -len(args) <= i < len(args):
-                raise ValueError(
-                    f"batch_argnums={self.batch_argnums} but the step got {len(args)} arguments"
-                )
+        for name, argnums in (
+            ("batch_argnums", self.batch_argnums),
+            ("donate_argnums", self.donate_argnums),
+        ):
+            for i in argnums:
+                if not -len(args) <= i < len(args):
+                    raise ValueError(f"{name}={argnums} but the step got {len(args)} arguments")
         if not self.batch_argnums and self.config.num_micro_batches > 1:
             self._warn_no_batch(args)
         static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
@@ -242,7 +270,10 @@ class Parallelized:
                 )
         self._check_batch(arrays, batch_leaves, paths)
         self._note_static(key, static, _leaf_paths(args))
-        entry = self._compile(arrays, in_tree, batch_leaves, static, recorded)
+        donated = [
+            dynamic[i] for i in _batch_leaf_indices(args, self.donate_argnums) if i in dynamic
+        ]
+        entry = self._compile(arrays, in_tree, batch_leaves, static, recorded, donated)
         self._remember(key, entry)
         return entry, arrays
 
@@ -346,6 +377,7 @@ class Parallelized:
         batch_leaves: list[int],
         static: dict[int, Any],
         recorded: bool = False,
+        donated: Sequence[int] = (),
     ) -> _Entry:
         from jaxreshard.runtime import current_runtime
 
@@ -363,6 +395,7 @@ class Parallelized:
             input_specs,
             static=static,
             loss_reduction=self.config.loss_reduction,
+            donated=donated,
         )
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
             raise RuntimeError(

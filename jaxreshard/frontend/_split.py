@@ -210,6 +210,9 @@ class StepGraph:
         segments: the post-gradient equations in run order.
         placement: stage of each outer Var the post part reads or writes (None: free).
         forward_only: the step has no gradient (see [Note: stage cutting]).
+        donated: outer invar indices whose buffers the step may reuse (`parallelize`'s
+            `donate_argnums`, as `jax.jit`'s): the post-gradient segment that reads one last
+            may overwrite it.
     """
 
     outer: Any
@@ -229,6 +232,7 @@ class StepGraph:
     segments: tuple[Segment, ...]
     placement: dict[Any, int | None]
     forward_only: bool = False
+    donated: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:

@@ -63,12 +63,14 @@ def trace_step(
     *,
     static: dict[int, Any] | None = None,
     loss_reduction: str = "mean",
+    donated: Sequence[int] = (),
 ) -> tuple[StepGraph, StepOutputs]:
     """Trace `fun` at the whole batch and per micro-batch, and cut it (see [Note: two traces]).
 
     `avals` describe the array leaves of the arguments (flattened by `in_tree`), `static` gives
     the other leaves by their position among all leaves (see [Note: static leaves]), and
-    `batch_leaves` index `avals`. The per-micro-batch trace has the batch leaves' dim 0 divided
+    `batch_leaves` and `donated` (leaves whose buffers the step may reuse) index `avals`. The
+    per-micro-batch trace has the batch leaves' dim 0 divided
     by `num_micro_batches`. Tracing happens under `mesh` (an abstract mesh with the stages' axis
     names, sizes and types; see [Note: mesh axis types]), so sharding constraints in the step
     work; each stage later compiles them on its own mesh. With `Explicit` axes the shardings
@@ -120,7 +122,7 @@ def trace_step(
             loss_reduction=loss_reduction,
             output_names=outputs.names(),
         )
-    return graph, outputs
+    return dataclasses.replace(graph, donated=tuple(sorted(set(donated)))), outputs
 
 
 def fingerprint(graph: StepGraph) -> tuple[Any, ...]:
@@ -130,6 +132,7 @@ def fingerprint(graph: StepGraph) -> tuple[Any, ...]:
         graph.params,
         graph.batch,
         graph.forward_only,
+        graph.donated,
         tuple((f.dim, f.var.aval.str_short()) for f in graph.feeds),
         tuple((r.combine, r.aval.str_short()) for r in graph.results),
         tuple((a.id, a.home, a.consumers, a.aval.str_short()) for a in graph.loss.activations),

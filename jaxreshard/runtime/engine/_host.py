@@ -32,7 +32,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard.frontend._backward import derive_backward, derive_forward
-from jaxreshard.frontend._split import BATCH, CONST, StepGraph
+from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.engine._channels import Channels
 from jaxreshard.runtime.engine._dispatch import stage_failure
@@ -41,6 +41,7 @@ from jaxreshard.runtime.engine._placing import FeedSplitter, Placement, _deleted
 from jaxreshard.runtime.engine._program import StageProgram
 from jaxreshard.runtime.engine._ranks import RankRunner
 from jaxreshard.runtime.engine._watch import StepWatch
+from jaxreshard.runtime.step._around import donated_arguments
 from jaxreshard.runtime.step._compile import StageCompiler, fusable_segments
 from jaxreshard.runtime.step._layout import PipelineLayout
 from jaxreshard.runtime.step._programs import program_variants
@@ -146,10 +147,23 @@ class HostEngine:
             graph, list(self.compilers), config.num_micro_batches, config.fuse_optimizer
         )
         grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
+        grad_vars = set(graph.grad_outputs[1:])
+        given = donated_arguments(graph)
         for s, j in self.fused.items():
             seg = graph.segments[j]
-            self.compilers[s].set_apply(seg.jaxpr, [grad_of.get(v) for v in seg.inputs])
-        grad_vars = set(graph.grad_outputs[1:])
+            extra = [v for v in seg.inputs if v not in grad_vars]
+            invars = graph.outer.jaxpr.invars
+            params = {
+                invars[graph.params[r.index]]
+                for r in graph.loss.stages[s].inputs
+                if r.kind == PARAM
+            }
+            self.compilers[s].set_apply(
+                seg.jaxpr,
+                [grad_of.get(v) for v in seg.inputs],
+                given=[given.get(v) == j and seg.inputs.count(v) == 1 for v in extra],
+                read=[v in params for v in extra],
+            )
         self._apply_avals = {  # a fused segment's inputs other than the gradients
             s: [v.aval for v in graph.segments[j].inputs if v not in grad_vars]
             for s, j in self.fused.items()

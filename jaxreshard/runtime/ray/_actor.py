@@ -301,9 +301,10 @@ class HostActor(NaiveBaseline):
         batch_leaves: Any,
         input_specs: Any,
         stages: Any,
+        donated: Any = (),
     ) -> Any:
-        """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves);
-        return its fingerprint."""
+        """Trace and cut a pipelined step here (`fun`: the pickled step and its static leaves;
+        `donated`: the leaves whose buffers it may reuse); return its fingerprint."""
         from jaxreshard.frontend._trace import fingerprint
         from jaxreshard.runtime.ray._host_pipeline import HostPipeline
 
@@ -319,6 +320,7 @@ class HostActor(NaiveBaseline):
             batch_leaves,
             input_specs,
             {int(s): grid for s, grid in stages.items()},
+            donated,
         )
         with self._lock:
             dropped = key in self._dropped  # the driver dropped it while it was traced here

@@ -171,6 +171,7 @@ class HostPipeline:
         batch_leaves: Sequence[int],
         input_specs: Sequence[P] | None,
         stage_devices: dict[int, Any],
+        donated: Sequence[int] = (),
     ):
         self.actor, self.config, self.key = actor, config, key
         self.meshes: dict[int, Mesh] = {s: self._mesh(grid) for s, grid in stage_devices.items()}
@@ -192,6 +193,7 @@ class HostPipeline:
             input_specs,
             static=static,
             loss_reduction=config.loss_reduction,
+            donated=donated,
         )
         self.watch = StepProgress()
         self.engine = HostEngine(

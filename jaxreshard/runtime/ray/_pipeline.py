@@ -372,6 +372,7 @@ class RayPipeline(PipelineDriver):
                         list(batch_leaves),
                         input_specs,
                         stages,
+                        list(graph.donated),
                     )
                     for h, stages in stages_of.items()
                 },

@@ -9,8 +9,10 @@ that holds their inputs, each compiled once, overwriting gradients that die in i
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,10 +42,43 @@ def dead_gradients(g: StepGraph) -> dict[Any, int]:
     return {v: last_use[v] for v in g.grad_outputs[1:] if v in last_use and v not in returned}
 
 
+@contextlib.contextmanager
+def quiet_donation() -> Iterator[None]:
+    """Compile without JAX's "Some donated buffers were not usable" warning: a post segment
+    donates both the gradients that die in it and the caller's donated arguments, more buffers
+    of a shape than it has outputs to put there, and which ones XLA reuses is its choice."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
+
+
 def donated(g: StepGraph, index: int) -> tuple[int, ...]:
-    """The inputs of segment `index` it may overwrite (see `dead_gradients`)."""
-    dead = dead_gradients(g)
-    return tuple(i for i, v in enumerate(g.segments[index].inputs) if dead.get(v) == index)
+    """The inputs of segment `index` it may overwrite: gradients that die in it (see
+    `dead_gradients`), and arguments the caller donated (`StepGraph.donated`) that it reads
+    last and the step does not return."""
+    dead = dict(dead_gradients(g))
+    for v, last in donated_arguments(g).items():
+        dead.setdefault(v, last)
+    inputs = g.segments[index].inputs
+    return tuple(i for i, v in enumerate(inputs) if dead.get(v) == index and inputs.count(v) == 1)
+
+
+def donated_arguments(g: StepGraph) -> dict[Any, int]:
+    """Donated argument var -> the segment that may overwrite it (the last that reads it),
+    for those the step does not return as they are and no later part reads."""
+    if not g.donated:
+        return {}
+    last_use: dict[Any, int] = {}
+    for index, segment in enumerate(g.segments):
+        for v in segment.inputs:
+            last_use[v] = index
+    returned = {v for v in g.outer.jaxpr.outvars if not isinstance(v, jc.Literal)}
+    invars = g.outer.jaxpr.invars
+    return {
+        invars[i]: last_use[invars[i]]
+        for i in g.donated
+        if invars[i] in last_use and invars[i] not in returned
+    }
 
 
 def pre_values(

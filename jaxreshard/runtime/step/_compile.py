@@ -17,6 +17,7 @@ from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
 from jaxreshard.frontend._backward import StageBackward, derive_backward, plain
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._around import quiet_donation
 from jaxreshard.runtime.step._reduction import (
     describe,
     explicit_copy,
@@ -80,6 +81,8 @@ class StageCompiler:
         self._exports: list[NamedSharding] | None = None
         self._extra_avals: list[Any] = []
         self._extra_specs: list[P] = []
+        # Per fused variant, per optimizer input of its segment: donated (see `set_apply`).
+        self._given: dict[str, list[bool]] = {}
         self.fans = fan_in(graph, self.s)
         # Where the executables are traced: the stage's mesh, or its all-Explicit copy when the
         # accumulators stay unreduced over `reduced` (see [Note: gradients reduced once]).
@@ -306,21 +309,22 @@ class StageCompiler:
             )
             return fns["w"], args, acc_out, (0,)
         if name == "apply":
-            extras = self._extra_structs(extra)
+            extras = self._split(self._extra_structs(extra), name)
             if self.bw.w is None:
-                args = (self._accumulators(), self._residuals(), self._cotangents(), extras)
-                return self._apply_full, args, (act_out, None), (0,)
+                args = (self._accumulators(), self._residuals(), self._cotangents(), *extras)
+                return self._apply_full, args, (act_out, None), self._donated(args, name)
             args = (self._accumulators(), self._residuals(), self._cotangents(),
-                    self._export_structs(), extras)  # fmt: skip
-            return self._apply_w, args, None, (0,)
+                    self._export_structs(), *extras)  # fmt: skip
+            return self._apply_w, args, None, self._donated(args, name)
         inputs = self._sharded(
             self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
         )
         if name == "fb":
             return self._fb, (self._accumulators(), inputs), (None, act_out, acc_out), (0,)
         if name == "fb_apply":
-            args = (self._accumulators(), inputs, self._extra_structs(extra))
-            return self._fb_apply, args, (None, act_out, None), (0,)
+            extras = self._split(self._extra_structs(extra), name)
+            args = (self._accumulators(), inputs, *extras)
+            return self._fb_apply, args, (None, act_out, None), self._donated(args, name)
         raise KeyError(name)
 
     # Compiling ------------------------------------------------------------------------------
@@ -334,7 +338,7 @@ class StageCompiler:
         if found is not None:
             return found
         fn, args, out_shardings, donate = self._spec(name, extra)
-        with jax.set_mesh(self.exec_mesh):
+        with jax.set_mesh(self.exec_mesh), quiet_donation():
             if self.reduced:
                 out_shardings = self._on_stage_mesh(fn, args, out_shardings)
             jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
@@ -390,6 +394,7 @@ class StageCompiler:
         planned, one compiled for their shardings if not)."""
         if name in ("apply", "fb_apply"):
             shardings = tuple(x.sharding for x in args[-1])
+            args = (*args[:-1], *self._split(args[-1], name))
             compiled = self._ready.get((name, shardings))
             if compiled is None:
                 planned = self.executable(name)
@@ -410,17 +415,28 @@ class StageCompiler:
     # The optimizer inside the last backward ---------------------------------------------------
 
     def set_apply(
-        self, segment: Any, grad_sources: Sequence[int | None], extra_specs: Sequence[P] = ()
+        self,
+        segment: Any,
+        grad_sources: Sequence[int | None],
+        extra_specs: Sequence[P] = (),
+        given: Sequence[bool] = (),
+        read: Sequence[bool] = (),
     ) -> None:
         """Fuse a post-gradient segment into this stage's last backward (see
         [Note: pipeline execution]): the segment reads the final gradients (input i is the
         accumulator of parameter `grad_sources[i]`, or, for None, the next of the caller's
         extra inputs, expected with `extra_specs`) as they are computed, without writing them
-        out first."""
+        out first. `given`: per extra input, whether the caller donated it (the executable may
+        overwrite it: `parallelize(donate_argnums=...)`); `read`: whether the stage's forward
+        reads it too (a parameter: `fb_apply`, which runs the forward, then keeps it)."""
         apply = jc.jaxpr_as_fun(segment)
         slots = [self.acc_params.index(k) if k is not None else None for k in grad_sources]
         self._extra_avals = [v for v, k in zip(segment.in_avals, grad_sources) if k is None]
         self._extra_specs = list(extra_specs) or [P()] * len(self._extra_avals)
+        n = len(self._extra_avals)
+        given, read = list(given) or [False] * n, list(read) or [False] * n
+        # A buffer donated and read in one call is refused.
+        self._given = {"apply": given, "fb_apply": [g and not r for g, r in zip(given, read)]}
 
         def update(grads: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
             rest = iter(extra)
@@ -429,12 +445,32 @@ class StageCompiler:
         self._update = update
         self.fused = True
 
-    def _apply_full(self, acc, res, cts, extra):
-        acts, grads = self.fns["full"](acc, res, cts)
-        return acts, self._update(grads, extra)
+    def _flags(self, name: str, n: int) -> list[bool]:
+        return self._given.get(name) or [False] * n
 
-    def _apply_w(self, acc, res, cts, exports, extra):
-        return self._update(self.fns["w"](acc, res, cts, exports), extra)
+    def _split(self, extra: Sequence[Any], name: str) -> tuple[list[Any], list[Any]]:
+        """The optimizer's other inputs as (kept, donated): separate arguments, so that only
+        the donated ones are donated."""
+        flags = self._flags(name, len(extra))
+        return [x for x, g in zip(extra, flags) if not g], [x for x, g in zip(extra, flags) if g]
+
+    def _merge(self, kept: Sequence[Any], given: Sequence[Any], name: str) -> list[Any]:
+        kept_it, given_it = iter(kept), iter(given)
+        flags = self._flags(name, len(kept) + len(given))
+        return [next(given_it) if g else next(kept_it) for g in flags]
+
+    def _donated(self, args: Sequence[Any], name: str) -> tuple[int, ...]:
+        """The accumulators, and the donated optimizer inputs if there are any (the last
+        argument)."""
+        return (0, len(args) - 1) if any(self._flags(name, 0)) else (0,)
+
+    def _apply_full(self, acc, res, cts, kept, given):
+        acts, grads = self.fns["full"](acc, res, cts)
+        return acts, self._update(grads, self._merge(kept, given, "apply"))
+
+    def _apply_w(self, acc, res, cts, exports, kept, given):
+        grads = self.fns["w"](acc, res, cts, exports)
+        return self._update(grads, self._merge(kept, given, "apply"))
 
     def _forward_backward(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         outs, res = self.bw.forward(*args)
@@ -445,9 +481,10 @@ class StageCompiler:
         outs, acts, grads = self._forward_backward(args)
         return outs, acts, [a + g for a, g in zip(acc, grads)]
 
-    def _fb_apply(self, acc, args, extra):
+    def _fb_apply(self, acc, args, kept, given):
         outs, acts, grads = self._forward_backward(args)
-        return outs, acts, self._update([a + g for a, g in zip(acc, grads)], extra)
+        grads = [a + g for a, g in zip(acc, grads)]
+        return outs, acts, self._update(grads, self._merge(kept, given, "fb_apply"))
 
     @functools.cached_property
     def acc_params(self) -> list[int]:

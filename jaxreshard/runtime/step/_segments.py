@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend._split import StepGraph
-from jaxreshard.runtime.step._around import donated
+from jaxreshard.runtime.step._around import donated, quiet_donation
 from jaxreshard.runtime.step._compile import _MISMATCH
 from jaxreshard.runtime.step._specs import spec_of, transplant_spec
 
@@ -86,7 +86,8 @@ class SegmentExecutables:
                     for v in seg.inputs
                 ]
                 fn = jax.jit(jc.jaxpr_as_fun(seg.jaxpr), donate_argnums=self._donate[j])
-                compiled = fn.lower(*structs).compile()
+                with quiet_donation():
+                    compiled = fn.lower(*structs).compile()
                 for v, sharding in zip(seg.outputs, compiled.output_shardings):
                     home[v] = spec_of(sharding)
                 future.set_result(compiled)
@@ -118,4 +119,5 @@ class SegmentExecutables:
             jaxpr = self.graph.segments[index].jaxpr
             fn = jax.jit(jc.jaxpr_as_fun(jaxpr), donate_argnums=self._donate[index])
             self._jitted[index] = fn
-        return fn(*inputs)
+        with quiet_donation():  # (it traces at its first call)
+            return fn(*inputs)

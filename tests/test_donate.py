@@ -1,0 +1,152 @@
+"""parallelize(donate_argnums=...) as jax.jit's: the optimizer overwrites the donated
+parameters and state in place, results stay equal to jax.jit, bad values are named."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_parallelize import adam_step, make_batch, make_params, mlp_loss
+
+import jaxreshard as jr
+
+ROWS = 16
+
+
+def _leaves_deleted(tree) -> list[bool]:
+    return [x.is_deleted() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+
+
+@pytest.mark.parametrize(
+    "m, stages",
+    [(1, 1), (4, 1), (1, 2), (4, 2)],
+    ids=["fused-1stage", "segment-1stage", "fused-2stages", "segment-2stages"],
+)
+def test_donated_parameters_and_state_are_reused_and_the_step_equals_jit(cpu_devices, m, stages):
+    """With one micro-batch the optimizer runs fused into the last backward, with four as a
+    segment after the pipeline: either way, the previous step's parameters and optimizer
+    state (this step's donated inputs) are gone after the call, as under jax.jit."""
+    optimizer = optax.adam(1e-2)
+    train = adam_step(mlp_loss if stages == 2 else _one_stage_loss, optimizer)
+    config = jr.PipelineConfig(
+        backend="local", num_stages=stages, num_micro_batches=m, stage_mesh_shape=(1,)
+    )
+    step = jr.parallelize(train, config=config, batch_argnums=(2,), donate_argnums=(0, 1))
+    jitted = jax.jit(train, donate_argnums=(0, 1))
+    params = make_params(2)
+    ours = (params, optimizer.init(params))
+    ref = (jax.tree.map(jax.numpy.asarray, params), optimizer.init(params))
+    for seed in range(3):
+        batch = make_batch(ROWS, seed=seed)
+        before = ours
+        *ours, loss = step(*ours, batch)
+        *ref, ref_loss = jitted(*ref, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        if seed:  # (the first step's inputs were NumPy arrays: placed, not donated)
+            gone = _leaves_deleted(before)
+            assert sum(gone) >= len(gone) // 2, gone
+    for k in params:
+        np.testing.assert_allclose(np.asarray(ours[0][k]), np.asarray(ref[0][k]), atol=1e-6)
+
+
+def _one_stage_loss(p, batch):
+    h = jax.numpy.tanh(batch["x"] @ p["emb"])
+    h = jax.numpy.tanh(h @ p["w1"] + p["b1"])
+    return jax.numpy.mean((h @ p["out"] - batch["y"]) ** 2)
+
+
+def _three_stage_loss(p, batch):
+    h = jax.numpy.tanh(batch["x"] @ p["emb"])
+    h = jr.stage_boundary(h)
+    h = jax.numpy.tanh(h @ p["w1"] + p["b1"])
+    h = jr.stage_boundary(h)
+    h = jax.numpy.tanh(h @ p["w2"] + p["b2"])
+    return jax.numpy.mean((h @ p["out"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule, weight_delay", [("1f1b", False), ("eager_1f1b", True)])
+def test_a_middle_stage_donates_into_its_fused_optimizer(cpu_devices, schedule, weight_delay):
+    """A middle stage's backward keeps its weight as a residual (for the input gradient) and
+    runs the optimizer fused (one micro-batch), donating that weight: still equal."""
+    optimizer = optax.adam(1e-2)
+    train = adam_step(_three_stage_loss, optimizer)
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=3,
+        stage_mesh_shape=(1,),
+        schedule=schedule,
+        weight_delay=weight_delay,
+    )
+    step = jr.parallelize(train, config=config, batch_argnums=(2,), donate_argnums=(0, 1))
+    params = make_params(3)
+    ours, ref = (params, optimizer.init(params)), (params, optimizer.init(params))
+    for seed in range(3):
+        batch = make_batch(ROWS, seed=seed)
+        *ours, loss = step(*ours, batch)
+        *ref, ref_loss = jax.jit(train)(*ref, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+
+
+def test_a_donated_argument_the_step_returns_unchanged_is_kept(cpu_devices):
+    """A leaf that comes back as it went in (a frozen table) cannot be overwritten."""
+
+    def train(params, frozen, batch):
+        loss, grads = jr.value_and_grad(mlp_loss)(params, batch)
+        new = jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+        return new, frozen, loss
+
+    config = jr.PipelineConfig(backend="local", num_micro_batches=2, stage_mesh_shape=(1,))
+    step = jr.parallelize(train, config=config, batch_argnums=(2,), donate_argnums=(0, 1))
+    params = jax.tree.map(jax.numpy.asarray, make_params(2))
+    frozen = jax.numpy.arange(4.0)
+    params, frozen2, _ = step(params, frozen, make_batch(ROWS))
+    params, frozen3, _ = step(params, frozen2, make_batch(ROWS))
+    np.testing.assert_array_equal(np.asarray(frozen3), np.arange(4.0))
+    assert not frozen2.is_deleted()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"donate_argnums": "0"}, TypeError, r"donate_argnums='0'\) takes an int or a tuple"),
+        ({"donate_argnums": (0, 0)}, ValueError, r"donate_argnums=\(0, 0\)\) repeats"),
+        ({"donate_argnums": (1.5,)}, TypeError, r"1\.5 is not an argument position"),
+        (
+            {"donate_argnums": (2,), "batch_argnums": (2,)},
+            ValueError,
+            r"argument 2 is in both; a batch is split into micro-batches, not reused",
+        ),
+    ],
+)
+def test_bad_donate_argnums_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jr.parallelize(lambda p, s, b: None, **kwargs)
+
+
+def test_a_donate_position_past_the_arguments_is_named(cpu_devices):
+    config = jr.PipelineConfig(backend="local", stage_mesh_shape=(1,))
+    step = jr.parallelize(adam_step(mlp_loss, optax.sgd(0.1)), config=config, donate_argnums=(5,))
+    params = make_params(2)
+    with pytest.raises(ValueError, match=r"donate_argnums=\(5,\) but the step got 3 arguments"):
+        step(params, optax.sgd(0.1).init(params), make_batch(ROWS))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("m", [1, 4], ids=["fused", "segment"])
+def test_donation_on_ray_equals_jit(ray_runtime, m):
+    """On the host actors the donated arrays are the hosts' own (the driver holds handles):
+    the steps equal jax.jit's, each taking the previous step's handles."""
+    optimizer = optax.adam(1e-2)
+    train = adam_step(mlp_loss, optimizer)
+    config = jr.PipelineConfig(backend="ray", num_micro_batches=m, stage_mesh_shape=(2,))
+    step = jr.parallelize(train, config=config, batch_argnums=(2,), donate_argnums=(0, 1))
+    jitted = jax.jit(train)
+    params = make_params(2)
+    ours = (params, optimizer.init(params))
+    ref = (params, optimizer.init(params))
+    for seed in range(3):
+        batch = make_batch(ROWS, seed=seed)
+        *ours, loss = step(*ours, batch)
+        *ref, ref_loss = jitted(*ref, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    for k in params:
+        np.testing.assert_allclose(ours[0][k].fetch(), np.asarray(ref[0][k]), atol=2e-5)

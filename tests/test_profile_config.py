@@ -302,3 +302,19 @@ def test_any_bytes_load_or_are_one_value_error(tmp_path, raw):
         load_profile_config("utransformer", path)
     except ValueError as e:
         assert str(path) in str(e) or "[" in str(e), str(e)
+
+
+@pytest.mark.parametrize(
+    "sizes, per_host, spans",
+    [
+        ([2, 2], 2, False),  # one stage per host
+        ([4, 4], 2, True),  # each stage takes two hosts
+        ([1, 2], 2, True),  # the second mesh starts on host 0 and ends on host 1
+        ([1, 1, 2], 2, False),
+        ([3], 4, False),
+    ],
+)
+def test_a_profile_joins_jax_distributed_only_for_meshes_that_span_hosts(sizes, per_host, spans):
+    from jaxreshard.profiler._profile import meshes_span_hosts
+
+    assert meshes_span_hosts(sizes, per_host) is spans

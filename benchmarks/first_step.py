@@ -31,6 +31,7 @@ import json, os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 mode, layers, dim, seq, rows = sys.argv[1], *map(int, sys.argv[2:6])
 MESH = tuple(map(int, sys.argv[6].split("x")))
+SCHEDULE, WEIGHT_DELAY, STEADY = sys.argv[7], sys.argv[8] == "1", int(sys.argv[9])
 start = time.perf_counter()
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -93,8 +94,8 @@ if mode == "jit":
     out["first_step_s"] = time.perf_counter() - t0
 else:
     config = jr.PipelineConfig(
-        num_micro_batches=4, schedule="1f1b", stage_mesh_shape=MESH,
-        mesh_axis_names=("data", "model"), backend="local",
+        num_micro_batches=4, schedule=SCHEDULE, weight_delay=WEIGHT_DELAY,
+        stage_mesh_shape=MESH, mesh_axis_names=("data", "model"), backend="local",
     )
     step = jr.parallelize(train_step, config=config, batch_argnums=(3,))
     t0 = time.perf_counter()
@@ -106,13 +107,36 @@ else:
 t3 = time.perf_counter()
 jax.block_until_ready(step(*args))
 out["second_step_s"] = time.perf_counter() - t3
+if STEADY:  # steady steps, each fed the last one's state, waited for one by one
+    times = []
+    state = args
+    for _ in range(STEADY):
+        t = time.perf_counter()
+        params2, rest2, opt2, loss = step(*state)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t)
+        state = (params2, rest2, opt2, batch)
+    out["steady_step_s"] = sorted(times)[len(times) // 2]
 print("RESULT " + json.dumps(out))
 """
 
 
-def measure(mode: str, layers: int, dim: int, seq: int, rows: int, mesh: str) -> dict:
+def measure(mode: str, layers: int, dim: int, seq: int, rows: int, mesh: str, args) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(layers), str(dim), str(seq), str(rows), mesh],
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            mode,
+            str(layers),
+            str(dim),
+            str(seq),
+            str(rows),
+            mesh,
+            args.schedule,
+            "1" if args.weight_delay else "0",
+            str(args.steady),
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -133,6 +157,11 @@ def main() -> None:
     parser.add_argument(
         "--mesh", default="1x2", help="each stage's mesh, as (data)x(model): 1x2, 1x1"
     )
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--weight-delay", action="store_true")
+    parser.add_argument(
+        "--steady", type=int, default=0, help="also time this many steady steps (median)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -142,7 +171,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"jit": [], "parallelize": []}
     for _ in range(args.repeats):
         for mode in runs:
-            runs[mode].append(measure(mode, args.layers, args.dim, args.seq, args.rows, args.mesh))
+            runs[mode].append(
+                measure(mode, args.layers, args.dim, args.seq, args.rows, args.mesh, args)
+            )
     med = {
         mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k.endswith("_s")}
         for mode, rs in runs.items()
@@ -163,6 +194,12 @@ def main() -> None:
     console = Console()
     console.print(table)
     console.print(f"parallelize / jax.jit, first step: {ratio:.2f}x")
+    if args.steady:
+        steady = med["parallelize"]["steady_step_s"] / med["jit"]["steady_step_s"]
+        console.print(
+            f"steady step: jax.jit {med['jit']['steady_step_s'] * 1e3:.2f} ms, parallelize "
+            f"{med['parallelize']['steady_step_s'] * 1e3:.2f} ms: {steady:.2f}x"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -282,3 +282,27 @@ def test_data_parallel_stages_sum_their_gradients_once_on_ray(ray_runtime, shape
     assert set(reductions.values()) == {"once per step, over data"}, reductions
     ref_step = jax.jit(make_step(2))
     assert_same(params, losses, *run_steps(ref_step, make_params(2), make_batch(rows=16)), tol=2e-5)
+
+
+def test_a_cpu_runtime_joined_for_nothing_says_what_it_costs(ray_runtime):
+    """The shared runtime joined jax.distributed; a pipeline whose stages each fit in a host
+    (meshes of 2 devices) gets the warning naming the fix, once; one whose stages span hosts
+    does not."""
+    import warnings
+
+    from jaxreshard.runtime.ray._placement import DistributedCostWarning
+
+    batch = make_batch(rows=16)
+    ray_runtime._warned_cost = False
+    with warnings.catch_warnings(record=True) as spanning:
+        warnings.simplefilter("always")
+        cfg = ray_config(stage_mesh_shape=(4,), mesh_axis_names=("data",), num_micro_batches=2)
+        jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,)).plan(make_params(2), batch)
+    assert not [w for w in spanning if issubclass(w.category, DistributedCostWarning)]
+    cfg = ray_config(stage_mesh_shape=(2,), mesh_axis_names=("data",), num_micro_batches=2)
+    with pytest.warns(DistributedCostWarning, match=r"distributed=False"):
+        jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,)).plan(make_params(2), batch)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,)).plan(make_params(2), batch)
+    assert not [w for w in again if issubclass(w.category, DistributedCostWarning)]

@@ -83,7 +83,12 @@ from jaxreshard.runtime.driver._driver import NOT_THERE, HostResult, Hosts, Pipe
 from jaxreshard.runtime.driver._lifetime import track_pipeline
 from jaxreshard.runtime.engine._events import Event
 from jaxreshard.runtime.ray._nccl_order import check_channel_order, nccl_programs
-from jaxreshard.runtime.ray._placement import COMPILE_WAIT_S, _RemoteCompiler, stage_placement
+from jaxreshard.runtime.ray._placement import (
+    COMPILE_WAIT_S,
+    _RemoteCompiler,
+    stage_placement,
+    warn_distributed_cost,
+)
 from jaxreshard.runtime.ray._remote import RemoteArray
 from jaxreshard.runtime.ray._wire import from_wire, is_key, merge_wire, to_wire
 from jaxreshard.runtime.step._compile import fusable_segments
@@ -340,6 +345,7 @@ class RayPipeline(PipelineDriver):
         p = graph.num_stages
         schedule = pipeline_schedule(config, p, graph.forward_only)
         rank_meshes, hosts_of_rank = stage_placement(runtime, config, schedule.num_stages)
+        warn_distributed_cost(runtime, config.mesh_shapes(schedule.num_stages), hosts_of_rank)
         # Stages (chunks) run on the mesh the schedule places them on.
         meshes = [rank_meshes[schedule.rank_of(c)] for c in range(p)]
         hosts_of_stage = {c: hosts_of_rank[schedule.rank_of(c)] for c in range(p)}

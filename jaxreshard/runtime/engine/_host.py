@@ -42,7 +42,8 @@ from jaxreshard.runtime.engine._program import StageProgram
 from jaxreshard.runtime.engine._ranks import RankRunner
 from jaxreshard.runtime.engine._watch import StepWatch
 from jaxreshard.runtime.step._around import donated_arguments
-from jaxreshard.runtime.step._compile import StageCompiler, fusable_segments
+from jaxreshard.runtime.step._compile import StageCompiler
+from jaxreshard.runtime.step._fusion import fusable_segments
 from jaxreshard.runtime.step._layout import PipelineLayout
 from jaxreshard.runtime.step._programs import program_variants
 from jaxreshard.runtime.step._segments import SegmentExecutables

@@ -91,7 +91,7 @@ from jaxreshard.runtime.ray._placement import (
 )
 from jaxreshard.runtime.ray._remote import RemoteArray
 from jaxreshard.runtime.ray._wire import from_wire, is_key, merge_wire, to_wire
-from jaxreshard.runtime.step._compile import fusable_segments
+from jaxreshard.runtime.step._fusion import fusable_segments
 from jaxreshard.runtime.step._layout import PipelineLayout, layout_pipeline, pipeline_schedule
 from jaxreshard.runtime.step._specs import spec_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
 from jaxreshard.frontend._backward import StageBackward, derive_backward, plain
-from jaxreshard.frontend._split import ACT, PARAM, StepGraph
+from jaxreshard.frontend._split import PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._around import quiet_donation
+from jaxreshard.runtime.step._backward import backward_functions, fan_in, stage_acc_params
 from jaxreshard.runtime.step._reduction import (
     describe,
     explicit_copy,
@@ -29,14 +30,6 @@ from jaxreshard.runtime.step._specs import place, spec_of
 # The message of a compiled executable called with inputs laid out otherwise than it was compiled
 # for (it checks before running, so nothing was donated yet).
 _MISMATCH = "Computation was compiled for input shardings that disagree"
-
-
-def fan_in(graph: StepGraph, s: int) -> list[int]:
-    """Per output of stage s: how many cotangents come back (one per consuming stage)."""
-    by_id = {a.id: a for a in graph.loss.activations}
-    return [
-        len(by_id[r.index].consumers) if r.kind == ACT else 1 for r in graph.loss.stages[s].outputs
-    ]
 
 
 # [Note: stage executables]
@@ -513,122 +506,3 @@ def _filled(out_shardings: Any, shapes: Any, default: Any) -> Any:
     if isinstance(out_shardings, (tuple, list)):
         return type(out_shardings)(_filled(o, s, default) for o, s in zip(out_shardings, shapes))
     return out_shardings
-
-
-def backward_functions(
-    bw: StageBackward, fans: Sequence[int], loss_scale: float | None
-) -> dict[str, Callable[..., Any]]:
-    """The jit-able backward functions of a stage: cotangents summed per output; the last
-    stage's loss cotangent is the constant `loss_scale`."""
-
-    def cotangents(ct_lists: Sequence[Any]) -> list[Any]:
-        if loss_scale is not None:
-            aval = bw.stage.jaxpr.out_avals[0]
-            return [jax.numpy.full(aval.shape, loss_scale, aval.dtype)]
-        out, at = [], 0
-        for i in bw.float_outputs:
-            parts = ct_lists[at : at + fans[i]]
-            at += fans[i]
-            total = parts[0]
-            for part in parts[1:]:
-                total = total + part
-            out.append(total)
-        return out
-
-    def full_first(res: Sequence[Any], ct_lists: Sequence[Any]):
-        grads = jc.jaxpr_as_fun(bw.full)(*res, *cotangents(ct_lists))
-        return [grads[k] for k in bw.act_grads], [grads[k] for k in bw.param_grads]
-
-    def full(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any]):
-        acts, grads = full_first(res, ct_lists)
-        return acts, [a + g for a, g in zip(acc, grads)]
-
-    def b(res: Sequence[Any], ct_lists: Sequence[Any]):
-        out = jc.jaxpr_as_fun(bw.b)(*res, *cotangents(ct_lists))
-        return out[: len(bw.act_grads)], out[len(bw.act_grads) :]
-
-    def w_first(res: Sequence[Any], ct_lists: Sequence[Any], exports: Sequence[Any]):
-        return jc.jaxpr_as_fun(bw.w)(*res, *cotangents(ct_lists), *exports)
-
-    def w(acc: Sequence[Any], res: Sequence[Any], ct_lists: Sequence[Any], exports: Sequence[Any]):
-        return [a + g for a, g in zip(acc, w_first(res, ct_lists, exports))]
-
-    return {"full": full, "full_first": full_first, "b": b, "w": w, "w_first": w_first}
-
-
-def stage_acc_params(graph: StepGraph, s: int) -> list[int]:
-    """The parameters whose gradients stage s accumulates, in its inputs' order (the float
-    parameters it reads; none in a forward-only step)."""
-    if graph.forward_only:
-        return []
-    stage = graph.loss.stages[s]
-    return [
-        r.index
-        for r, a in zip(stage.inputs, stage.jaxpr.in_avals)
-        if r.kind == PARAM and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
-    ]
-
-
-def fusable_segments(
-    graph: StepGraph, stages: Collection[int], num_micro_batches: int, mode: str = "auto"
-) -> dict[int, int]:
-    """Post segments that run inside their stage's last backward: stage -> segment index, for
-    `stages` (all of them locally, a host's own on Ray).
-
-    With one micro-batch the last backward is the only one, and running the optimizer inside
-    it costs no executable more (the step is one program per stage, as under `jax.jit`). With
-    more (`mode="always"`, `PipelineConfig.fuse_optimizer`), the last backward is a variant of
-    its own, compiled beside the plain one: the optimizer then reads the final gradients as
-    they are computed, in the same program, instead of an executable of its own after the
-    pipeline that reads them back (measured on an MLP 4x1024 on CPU, 1 stage x 4 micro-batches:
-    1.16x -> 1.10x a hand-written `lax.scan`); but the extra variant costs compile time before
-    the first step (a 2-stage NNX LM: first step 1.76x -> 2.17x `jax.jit`'s), so `auto` fuses
-    with one micro-batch only. `never` fuses nothing.
-    A segment qualifies when it is its stage's only one, reads only that stage's own parameters,
-    their gradients (which nothing else needs, not even the step's outputs) and the step's
-    inputs, and the stage exchanges no shared parameter's gradient after its last backward.
-    """
-    if mode == "never" or (mode == "auto" and num_micro_batches != 1):
-        return {}
-    by_stage: dict[int, list[int]] = {}
-    for j, seg in enumerate(graph.segments):
-        by_stage.setdefault(seg.stage, []).append(j)
-    invars = graph.outer.jaxpr.invars
-    param_owner = {invars[i]: graph.owner[k] for k, i in enumerate(graph.params)}
-    grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
-    # Stages that exchange shared parameters' gradients after their last backward.
-    exchanging = set()
-    for k in range(len(graph.params)):
-        others = {u for u in graph.loss.users(PARAM, k) if u != graph.owner[k]}
-        if others:
-            exchanging |= others | {graph.owner[k]}
-    uses: dict[Any, int] = {}
-    for seg in graph.segments:
-        for v in seg.inputs:
-            uses[v] = uses.get(v, 0) + 1
-    returned = set(graph.outer.jaxpr.outvars)
-    inputs_ok = set(invars) | set(graph.pre_outputs)
-    fused = {}
-    for s, (j, *others) in by_stage.items():
-        seg = graph.segments[j]
-        if others or s in exchanging or s not in stages:
-            continue
-        accumulated = stage_acc_params(graph, s)
-        grads = [v for v in seg.inputs if v in grad_of]
-        ok = bool(grads)
-        for v in seg.inputs:
-            if v in grad_of:
-                k = grad_of[v]
-                ok &= (
-                    graph.owner[k] == s
-                    and k in accumulated
-                    and uses.get(v) == 1
-                    and v not in returned
-                )
-            elif v in param_owner:
-                ok &= param_owner[v] == s
-            else:
-                ok &= v in inputs_ok and v not in set(graph.batch_vars)
-        if ok:
-            fused[s] = j
-    return fused

@@ -30,7 +30,7 @@ from jaxreshard.pipeline._emit import (
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._compile import stage_acc_params
+from jaxreshard.runtime.step._backward import stage_acc_params
 from jaxreshard.runtime.step._programs import program_variants
 from jaxreshard.runtime.step._specs import batch_spec, spec_of, transplant_spec
 

@@ -502,6 +502,34 @@ class Parallelized:
         return PipelinePlan(entry.graph, entry.pipeline)
 
     @api_boundary
+    def placement(self, *args: Any) -> tuple[Any, ...]:
+        """Where the pipeline keeps each array of these arguments, as a tuple with one pytree
+        per argument whose array leaves are `jax.ShapeDtypeStruct`s carrying the sharding (on
+        the local runtime: on a stage mesh) or, on Ray, `RemoteStruct`s with the hosts'
+        `VirtualSharding`. Leaves the pipeline does not keep (the batch, host data) get no
+        sharding; non-array leaves stay as they are.
+
+        A parameter sits on its stage's mesh with its planned spec; optimizer state on the
+        mesh of the stage whose optimizer reads it. Use it as `restore_checkpoint`'s target to
+        resume in this layout, or as `reshard`'s to move live state into it. Compiles the step
+        for these arguments if it is not compiled yet (as `plan` does).
+        """
+        from jaxreshard.runtime.ray._remote import RemoteStruct
+
+        entry, arrays = self._entry(args)
+        shardings = iter(entry.pipeline.placement(arrays))
+
+        def one(x: Any) -> Any:
+            if not is_array(x):
+                return x
+            sharding = next(shardings)
+            if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+                return RemoteStruct(x.shape, x.dtype, sharding)
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+        return tuple(jax.tree.map(one, arg) for arg in args)
+
+    @api_boundary
     def pipeline(self, *args: Any) -> Any:
         """The compiled pipeline for these arguments (compiling it if needed)."""
         return self._entry(args)[0].pipeline

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxreshard._tracebacks import api_boundary
 from jaxreshard.comm import Cluster, plan_reshard
@@ -21,6 +22,12 @@ def reshard(
     cluster: Cluster | None = None,
 ) -> Any:
     """Return `x` laid out as `dst_sharding`, moved by a cross-mesh resharding plan.
+
+    `x` may be one array or a pytree of them (a training state): then `dst_sharding` is one
+    sharding for every leaf, or a pytree of the same structure whose leaves are shardings,
+    `jax.ShapeDtypeStruct`s with shardings, or `RemoteStruct`s, such as another pipeline's
+    `train_step.placement(...)`: the state moves from one layout to another without a disk.
+    Host data (numpy) leaves are put onto their target sharding.
 
     Works on local `jax.Array`s (the local runtime: every device of this process) and on the
     Ray runtime's `RemoteArray`s (then `dst_sharding` is a sharding over the runtime's devices).
@@ -49,7 +56,76 @@ def reshard(
     from jaxreshard.runtime.ray._remote import RemoteArray
 
     check_strategy(strategy)
+    if isinstance(x, (jax.Array, RemoteArray, jax.core.Tracer)):
+        return _reshard_one(x, _sharding_of(dst_sharding), strategy, cluster)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        x, is_leaf=lambda v: isinstance(v, RemoteArray)
+    )
+    if _is_target(dst_sharding):
+        targets = [dst_sharding] * len(leaves)
+    else:
+        flat_dst, dst_def = jax.tree.flatten(dst_sharding, is_leaf=_is_target)
+        if dst_def != treedef:
+            raise ValueError(
+                f"reshard(dst_sharding=...): its tree {dst_def} does not match x's {treedef}; "
+                "give one sharding for every leaf, or a tree of x's structure (e.g. "
+                "train_step.placement(...) of the same arguments)"
+            )
+        targets = flat_dst
+    out = []
+    for (path, leaf), target in zip(leaves, targets):
+        sharding = _sharding_of(target)
+        if not isinstance(leaf, (jax.Array, RemoteArray)):
+            if not hasattr(leaf, "shape"):
+                raise TypeError(
+                    f"reshard(x=...): leaf {jax.tree_util.keystr(path)} is a "
+                    f"{type(leaf).__name__}, not an array"
+                )
+            if isinstance(sharding, jax.sharding.Sharding):
+                out.append(jax.device_put(leaf, sharding))
+                continue
+            from jaxreshard.runtime import current_runtime
+
+            out.append(current_runtime().put(np.asarray(leaf), sharding))
+            continue
+        out.append(_reshard_one(leaf, sharding, strategy, cluster))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _is_target(t: Any) -> bool:
+    """A leaf of `reshard`'s destination tree."""
+    from jaxreshard.runtime.ray._remote import RemoteStruct
+
+    return (
+        isinstance(t, (jax.sharding.Sharding, jax.ShapeDtypeStruct, RemoteStruct))
+        or hasattr(t, "devices_indices_map")
+    )
+
+
+def _sharding_of(target: Any) -> Any:
+    """The sharding a destination leaf names (a ShapeDtypeStruct's, a RemoteStruct's)."""
+    from jaxreshard.runtime.ray._remote import RemoteStruct
+
+    if isinstance(target, (jax.ShapeDtypeStruct, RemoteStruct)):
+        if target.sharding is None:
+            raise ValueError(
+                f"reshard(dst_sharding=...): {target} has no sharding; give one (a placement "
+                "leaf the pipeline does not keep, such as the batch, has none)"
+            )
+        return target.sharding
+    return target
+
+
+def _reshard_one(x: Any, dst_sharding: Any, strategy: str, cluster: Cluster | None) -> Any:
+    from jaxreshard.runtime.ray._remote import RemoteArray
+
     if isinstance(x, RemoteArray):
+        if x.sharding == dst_sharding:
+            return x
+        if set(x.sharding.device_set) & set(dst_sharding.device_set):
+            # Overlapping device sets on the hosts: no cross-mesh plan applies; the array goes
+            # through the driver (a copy of the whole array; rare: layouts that share devices).
+            return x.runtime.put(x.fetch(), dst_sharding)
         return x.runtime.reshard(x, dst_sharding, strategy=strategy)
     if isinstance(x, jax.core.Tracer):
         raise TypeError(

@@ -190,6 +190,38 @@ class PipelineDriver:
         """Wait until every step run so far has finished; raise a failure among them."""
         self.processes.wait()
 
+    def placement(self, leaves: Sequence[Any]) -> list[Any]:
+        """Where the pipeline keeps each argument leaf (a sharding; None for leaves it does
+        not keep: the batch, host data read before the loss). A parameter sits on its owner
+        stage's mesh with its planned spec; a leaf the post-gradient segments read (optimizer
+        state) on the mesh of the first stage that reads it, with its own spec where that fits,
+        else replicated (where the step would put it, see `on_mesh`); any other array leaf where
+        it is."""
+        from jaxreshard.runtime.step._specs import spec_of, transplant_spec
+
+        g, layout = self.graph, self.layout
+        invars = g.outer.jaxpr.invars
+        out: list[Any] = [None] * len(leaves)
+        for i, x in enumerate(leaves):
+            if isinstance(x, jax.Array):
+                out[i] = x.sharding
+        readers: dict[Any, int] = {}
+        for seg in g.segments:
+            for v in seg.inputs:
+                readers[v] = min(readers.get(v, seg.stage), seg.stage)
+        for i, v in enumerate(invars):
+            s = readers.get(v)
+            if s is None or i in set(g.batch):
+                continue
+            x = leaves[i]
+            spec = transplant_spec(
+                spec_of(getattr(x, "sharding", None)), layout.mesh_shapes[s], np.shape(x), None
+            )
+            out[i] = self.sharding(s, spec)
+        for k, i in enumerate(g.params):
+            out[i] = self.sharding(g.owner[k], layout.param_specs[k])
+        return out
+
     def step_id(self) -> str:
         """A new step's id (`last_step_id` then)."""
         self.last_step_id = f"{self.key or 'step'}:{next(self._ids)}"

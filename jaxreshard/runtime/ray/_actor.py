@@ -61,6 +61,7 @@ class HostActor(NaiveBaseline):
         self._nccl: Any = None
         self._pipelines: dict[str, Any] = {}  # key -> HostPipeline (runtime/ray/_host_pipeline.py)
         self._dropped: collections.deque[str] = collections.deque(maxlen=64)  # for messages
+        self.checkpoint_writes: dict[str, Any] = {}  # token -> writes in flight (checkpoint/)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -233,6 +234,31 @@ class HostActor(NaiveBaseline):
             raise KeyError(
                 f"host {self.host} holds no array {array_id!r} (freed, or never put here)"
             ) from None
+
+    # -- checkpoints (jaxreshard/checkpoint/_host.py) ------------------------------------------
+
+    def checkpoint_start_write(self, token: str, parts: Any, root: str) -> dict[str, Any]:
+        from jaxreshard.checkpoint import _host
+
+        return _host.start_write(self, token, parts, root)
+
+    def checkpoint_finish_write(self, token: str) -> dict[str, Any]:
+        from jaxreshard.checkpoint import _host
+
+        return _host.finish_write(self, token)
+
+    def checkpoint_read(self, sources: Any) -> dict[str, Any]:
+        """Read each source's leaves (path -> (skeleton, places, new ids)); report the bytes
+        and time."""
+        from jaxreshard.checkpoint import _host
+
+        total = {"read_bytes": 0, "seconds": 0.0}
+        for path in sorted(sources):
+            skeleton, places, new_ids = sources[path]
+            done = _host.read(self, path, skeleton, places, new_ids)
+            total["read_bytes"] += done["read_bytes"]
+            total["seconds"] += done["seconds"]
+        return total
 
     # -- resharding ----------------------------------------------------------------------------
 

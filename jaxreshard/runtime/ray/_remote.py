@@ -87,3 +87,31 @@ class RemoteArray:
                 self.runtime.free(self, wait=False)
         except Exception:  # interpreter shutdown; nothing left to free
             pass
+
+
+class RemoteStruct:
+    """`jax.ShapeDtypeStruct` for the Ray runtime: a shape, a dtype and a `VirtualSharding`
+    over the runtime's devices (what `train_step.placement` gives on Ray, and what
+    `restore_checkpoint` reads into: the hosts of that sharding read their regions)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, sharding: Any):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.sharding = sharding
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RemoteStruct)
+            and (self.shape, self.dtype) == (other.shape, other.dtype)
+            and self.sharding == other.sharding
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"RemoteStruct({self.dtype}{list(self.shape)}, {describe_sharding(self.sharding)})"

@@ -1,0 +1,150 @@
+"""A checkpoint on the Ray runtime, from the driver's side: every host writes the shards it
+holds and reads the regions it needs; the driver only sends descriptions and collects handles
+(see [Note: checkpoint format] and `_host.py`)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard.checkpoint import _orbax
+from jaxreshard.checkpoint._format import PARTS, Index, LeafRecord, dtype_name
+from jaxreshard.checkpoint._host import LeafPlace
+
+DRIVER_PART = "driver"
+
+# What each host wrote or read in the latest save or restore of this process, by host
+# (`{"written_bytes", "read_bytes", "seconds"}`): the per-host share a benchmark reports.
+last_io: dict[str, dict[int, dict[str, Any]]] = {"save": {}, "restore": {}}
+
+
+def _place(key: str, array_id: str, shape: Any, dtype: Any, sharding: Any) -> LeafPlace:
+    mesh = sharding.mesh
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    return LeafPlace(
+        key, array_id, tuple(shape), dtype_name(dtype), ids, tuple(mesh.axis_names),
+        sharding.spec,
+    )  # fmt: skip
+
+
+def _part_name(hosts: Sequence[int]) -> str:
+    return "host" + "-".join(str(h) for h in hosts)
+
+
+def _hosts(sharding: Any) -> tuple[int, ...]:
+    return tuple(sorted({d.process_index for d in sharding.mesh.devices.flat}))
+
+
+def start_parts(staged: Path, paths: list[str], leaves: list[Any]) -> tuple[list[LeafRecord], Any]:
+    """Have every host start writing its leaves into `staged/parts/`, the driver the host
+    data; returns the index's records and the function that finishes the writes."""
+    from jaxreshard.runtime.ray._remote import RemoteArray
+
+    runtimes = {id(x.runtime): x.runtime for x in leaves if isinstance(x, RemoteArray)}
+    if len(runtimes) > 1:
+        raise ValueError("save_checkpoint: the tree holds arrays of two Ray runtimes")
+    runtime = next(iter(runtimes.values()))
+    runtime._check_usable()
+    records: list[LeafRecord] = []
+    by_host: dict[int, dict[str, list[LeafPlace]]] = {}
+    driver: dict[str, Any] = {}
+    for n, (path, x) in enumerate(zip(paths, leaves)):
+        key = Index.key_of(n)
+        if isinstance(x, RemoteArray):
+            runtime._check_array(x)
+            hosts = _hosts(x.sharding)
+            part = _part_name(hosts)
+            place = _place(key, x.array_id, x.shape, x.dtype, x.sharding)
+            for h in hosts:
+                by_host.setdefault(h, {}).setdefault(part, []).append(place)
+        else:
+            part = DRIVER_PART
+            driver[key] = x if not isinstance(x, jax.Array) else np.asarray(x)
+        records.append(LeafRecord(path, tuple(np.shape(x)), dtype_name(x.dtype), part))
+    root = staged / PARTS
+    root.mkdir(parents=True)
+    token = secrets.token_hex(6)
+    started = runtime._wait(
+        {
+            h: runtime.actors[h].checkpoint_start_write.remote(token, parts, str(root))
+            for h, parts in by_host.items()
+        },
+        "copying the checkpoint's shards off the devices",
+    )
+    del started
+    checkpointer = _orbax.start_write(str(root / DRIVER_PART), driver) if driver else None
+
+    def finish() -> None:
+        try:
+            done = runtime._wait(
+                {h: runtime.actors[h].checkpoint_finish_write.remote(token) for h in by_host},
+                "writing the checkpoint's shards",
+            )
+            last_io["save"] = dict(done)
+        finally:
+            if checkpointer is not None:
+                _orbax.finish_write(checkpointer)
+
+    return records, finish
+
+
+def read_remote(
+    directory: Path,
+    index: Index,
+    paths: list[str],
+    structs: list[Any],
+    wanted: list[int],
+    treedef: Any,
+) -> dict[int, Any]:
+    """Target leaves `wanted` (RemoteStructs) read by the hosts of their shardings; returns
+    their `RemoteArray`s by position."""
+    from jaxreshard.runtime import current_runtime
+    from jaxreshard.runtime.ray._remote import RemoteArray
+
+    runtime = current_runtime()
+    if getattr(runtime, "backend", None) != "ray":
+        raise RuntimeError(
+            "restore_checkpoint: the target holds Ray placements (RemoteStruct) but no Ray "
+            "runtime is running; call jaxreshard.init(backend='ray', ...) first"
+        )
+    runtime._check_usable()
+    by_path = {r.path: (n, r) for n, r in enumerate(index.leaves)}
+    # Per host, per source (a part, or the whole tree): position in the source's skeleton ->
+    # (LeafPlace, new array id).
+    calls: dict[int, dict[str, tuple[Any, dict[int, LeafPlace], dict[int, str]]]] = {}
+    out: dict[int, Any] = {}
+    whole_skeleton = jax.tree.unflatten(treedef, [0] * len(structs))
+    part_keys: dict[str, list[str]] = {}
+    for n, r in enumerate(index.leaves):
+        part_keys.setdefault(str(r.part), []).append(Index.key_of(n))
+    for i in wanted:
+        s = structs[i]
+        runtime._check_sharding(s.sharding, f"target leaf {paths[i]}")
+        n, record = by_path[paths[i]]
+        array_id = runtime._new_id("restore")
+        place = _place(Index.key_of(n), array_id, s.shape, s.dtype, s.sharding)
+        if index.layout == "orbax":
+            source, skeleton, position = ".", whole_skeleton, i
+        else:
+            keys = part_keys[str(record.part)]
+            source = f"{PARTS}/{record.part}"
+            skeleton = {k: 0 for k in keys}
+            position = sorted(keys).index(place.key)  # a dict flattens in sorted key order
+        for h in _hosts(s.sharding):
+            entry = calls.setdefault(h, {}).setdefault(source, (skeleton, {}, {}))
+            entry[1][position] = place
+            entry[2][position] = array_id
+        out[i] = RemoteArray(runtime, array_id, s.shape, s.dtype, s.sharding)
+    refs = {
+        h: runtime.actors[h].checkpoint_read.remote(
+            {str(directory / source): entry for source, entry in sources.items()}
+        )
+        for h, sources in calls.items()
+    }
+    last_io["restore"] = dict(runtime._wait(refs, f"reading checkpoint {directory}"))
+    return out

@@ -200,7 +200,7 @@ def read(
     import jax
     import orbax.checkpoint as ocp
 
-    read0, written0 = io_bytes()
+    read0, _ = io_bytes()
     start = time.perf_counter()
     leaves, treedef = jax.tree.flatten(skeleton)
     item = [ocp.PLACEHOLDER] * len(leaves)

@@ -173,18 +173,27 @@ def save_checkpoint(
             write_index(staged, index)
             commit(staged, directory, overwrite)
         except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
+            _remove_staged(staged)
             raise
 
-    return PendingCheckpoint(directory, finish, asynchronous=not wait)
+    pending = PendingCheckpoint(directory, finish, asynchronous=not wait)
+    if wait:
+        pending.wait()  # (raises the write's error)
+    return pending
 
 
 def _start_orbax(staged: Path, tree: Any) -> Any:
     try:
         return _orbax.start_write(str(staged), tree)
     except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
+        _remove_staged(staged)
         raise
+
+
+def _remove_staged(staged: Path) -> None:
+    """Remove a failed save's files: its staging dir and Orbax's own temporary one beside it."""
+    for path in [staged, *staged.parent.glob(f"{staged.name}.orbax-checkpoint-tmp*")]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_directory(directory: Any) -> Path:

@@ -191,7 +191,7 @@ def test_a_wrong_target_is_named(saved):
                        r"float32\[16, 16\] but the target wants float32\[16, 8\]"):  # fmt: skip
         jr.restore_checkpoint(directory, target)
     target[0]["l1"]["w"] = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.bfloat16)
-    with pytest.raises(jr.CheckpointError, match="saved as float32.*wants bfloat16"):
+    with pytest.raises(jr.CheckpointError, match=r"saved as float32.*wants bfloat16"):
         jr.restore_checkpoint(directory, target)
     del target[0]["l1"]
     with pytest.raises(jr.CheckpointError, match=r"saved leaves \[0\]\['l1'\]\['b'\]"):
@@ -199,12 +199,12 @@ def test_a_wrong_target_is_named(saved):
     target[0]["extra"] = jax.ShapeDtypeStruct((3,), jnp.float32)
     with pytest.raises(jr.CheckpointError, match=r"target leaves \[0\]\['extra'\] are not"):
         jr.restore_checkpoint(directory, target)
-    with pytest.raises(TypeError, match="leaf .* is a str"):
+    with pytest.raises(TypeError, match=r"leaf .* is a str"):
         jr.restore_checkpoint(directory, {"a": "nope"})
 
 
 def test_missing_partial_and_corrupt_directories_are_refused(tmp_path, saved):
-    directory, _ = saved
+    _directory, _ = saved
     with pytest.raises(jr.CheckpointError, match="does not exist"):
         jr.restore_checkpoint(tmp_path / "none", {})
     partial = tmp_path / "partial"
@@ -218,7 +218,7 @@ def test_missing_partial_and_corrupt_directories_are_refused(tmp_path, saved):
     with pytest.raises(jr.CheckpointError, match="corrupt"):
         jr.checkpoint_metadata(corrupt)
     (corrupt / "jaxreshard.json").write_text(json.dumps({"format": "other"}))
-    with pytest.raises(jr.CheckpointError, match="corrupt.*format"):
+    with pytest.raises(jr.CheckpointError, match=r"corrupt.*format"):
         jr.checkpoint_metadata(corrupt)
 
 
@@ -349,8 +349,11 @@ def test_ray_hosts_write_and_read_their_own_shares(ray_runtime, saved, tmp_path)
 
     directory, losses = saved
     params = init_params()
-    wide = jr.parallelize(make_step((3,)), batch_argnums=2, config=config(
-        stage_mesh_shape=(1, 4), schedule="1f1b", num_micro_batches=2, backend="ray"))
+    wide = jr.parallelize(
+        make_step((3,)),
+        batch_argnums=2,
+        config=config(stage_mesh_shape=(1, 4), schedule="1f1b", num_micro_batches=2, backend="ray"),
+    )
     target = wide.placement(params, OPT.init(params), batches()[0])[:2]
     assert isinstance(jax.tree.leaves(target)[0], jr.RemoteStruct)
     state = jr.restore_checkpoint(directory, target)
@@ -361,12 +364,15 @@ def test_ray_hosts_write_and_read_their_own_shares(ray_runtime, saved, tmp_path)
     assert sorted(os.listdir(ray_dir / "parts")) == ["host0-1", "host2-3"]
     wrote = {h: io["written_bytes"] for h, io in _ray.last_io["save"].items()}
     assert sorted(wrote) == [0, 1, 2, 3]
-    square = jr.parallelize(make_step((3,)), batch_argnums=2, config=config(
-        stage_mesh_shape=(2, 2), schedule="1f1b", num_micro_batches=2, backend="ray"))
+    square = jr.parallelize(
+        make_step((3,)),
+        batch_argnums=2,
+        config=config(stage_mesh_shape=(2, 2), schedule="1f1b", num_micro_batches=2, backend="ray"),
+    )
     target = square.placement(params, OPT.init(params), batches()[0])[:2]
     restored = jr.restore_checkpoint(ray_dir, target)
     *_, last = square(*restored, batches()[3])
-    np.testing.assert_allclose(losses + [float(loss), float(last)], reference_losses(),
+    np.testing.assert_allclose([*losses, float(loss), float(last)], reference_losses(),
                                rtol=1e-5)  # fmt: skip
     assert sorted(_ray.last_io["restore"]) == [0, 1, 2, 3]
     into_jit = jr.restore_checkpoint(ray_dir, structs((params, OPT.init(params))))
@@ -384,8 +390,9 @@ def test_ray_hosts_write_and_read_their_own_shares(ray_runtime, saved, tmp_path)
     share = {h: io["written_bytes"] / (4 * n) for h, io in _ray.last_io["save"].items()}
     assert sorted(share) == [0, 1, 2, 3] and all(0.2 < f < 0.4 for f in share.values()), share
     backwards = rt.sharding(rt.mesh((8,), ("x",), devices=list(range(8))[::-1]), P("x"))
-    back = jr.restore_checkpoint(tmp_path / "big", {"big": jr.RemoteStruct((n,), np.float32,
-                                                                           backwards)})
+    back = jr.restore_checkpoint(
+        tmp_path / "big", {"big": jr.RemoteStruct((n,), np.float32, backwards)}
+    )
     share = {h: io["read_bytes"] / (4 * n) for h, io in _ray.last_io["restore"].items()}
     assert sorted(share) == [0, 1, 2, 3] and all(0.2 < f < 0.4 for f in share.values()), share
     np.testing.assert_array_equal(back["big"].fetch(), value)

@@ -396,3 +396,35 @@ def test_ray_hosts_write_and_read_their_own_shares(ray_runtime, saved, tmp_path)
     share = {h: io["read_bytes"] / (4 * n) for h, io in _ray.last_io["restore"].items()}
     assert sorted(share) == [0, 1, 2, 3] and all(0.2 < f < 0.4 for f in share.values()), share
     np.testing.assert_array_equal(back["big"].fetch(), value)
+
+
+def test_profile_resumes_in_another_layout_as_an_uninterrupted_run(tmp_path, capsys):
+    """`jaxreshard profile --checkpoint DIR --checkpoint-every 1`, then `--resume` with another
+    schedule and micro-batch count: the resumed run's loss is the uninterrupted run's."""
+    from jaxreshard.cli import main
+
+    base = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--warmup-steps", "1"]
+    root = tmp_path / "run"
+
+    def losses(name, *flags):
+        out = tmp_path / f"{name}.json"
+        assert main([*base, *flags, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        return [s["loss"] for s in data["steps"]], data
+
+    whole, _ = losses("whole", "--steps", "4")  # steps 2-5
+    first, data = losses("first", "--steps", "2", "--checkpoint", str(root),
+                         "--checkpoint-every", "1")  # fmt: skip
+    np.testing.assert_allclose(first, whole[:2], rtol=1e-6)
+    assert [s["step"] for s in data["checkpoints"]["saved"]] == [1, 2, 3]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
+    resumed, data = losses("resumed", "--steps", "1", "--checkpoint", str(root), "--resume",
+                           "--schedule", "1f1b", "--num-micro-batches", "2")  # fmt: skip
+    assert data["checkpoints"]["resumed_from_step"] == 3
+    np.testing.assert_allclose(resumed, whole[3:], rtol=1e-5)  # step 5 (step 4: warm-up)
+    capsys.readouterr()
+    assert main([*base, "--resume"]) == 2
+    assert "--resume needs --checkpoint DIR" in capsys.readouterr().err
+    other = ["--checkpoint", str(root), "--resume", "--seed", "7", "--steps", "1"]
+    assert main([*base, *other]) == 2
+    assert "is of another run: seed 0 (this run: 7)" in capsys.readouterr().err

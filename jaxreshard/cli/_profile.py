@@ -22,6 +22,19 @@ def _profile(args: argparse.Namespace) -> int:
     from jaxreshard import profiler
 
     check_outputs(args, {"json": None, "trace": None, "plot": PLOT_SUFFIXES})
+    if (args.checkpoint_every or args.resume) and not args.checkpoint:
+        flag = "--resume" if args.resume else "--checkpoint-every"
+        raise CommandError(f"{flag} needs --checkpoint DIR (the folder of the checkpoints)")
+    if args.checkpoint:
+        if args.compare_schedules or args.compare_resharding:
+            raise CommandError(
+                "--checkpoint saves one run's training state; it does not go with "
+                "--compare-schedules / --compare-resharding"
+            )
+        root = normalized(args.checkpoint)
+        if root.exists() and not root.is_dir():
+            raise CommandError(f"--checkpoint {args.checkpoint}: is a file; give a folder")
+        check_writable("--checkpoint", args.checkpoint, root)
     if args.compile_cache not in (None, "off"):
         cache_dir = normalized(args.compile_cache)
         if cache_dir.exists() and not cache_dir.is_dir():
@@ -80,8 +93,21 @@ def _profile(args: argparse.Namespace) -> int:
         json_path=args.json and normalized(args.json),
         trace_path=args.trace and normalized(args.trace),
         plot_path=args.plot and normalized(args.plot),
+        checkpoint=args.checkpoint and normalized(args.checkpoint),
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
     )
     return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value > 10**9:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step count from 1 to 10**9")
+    return value
 
 
 def _on_this_machines_cpu(pc) -> bool:
@@ -154,6 +180,25 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             help="also time signal-only steps (the bound with free transfers; local backend)",
         )
         out.add_argument("--no-progress", action="store_true", help="no progress bar")
+        ckpt = sub.add_argument_group("checkpoints (any layout can resume any other's)")
+        ckpt.add_argument(
+            "--checkpoint",
+            default=None,
+            metavar="DIR",
+            help="save the training state to DIR/step_<n> at the end (and every N steps)",
+        )
+        ckpt.add_argument(
+            "--checkpoint-every",
+            type=_positive,
+            default=None,
+            metavar="N",
+            help="also save every N training steps (warm-up included), asynchronously",
+        )
+        ckpt.add_argument(
+            "--resume",
+            action="store_true",
+            help="start from the newest checkpoint in --checkpoint DIR, in this run's layout",
+        )
         out.add_argument(
             "--compile-cache",
             default=None,

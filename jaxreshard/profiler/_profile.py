@@ -88,17 +88,37 @@ def run_profile(
     json_path: str | Path | None = None,
     trace_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train `pc`'s model for its warm-up and timed steps and return the profile
     (`jaxreshard-profile/1`); print it to `console` (a rich Console) if given, and write the
     JSON, the Chrome trace and the PNG of the median step's measured timeline if asked. With
-    `bound`, also time as many signal-only steps (local backend)."""
+    `bound`, also time as many signal-only steps (local backend). With `checkpoint` (a
+    folder), save the training state every `checkpoint_every` steps and at the end; with
+    `resume`, start from the newest checkpoint there (see [Note: run checkpoints])."""
+    from jaxreshard.profiler._checkpoints import RunCheckpoints
+
     pc = _emulating(pc)
     with runtime_for(pc) as runtime:
         session = Session(pc, runtime=runtime)
         if console is not None:
             for line in header_lines(pc):
                 console.print(line, highlight=False)
+        checkpoints = None
+        if checkpoint is not None:
+            checkpoints = RunCheckpoints(checkpoint, checkpoint_every, pc)
+            if resume:
+                with _status(console, "restoring the newest checkpoint"):
+                    step = checkpoints.resume(session)
+                if console is not None:
+                    console.print(
+                        f"resumed from step {step} ({checkpoints.restore_seconds:.2f} s)"
+                        if step is not None
+                        else f"--resume: no checkpoint in {checkpoints.root} yet; starting afresh"
+                    )
+            session.checkpoints = checkpoints
         with _status(console, "compiling and warming up"):
             session.warm_up()
         with _bar(console, progress, pc.run.steps * (2 if bound else 1)) as advance:
@@ -107,6 +127,15 @@ def run_profile(
                 run_steps([session], pc.run.steps, signal_only=True, on_step=advance)
         flops = session.flops_per_step()
         result = profile_json(session, flops)
+        if checkpoints is not None:
+            result["checkpoints"] = checkpoints.finish(session)
+            if console is not None:
+                last = result["checkpoints"]["saved"][-1]
+                console.print(
+                    f"checkpoint: {last['path']} (step {last['step']}; writing took "
+                    f"{last.get('seconds', 0.0):.2f} s, the step waited "
+                    f"{last['blocking_s']:.2f} s)"
+                )
         if console is not None:
             for table in summary_tables(result):
                 console.print(table)

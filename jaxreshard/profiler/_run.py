@@ -77,6 +77,19 @@ class Session:
         self.steps: list[StepRecord] = []
         self.signal_steps: list[StepRecord] = []
         self._next_batch = 0
+        self.checkpoints: Any = None  # a RunCheckpoints (`--checkpoint`), saving after steps
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps done (warm-up included, and those of the run it resumed)."""
+        return self._next_batch
+
+    def restore(self, path: Any, step: int) -> None:
+        """Take the training state of checkpoint `path` (saved after `step` steps, from any
+        layout), placed where this pipeline keeps it; the data stream goes on from `step`."""
+        target = self.pstep.placement(self.params, self.opt, self._peek_batch())[:2]
+        self.params, self.opt = jr.restore_checkpoint(path, target)
+        self._next_batch = step
 
     # -- stepping ---------------------------------------------------------------------------------
 
@@ -102,6 +115,8 @@ class Session:
             self._check_loss(float(np.asarray(loss)), f"warm-up step {i + 1}")
             if i == 0:
                 self.compile_seconds = time.perf_counter() - start
+            if self.checkpoints is not None:
+                self.checkpoints.after_step(self)
 
     def step(self, *, signal_only: bool = False) -> StepRecord:
         """One timed step (with `signal_only`, one bound step whose outputs are dropped)."""
@@ -115,6 +130,8 @@ class Session:
         if not signal_only:
             self._check_loss(value, f"timed step {len(self.steps) + 1}")
             self.params, self.opt = params, opt
+            if self.checkpoints is not None:
+                self.checkpoints.after_step(self)
         shifted = [dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events]
         record = StepRecord(seconds, value, sorted(shifted, key=lambda e: e.start))
         (self.signal_steps if signal_only else self.steps).append(record)

@@ -38,6 +38,7 @@ _EXPORTS = {
     "checkpoint_metadata": "jaxreshard.checkpoint",
     "CheckpointError": "jaxreshard.checkpoint",
     "PendingCheckpoint": "jaxreshard.checkpoint",
+    "train_elastic": "jaxreshard._elastic",
     "Cluster": "jaxreshard.comm",
     "VirtualMesh": "jaxreshard.comm",
     "VirtualSharding": "jaxreshard.comm",

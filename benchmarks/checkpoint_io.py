@@ -5,7 +5,7 @@ first axis: every host holds a quarter) on the Ray runtime's hosts (default 4 ho
 devices, started here). For each size:
 - **save**: `save_checkpoint` (synchronous: from the call until the directory is committed), and
   the bytes each host wrote (its /proc/self/io `wchar` across the save, its helper process
-  included, see `checkpoint/_writer.py`);
+  included, see `storage/_writer.py`);
 - **restore**: `restore_checkpoint` onto the same devices in reverse order (every host reads
   another host's quarter), and the bytes each host read;
 - **per-host save**: the same leaves each on one host's 2 devices, spread over the hosts (a

@@ -19,6 +19,7 @@ layout computes. Steps done after the last checkpoint are done again (at most
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +65,7 @@ def train_elastic(
         for every step trained, in order (a step redone after a failure appears again).
     """
     import jaxreshard as jr
-    from jaxreshard.profiler._checkpoints import latest, step_dir
+    from jaxreshard.checkpoint._format import latest_step, step_dir
     from jaxreshard.runtime.ray._wait import RuntimeBroken
 
     if checkpoint_every < 1 or num_steps < 0:
@@ -81,7 +82,7 @@ def train_elastic(
         runtime = jr.init(**{**options, "num_hosts": num_hosts})
         step_fn = layout(num_hosts)
         fresh = init_state()
-        found = latest(root)
+        found = latest_step(root)
         step = 0
         state: tuple[Any, ...] = tuple(fresh)
         if found is not None:
@@ -111,10 +112,9 @@ def train_elastic(
         except RuntimeBroken as e:
             failures += 1
             if pending is not None:
-                try:
+                # A save that died with the host leaves the one before it standing.
+                with contextlib.suppress(Exception):
                     pending.wait()
-                except Exception:  # the save died with the host: the one before stands
-                    pass
             if failures > max_failures:
                 raise
             dead = e.host

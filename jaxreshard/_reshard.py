@@ -96,9 +96,8 @@ def _is_target(t: Any) -> bool:
     """A leaf of `reshard`'s destination tree."""
     from jaxreshard.runtime.ray._remote import RemoteStruct
 
-    return (
-        isinstance(t, (jax.sharding.Sharding, jax.ShapeDtypeStruct, RemoteStruct))
-        or hasattr(t, "devices_indices_map")
+    return isinstance(t, (jax.sharding.Sharding, jax.ShapeDtypeStruct, RemoteStruct)) or hasattr(
+        t, "devices_indices_map"
     )
 
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard.checkpoint import _orbax
+from jaxreshard.storage import _orbax
 
 LAYERS, WIDTH, ROWS = 6, 16, 8
 OPT = optax.adamw(1e-2, weight_decay=0.01)
@@ -231,7 +231,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path):
         import os
         import numpy as np
         import jaxreshard as jr
-        from jaxreshard.checkpoint import _orbax
+        from jaxreshard.storage import _orbax
         real = _orbax.finish_write
         def die(checkpointer):
             real(checkpointer)   # the arrays are on disk, the index and the rename are not

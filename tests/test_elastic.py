@@ -1,6 +1,8 @@
 """Elastic training on Ray: a host dies mid-run, and `train_elastic` goes on on the survivors,
 in another layout, from the last checkpoint, with the loss of an uninterrupted run."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -26,8 +28,13 @@ def test_a_dead_host_resumes_on_the_survivors_from_the_last_checkpoint(ray_runti
         """4 hosts: 2 stages whose 1x4 meshes span 2 hosts each; 3 hosts: 3 stages of 1x2."""
         layouts.append(num_hosts)
         if num_hosts == 4:
-            return jr.parallelize(make_step((3,)), batch_argnums=2, config=config(
-                stage_mesh_shape=(1, 4), schedule="1f1b", num_micro_batches=2, backend="ray"))
+            return jr.parallelize(
+                make_step((3,)),
+                batch_argnums=2,
+                config=config(
+                    stage_mesh_shape=(1, 4), schedule="1f1b", num_micro_batches=2, backend="ray"
+                ),
+            )
         return jr.parallelize(make_step((2, 4)), batch_argnums=2, config=config(
             stage_mesh_shape=(1, 2), schedule="eager_1f1b", weight_delay=True,
             num_micro_batches=4, backend="ray"))  # fmt: skip
@@ -35,7 +42,12 @@ def test_a_dead_host_resumes_on_the_survivors_from_the_last_checkpoint(ray_runti
     killed = []
 
     def on_step(step, loss, runtime):
-        if step == 5 and not killed:  # after the checkpoint of step 4
+        if step == 5 and not killed:  # once the checkpoint of step 4 is committed
+            index = tmp_path / "ckpt" / "step_00000004" / "jaxreshard.json"
+            deadline = time.monotonic() + 120
+            while not index.exists():
+                assert time.monotonic() < deadline, "the step-4 checkpoint was never committed"
+                time.sleep(0.05)
             killed.append(step)
             ray.kill(runtime.actors[3], no_restart=True)
 

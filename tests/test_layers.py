@@ -11,11 +11,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxreshard"
 # Bottom to top; a unit is a subpackage or a module at the package root.
 LAYERS = [
     {"_jax_compat", "_lazy", "_machine", "_files", "_tracebacks"},
-    {"comm", "cluster"},
+    {"comm", "cluster", "storage"},
     {"pipeline"},
     {"frontend"},
     {"runtime"},
-    {"_parallelize", "_reshard", "_state", "bench", "__init__"},
+    {"_parallelize", "_reshard", "_state", "bench", "checkpoint", "_elastic", "__init__"},
     {"models", "profiler"},
     {"cli", "__main__"},
 ]

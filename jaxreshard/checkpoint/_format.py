@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping, Sequence
@@ -265,3 +266,23 @@ def dtype_name(dtype: Any) -> str:
     import jax.numpy as jnp
 
     return jnp.dtype(dtype).name
+
+
+STEP_NAME = re.compile(r"step_(\d{8})")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Where a run keeps its checkpoint of step `step` (`root/step_<8 digits>`)."""
+    return root / f"step_{step:08d}"
+
+
+def latest_step(root: Path) -> tuple[int, Path] | None:
+    """The newest complete step checkpoint under `root` (one with an index), or None."""
+    if not root.is_dir():
+        return None
+    found = []
+    for path in root.iterdir():
+        m = STEP_NAME.fullmatch(path.name)
+        if m and (path / INDEX).is_file():
+            found.append((int(m.group(1)), path))
+    return max(found) if found else None

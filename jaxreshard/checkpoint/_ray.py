@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxreshard.checkpoint import _orbax
 from jaxreshard.checkpoint._format import PARTS, Index, LeafRecord, dtype_name
-from jaxreshard.checkpoint._host import LeafPlace
+from jaxreshard.storage import _orbax
+from jaxreshard.storage._host import LeafPlace
 
 DRIVER_PART = "driver"
 
@@ -68,29 +68,62 @@ def start_parts(staged: Path, paths: list[str], leaves: list[Any]) -> tuple[list
         records.append(LeafRecord(path, tuple(np.shape(x)), dtype_name(x.dtype), part))
     root = staged / PARTS
     root.mkdir(parents=True)
+    io: dict[int, dict[str, Any]] = {}
+    # Parts of hosts that run a stage together are written one at a time, whole (their hosts
+    # meet at Orbax's barriers; two such saves at once have hung at them), before the others.
+    single: dict[int, dict[str, list[LeafPlace]]] = {}
+    multi: dict[str, dict[int, list[LeafPlace]]] = {}
+    for h, parts in by_host.items():
+        for part, places in parts.items():
+            if "-" in part:
+                multi.setdefault(part, {})[h] = places
+            else:
+                single.setdefault(h, {})[part] = places
+    for part in sorted(multi):
+        token = secrets.token_hex(6)
+        hosts = multi[part]
+        what = f"writing checkpoint part {part}"
+        runtime._wait(
+            {
+                h: runtime.actors[h].checkpoint_start_write.remote(token, {part: places}, str(root))
+                for h, places in hosts.items()
+            },
+            what,
+        )
+        done = runtime._wait(
+            {h: runtime.actors[h].checkpoint_finish_write.remote(token) for h in hosts}, what
+        )
+        _add_io(io, done)
     token = secrets.token_hex(6)
-    started = runtime._wait(
+    runtime._wait(
         {
             h: runtime.actors[h].checkpoint_start_write.remote(token, parts, str(root))
-            for h, parts in by_host.items()
+            for h, parts in single.items()
         },
         "copying the checkpoint's shards off the devices",
     )
-    del started
     checkpointer = _orbax.start_write(str(root / DRIVER_PART), driver) if driver else None
 
     def finish() -> None:
         try:
             done = runtime._wait(
-                {h: runtime.actors[h].checkpoint_finish_write.remote(token) for h in by_host},
+                {h: runtime.actors[h].checkpoint_finish_write.remote(token) for h in single},
                 "writing the checkpoint's shards",
             )
-            last_io["save"] = dict(done)
+            _add_io(io, done)
+            last_io["save"] = io
         finally:
             if checkpointer is not None:
                 _orbax.finish_write(checkpointer)
 
     return records, finish
+
+
+def _add_io(total: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]) -> None:
+    for h, io in done.items():
+        mine = total.setdefault(h, {})
+        for k, v in io.items():
+            mine[k] = mine.get(k, 0) + v
 
 
 def read_remote(
@@ -116,7 +149,7 @@ def read_remote(
     by_path = {r.path: (n, r) for n, r in enumerate(index.leaves)}
     # Per host, per source (a part, or the whole tree): position in the source's skeleton ->
     # (LeafPlace, new array id).
-    calls: dict[int, dict[str, tuple[Any, dict[int, LeafPlace], dict[int, str]]]] = {}
+    calls: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}  # (host, its group) -> ...
     out: dict[int, Any] = {}
     whole_skeleton = jax.tree.unflatten(treedef, [0] * len(structs))
     part_keys: dict[str, list[str]] = {}
@@ -135,16 +168,28 @@ def read_remote(
             source = f"{PARTS}/{record.part}"
             skeleton = {k: 0 for k in keys}
             position = sorted(keys).index(place.key)  # a dict flattens in sorted key order
-        for h in _hosts(s.sharding):
-            entry = calls.setdefault(h, {}).setdefault(source, (skeleton, {}, {}))
+        group = _hosts(s.sharding)
+        for h in group:
+            entry = calls.setdefault((h, group), {}).setdefault(source, (skeleton, {}, {}))
             entry[1][position] = place
             entry[2][position] = array_id
         out[i] = RemoteArray(runtime, array_id, s.shape, s.dtype, s.sharding)
-    refs = {
-        h: runtime.actors[h].checkpoint_read.remote(
-            {str(directory / source): entry for source, entry in sources.items()}
-        )
-        for h, sources in calls.items()
-    }
-    last_io["restore"] = dict(runtime._wait(refs, f"reading checkpoint {directory}"))
+    # Leaves whose target spans hosts are read by those hosts together (Orbax's multi-process
+    # restore), one group at a time after the rest, as parts are written (see `start_parts`).
+    waves: list[dict[int, dict[str, Any]]] = [{}]
+    groups: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
+    for (h, group), sources in calls.items():
+        wave = waves[0] if len(group) == 1 else groups.setdefault(group, {})
+        wave[h] = sources
+    waves += [groups[g] for g in sorted(groups)]
+    io: dict[int, dict[str, Any]] = {}
+    for wave in waves:
+        refs = {
+            h: runtime.actors[h].checkpoint_read.remote(
+                {str(directory / source): entry for source, entry in sources.items()}
+            )
+            for h, sources in wave.items()
+        }
+        _add_io(io, runtime._wait(refs, f"reading checkpoint {directory}"))
+    last_io["restore"] = io
     return out

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 
 from jaxreshard._tracebacks import api_boundary
-from jaxreshard.checkpoint import _orbax
 from jaxreshard.checkpoint._format import PARTS, Index, check_target_leaves, read_index
 from jaxreshard.checkpoint._save import _check_directory
+from jaxreshard.storage import _orbax
 
 
 @api_boundary

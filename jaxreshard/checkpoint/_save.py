@@ -12,7 +12,6 @@ from typing import Any
 import jax
 
 from jaxreshard._tracebacks import api_boundary
-from jaxreshard.checkpoint import _orbax
 from jaxreshard.checkpoint._format import (
     Index,
     LeafRecord,
@@ -22,6 +21,7 @@ from jaxreshard.checkpoint._format import (
     staging_dir,
     write_index,
 )
+from jaxreshard.storage import _orbax
 
 
 class PendingCheckpoint:

@@ -13,32 +13,15 @@ the step). The steps a resumed run performs are its warm-up and timed steps, as 
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import jaxreshard as jr
+from jaxreshard.checkpoint._format import STEP_NAME, latest_step, step_dir
 
 KEEP = 2
-_NAME = re.compile(r"step_(\d{8})")
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def latest(root: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under `root` (one with an index), or None."""
-    if not root.is_dir():
-        return None
-    found = []
-    for path in root.iterdir():
-        m = _NAME.fullmatch(path.name)
-        if m and (path / "jaxreshard.json").is_file():
-            found.append((int(m.group(1)), path))
-    return max(found) if found else None
 
 
 class RunCheckpoints:
@@ -60,7 +43,7 @@ class RunCheckpoints:
 
     def resume(self, session: Any) -> int | None:
         """Restore the newest checkpoint into `session`'s layout; the step it was at."""
-        found = latest(self.root)
+        found = latest_step(self.root)
         if found is None:
             return None
         step, path = found
@@ -115,7 +98,7 @@ class RunCheckpoints:
         done = sorted(
             (int(m.group(1)), p)
             for p in self.root.iterdir()
-            if (m := _NAME.fullmatch(p.name)) and (p / "jaxreshard.json").is_file()
+            if (m := STEP_NAME.fullmatch(p.name)) and (p / "jaxreshard.json").is_file()
         )
         for _, path in done[:-KEEP]:
             shutil.rmtree(path, ignore_errors=True)

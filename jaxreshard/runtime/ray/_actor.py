@@ -235,22 +235,22 @@ class HostActor(NaiveBaseline):
                 f"host {self.host} holds no array {array_id!r} (freed, or never put here)"
             ) from None
 
-    # -- checkpoints (jaxreshard/checkpoint/_host.py) ------------------------------------------
+    # -- checkpoints (jaxreshard/storage/_host.py) ---------------------------------------------
 
     def checkpoint_start_write(self, token: str, parts: Any, root: str) -> dict[str, Any]:
-        from jaxreshard.checkpoint import _host
+        from jaxreshard.storage import _host
 
         return _host.start_write(self, token, parts, root)
 
     def checkpoint_finish_write(self, token: str) -> dict[str, Any]:
-        from jaxreshard.checkpoint import _host
+        from jaxreshard.storage import _host
 
         return _host.finish_write(self, token)
 
     def checkpoint_read(self, sources: Any) -> dict[str, Any]:
         """Read each source's leaves (path -> (skeleton, places, new ids)); report the bytes
         and time."""
-        from jaxreshard.checkpoint import _host
+        from jaxreshard.storage import _host
 
         total = {"read_bytes": 0, "seconds": 0.0}
         for path in sorted(sources):

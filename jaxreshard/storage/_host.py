@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxreshard.checkpoint import _orbax, _writer
+from jaxreshard.storage import _orbax, _writer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ outside the distributed runtime, which writes them as an ordinary Orbax checkpoi
 the folder. Nothing goes through the driver; the cost is the helper's start-up (about a second)
 and one copy into memory.
 
-Usage: python -m jaxreshard.checkpoint._writer SOURCE_DIR DEST_DIR
+Usage: python -m jaxreshard.storage._writer SOURCE_DIR DEST_DIR
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def start(source: Path, dest: str) -> subprocess.Popen[bytes]:
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxreshard.checkpoint._writer", str(source), dest],
+        [sys.executable, "-m", "jaxreshard.storage._writer", str(source), dest],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -91,13 +91,13 @@ def main(argv: list[str]) -> int:
     source, dest = Path(argv[0]), argv[1]
     import jax.numpy as jnp
 
-    from jaxreshard.checkpoint import _orbax
+    from jaxreshard.storage import _orbax
 
     tree: dict[str, Any] = {}
     for path in sorted(source.glob("*.npy")):
         key, dtype = path.stem.rsplit("__", 1)
         tree[key] = np.load(path, allow_pickle=False).view(jnp.dtype(dtype))
-    from jaxreshard.checkpoint._host import io_bytes
+    from jaxreshard.storage._host import io_bytes
 
     read0, written0 = io_bytes()
     _orbax.write(dest, tree)

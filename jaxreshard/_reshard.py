@@ -56,7 +56,9 @@ def reshard(
     from jaxreshard.runtime.ray._remote import RemoteArray
 
     check_strategy(strategy)
-    if isinstance(x, (jax.Array, RemoteArray, jax.core.Tracer)):
+    if isinstance(x, (jax.Array, RemoteArray, jax.core.Tracer)) or jax.tree_util.treedef_is_leaf(
+        jax.tree.structure(x, is_leaf=lambda v: isinstance(v, RemoteArray))
+    ):
         return _reshard_one(x, _sharding_of(dst_sharding), strategy, cluster)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         x, is_leaf=lambda v: isinstance(v, RemoteArray)
@@ -121,10 +123,6 @@ def _reshard_one(x: Any, dst_sharding: Any, strategy: str, cluster: Cluster | No
     if isinstance(x, RemoteArray):
         if x.sharding == dst_sharding:
             return x
-        if set(x.sharding.device_set) & set(dst_sharding.device_set):
-            # Overlapping device sets on the hosts: no cross-mesh plan applies; the array goes
-            # through the driver (a copy of the whole array; rare: layouts that share devices).
-            return x.runtime.put(x.fetch(), dst_sharding)
         return x.runtime.reshard(x, dst_sharding, strategy=strategy)
     if isinstance(x, jax.core.Tracer):
         raise TypeError(

@@ -306,3 +306,76 @@ def test_a_cpu_runtime_joined_for_nothing_says_what_it_costs(ray_runtime):
         warnings.simplefilter("always")
         jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,)).plan(make_params(2), batch)
     assert not [w for w in again if issubclass(w.category, DistributedCostWarning)]
+
+
+# Checkpoints on the Ray hosts (here rather than in test_checkpoint.py: the shared Ray runtime
+# starts first where the Ray tests have always started it).
+import os  # noqa: E402
+
+import test_checkpoint as ck  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from test_checkpoint import saved  # noqa: E402, F401, F811  (the fixture)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_hosts_write_and_read_their_own_shares(ray_runtime, saved, tmp_path):  # noqa: F811
+    """On 4 Ray hosts x 2 devices: a local checkpoint restored onto 2 stages that span hosts
+    (1x4 meshes), trained, saved by the hosts (each stage's two hosts write their part
+    together), and restored as 2x2 stages and into jax.jit; every host reads and writes only
+    its share."""
+    from jaxreshard.checkpoint import _ray
+
+    directory, losses = saved
+    params = ck.init_params()
+    wide = jr.parallelize(
+        ck.make_step((3,)),
+        batch_argnums=2,
+        config=ck.config(
+            stage_mesh_shape=(1, 4), schedule="1f1b", num_micro_batches=2, backend="ray"
+        ),
+    )
+    target = wide.placement(params, ck.OPT.init(params), ck.batches()[0])[:2]
+    assert isinstance(jax.tree.leaves(target)[0], jr.RemoteStruct)
+    state = jr.restore_checkpoint(directory, target)
+    assert jax.tree.leaves(state)[0].sharding == jax.tree.leaves(target)[0].sharding
+    *state, loss = wide(*state, ck.batches()[2])
+    ray_dir = tmp_path / "ray"
+    jr.save_checkpoint(ray_dir, tuple(state), metadata={"step": 3})
+    assert sorted(os.listdir(ray_dir / "parts")) == ["host0-1", "host2-3"]
+    wrote = {h: io["written_bytes"] for h, io in _ray.last_io["save"].items()}
+    assert sorted(wrote) == [0, 1, 2, 3]
+    square = jr.parallelize(
+        ck.make_step((3,)),
+        batch_argnums=2,
+        config=ck.config(
+            stage_mesh_shape=(2, 2), schedule="1f1b", num_micro_batches=2, backend="ray"
+        ),
+    )
+    target = square.placement(params, ck.OPT.init(params), ck.batches()[0])[:2]
+    restored = jr.restore_checkpoint(ray_dir, target)
+    *_, last = square(*restored, ck.batches()[3])
+    np.testing.assert_allclose([*losses, float(loss), float(last)], ck.reference_losses(),
+                               rtol=1e-5)  # fmt: skip
+    assert sorted(_ray.last_io["restore"]) == [0, 1, 2, 3]
+    into_jit = jr.restore_checkpoint(ray_dir, ck.structs((params, ck.OPT.init(params))))
+    _, _, more = ck.train(ck.REF, *into_jit, ck.batches()[3:])
+    np.testing.assert_allclose(more[0], float(last), rtol=1e-5)
+    wide.close()
+    square.close()
+    # Shares, measured: a 4 MiB array over all 8 devices (2 per host) is written about a quarter
+    # by each host, and read back a quarter each onto the devices in reverse order.
+    rt = ray_runtime
+    n = 2**20
+    value = np.random.default_rng(0).standard_normal(n).astype(np.float32)  # (incompressible)
+    big = rt.put(value, rt.sharding(rt.mesh((8,), ("x",)), P("x")))
+    jr.save_checkpoint(tmp_path / "big", {"big": big})
+    share = {h: io["written_bytes"] / (4 * n) for h, io in _ray.last_io["save"].items()}
+    assert sorted(share) == [0, 1, 2, 3] and all(0.2 < f < 0.4 for f in share.values()), share
+    backwards = rt.sharding(rt.mesh((8,), ("x",), devices=list(range(8))[::-1]), P("x"))
+    back = jr.restore_checkpoint(
+        tmp_path / "big", {"big": jr.RemoteStruct((n,), np.float32, backwards)}
+    )
+    share = {h: io["read_bytes"] / (4 * n) for h, io in _ray.last_io["restore"].items()}
+    assert sorted(share) == [0, 1, 2, 3] and all(0.2 < f < 0.4 for f in share.values()), share
+    np.testing.assert_array_equal(back["big"].fetch(), value)

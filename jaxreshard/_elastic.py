@@ -5,8 +5,10 @@ The loop trains `num_steps` steps, saving the state every `checkpoint_every` ste
 (asynchronously: the next steps run while the files are written). When a host dies
 (`RuntimeBroken`), it:
 1. lets the save in flight finish or fail (a failed save leaves the previous checkpoint);
-2. shuts the runtime down and starts one on the hosts that are left (`num_hosts - 1` for the
-   local Ray cluster `init` starts; the `hosts_after_failure` callback may choose otherwise);
+2. shuts the runtime down and starts one on the hosts that are left: `num_hosts - 1` for the
+   local Ray cluster `init` starts; on a cluster (`address=`), once Ray has marked the dead
+   node dead (its missed health checks), the first live nodes; the `hosts_after_failure`
+   callback may choose otherwise;
 3. asks `layout(num_hosts)` for the step to run there: fewer stages or smaller meshes, any
    schedule; the user's function places `jr.stage_boundary` as it likes;
 4. restores the newest checkpoint into that step's placement (`restore_checkpoint`, which reads
@@ -41,6 +43,7 @@ def train_elastic(
     max_failures: int = 3,
     hosts_after_failure: Callable[[int, int | None], int] | None = None,
     on_step: Callable[[int, float, Any], None] | None = None,
+    node_timeout_s: float = 300.0,
 ) -> tuple[tuple[Any, ...], list[tuple[int, float, int]]]:
     """Train on a Ray runtime, resuming on the surviving hosts when one dies.
 
@@ -59,6 +62,9 @@ def train_elastic(
         hosts_after_failure: `(num_hosts, dead_host) -> hosts to restart on`; default: one
             fewer.
         on_step: called after each step with `(step, loss, runtime)` (e.g. to log).
+        node_timeout_s: on a cluster (`init_options["address"]`), how long to wait for Ray to
+            mark the dead host's node dead (its missed health checks) before starting again on
+            the live nodes; a `TimeoutError` after it.
 
     Returns:
         The final state (`RemoteArray`s on the last runtime), and `(step, loss, num_hosts)`
@@ -118,11 +124,50 @@ def train_elastic(
             if failures > max_failures:
                 raise
             dead = e.host
+            address = options.get("address")
+            alive = None
+            if address is not None:  # a cluster: start again once Ray has dropped the host
+                # (asked over this runtime's connection, before `shutdown` ends it: one
+                # disconnect and connect fewer)
+                alive = _wait_for_fewer_hosts(address, num_hosts, node_timeout_s)
             jr.shutdown()
             num_hosts = (
                 hosts_after_failure(num_hosts, dead)
                 if hosts_after_failure is not None
                 else num_hosts - 1
+                if alive is None
+                else min(num_hosts - 1, alive)
             )
             if num_hosts < 1:
                 raise
+
+
+def _wait_for_fewer_hosts(address: str, num_hosts: int, timeout_s: float) -> int:
+    """Wait until the Ray cluster at `address` has fewer live host nodes than `num_hosts` (a
+    killed machine is dropped after its missed health checks); return how many it has."""
+    import time
+
+    import ray
+
+    from jaxreshard.runtime.ray._start import _host_nodes, join_ray
+
+    joined = not ray.is_initialized()
+    if joined:
+        join_ray(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            alive = len(_host_nodes([n for n in ray.nodes() if n["Alive"]]))
+            if alive < num_hosts:
+                return alive
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"train_elastic: a host of the cluster at {address} failed, but after "
+                    f"{timeout_s:.0f} s Ray still counts {alive} live host nodes (of "
+                    f"{num_hosts}); the failure did not take a node down. Restart the failed "
+                    "node's Ray, or raise node_timeout_s"
+                )
+            time.sleep(1.0)
+    finally:
+        if joined:
+            ray.shutdown()

@@ -7,6 +7,7 @@ takes it down and checks that nothing is left.
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -271,6 +272,37 @@ def test_a_profiles_measured_transfer_time_is_the_wires(cluster):
         assert act["measured_seconds"] < 20 * wire + 1.0
     finally:
         jaxreshard.shutdown()
+
+
+def test_a_host_that_loses_power_is_survived_by_train_elastic(cluster, tmp_path):
+    """Host 3 loses power (every process in its namespace SIGKILLed) after step 5: the driver's
+    `train_elastic` waits until Ray drops its node, starts again on hosts 0-2 as 3 stages (from
+    2 stages whose meshes spanned 2 hosts each), restores the newest checkpoint (written by the
+    hosts, each stage's pair together) into that layout, and every loss equals jax.jit's; then
+    a 48 MiB checkpoint on the 3 hosts is written and read a third by each. The driver is
+    `benchmarks/elastic_emulated.py` in a process of its own (see its `child`). It kills a host
+    of the module's cluster: it runs last before `down`."""
+    out = tmp_path / "elastic.json"
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "elastic_emulated.py"
+    command = [sys.executable, str(script), "--child", cluster.address, "--name", NAME,
+               "--steps", "8", "--child-json", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    data = json.loads(out.read_text())
+    assert data["layouts"] == [4, 3]
+    history = data["history"]
+    resumed = next(i for i, (_, _, hosts) in enumerate(history) if hosts == 3)
+    first = history[resumed][0]
+    assert first in (5, 7)  # from the step-4 or the step-6 checkpoint
+    assert [s for s, _, _ in history[resumed:]] == list(range(first, 9))
+    want = data["jit_losses"]
+    np.testing.assert_allclose([x for _, x, _ in history], [want[s - 1] for s, _, _ in history],
+                               rtol=1e-5)  # fmt: skip
+    c = data["checkpoint"]
+    state = c["mib"] * 2**20
+    for bytes_by_host in (c["written_bytes"], c["read_bytes"]):
+        assert sorted(bytes_by_host) == ["0", "1", "2"]
+        assert all(0.25 < n / state < 0.4 for n in bytes_by_host.values()), bytes_by_host
 
 
 def test_down_leaves_no_namespace_link_or_ray_process(cluster):

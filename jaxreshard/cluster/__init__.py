@@ -17,6 +17,7 @@ _EXPORTS = {
     "down": "jaxreshard.cluster._emulated",
     "down_all": "jaxreshard.cluster._emulated",
     "status": "jaxreshard.cluster._emulated",
+    "kill_host": "jaxreshard.cluster._emulated",
     "emulated": "jaxreshard.cluster._emulated",
     "measure_tcp": "jaxreshard.cluster._tcp",
 }

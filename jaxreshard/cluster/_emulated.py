@@ -196,6 +196,25 @@ def emulated(
         down(name)
 
 
+def kill_host(host: int, name: str = DEFAULT_NAME) -> list[int]:
+    """Kill every process of emulated host `host` at once with SIGKILL (its Ray node, its host
+    actor, their children), as a machine that loses power: nothing of it says goodbye, and Ray
+    learns of it by its missed health checks. The namespace and links stay until `down`.
+    Returns the pids killed."""
+    _netns.require()
+    name = _netns.check_name(name)
+    if not isinstance(host, int) or host < 0:
+        raise ValueError(f"kill_host(host={host!r}): a host number (0, 1, ...)")
+    namespace = _netns.host_names(name, f"h{host}")[0]
+    if namespace not in _netns.namespaces(_netns.names(name)[1]):
+        raise ValueError(f"kill_host: cluster {name!r} has no host {host} ({namespace})")
+    pids = _netns.pids_in(namespace)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    return pids
+
+
 def status(name: str | None = None) -> list[dict[str, Any]]:
     """Every known cluster (or `name`): its description, and per node whether its namespace and
     raylet are up and what its NIC has carried (`tc` counters)."""

@@ -75,13 +75,22 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="a Ray cluster (e.g. `jaxreshard cluster up`'s) instead of local host actors",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     folder = Path(args.folder or tempfile.mkdtemp(prefix="jaxreshard-ckpt-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    rt = jr.init(backend="ray", num_hosts=args.hosts, devices_per_host=2, timeout_s=600)
+    if args.address:
+        rt = jr.init(backend="ray", address=args.address, num_hosts=args.hosts, timeout_s=600)
+    else:
+        rt = jr.init(backend="ray", num_hosts=args.hosts, devices_per_host=2, timeout_s=600)
+    nic = rt.cluster.inter_host_gbytes_per_s if args.address else None
     n = 2 * args.hosts
     here = NamedSharding(jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                        devices=jax.devices()[:n]), P("x"))  # fmt: skip
@@ -148,6 +157,9 @@ def main() -> None:
             "read_mib_per_host": {h: statistics.median(v) / 2**20 for h, v in read.items()},
             "disk_gb_s": rate / 1e9,
             "bound_s": nbytes / rate,
+            # What a host's share would take through its NIC, were the folder across the links
+            # (on one machine it is not: see the docstring).
+            "nic_share_s": nbytes / args.hosts / (nic * 1e9) if nic else None,
         }
         rows.append(row)
         for x in [*remote.values(), *spread.values()]:
@@ -166,6 +178,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "benchmark": "checkpoint_io", "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "hosts": args.hosts,
+            "address": args.address, "nic_gbytes_per_s": nic,
             "devices_per_host": 2, "jax": jax.__version__, "rows": rows,
         }, indent=1))  # fmt: skip
         print(f"wrote {args.out}")

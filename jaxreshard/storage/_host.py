@@ -119,12 +119,12 @@ def _checkpointer(processes: Sequence[int], asynchronous: bool, barrier_key: str
 class _HelperWrite:
     """A part being written by a helper process (see `_writer.py`)."""
 
-    process: Any
+    job: Any  # a Future of the helper's (bytes read, bytes written)
     source: Any
     dest: str
 
     def finish(self) -> tuple[int, int]:
-        return _writer.finish(self.process, self.source, self.dest)
+        return _writer.finish(self.job, self.source, self.dest)
 
 
 def start_write(
@@ -179,9 +179,7 @@ def drop_write(actor: Any, token: str) -> None:
     if entry is not None:
         for checkpointer in entry[0]:
             try:
-                if isinstance(checkpointer, _HelperWrite):
-                    checkpointer.process.kill()
-                else:
+                if not isinstance(checkpointer, _HelperWrite):  # (the helper's job runs out)
                     checkpointer.close()
             except Exception:
                 pass

@@ -14,6 +14,7 @@ _EXPORTS = {
     "parallelize": "jaxreshard._parallelize",
     "PipelineConfig": "jaxreshard.runtime._config",
     "stage_boundary": "jaxreshard.frontend",
+    "stage_candidate": "jaxreshard.frontend",
     "grad": "jaxreshard.frontend",
     "value_and_grad": "jaxreshard.frontend",
     "filter_grad": "jaxreshard.frontend",

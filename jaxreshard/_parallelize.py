@@ -159,6 +159,7 @@ class _Entry:
     pipeline: Any  # LocalPipeline or RayPipeline
     in_tree: Any
     outputs: StepOutputs
+    partition: Any = None  # the PartitionReport of partition="auto"
 
 
 # Compiles of one argument structure that differ only in static leaves before a warning.
@@ -384,19 +385,29 @@ class Parallelized:
         runtime = current_runtime() if self.config.backend != "local" else None
         on_ray = runtime is not None and runtime.backend == "ray"
         trace_mesh, input_specs = self._trace_mesh(leaves, batch_leaves, on_ray)
-        graph, outputs = trace_step(
-            self.fun,
-            in_tree,
-            leaves,
-            batch_leaves,
-            self.config.num_micro_batches,
-            trace_mesh,
-            self.config.num_stages,
-            input_specs,
-            static=static,
-            loss_reduction=self.config.loss_reduction,
-            donated=donated,
-        )
+        config, partition = self.config, None
+
+        def trace(cuts: Any, expected: int | None, candidates: Any = None) -> Any:
+            return trace_step(
+                self.fun,
+                in_tree,
+                leaves,
+                batch_leaves,
+                config.num_micro_batches,
+                trace_mesh,
+                expected,
+                input_specs,
+                static=static,
+                loss_reduction=config.loss_reduction,
+                donated=donated,
+                cuts=cuts,
+                candidates=candidates,
+            )
+
+        if config.partition == "auto" and config.cuts is None:
+            partition = self._partition(trace, on_ray)
+            config = dataclasses.replace(config, cuts=partition.chosen)
+        graph, outputs = trace(config.cuts, config.num_stages)
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
             raise RuntimeError(
                 "PipelineConfig(backend='ray') but no Ray runtime is running; call "
@@ -413,7 +424,7 @@ class Parallelized:
             pipeline = RayPipeline(
                 runtime,
                 self.fun,
-                self.config,
+                config,
                 graph,
                 in_tree,
                 leaves,
@@ -422,17 +433,46 @@ class Parallelized:
                 static,
                 recorded,
             )
-            return _Entry(graph, pipeline, in_tree, outputs)
+            return _Entry(graph, pipeline, in_tree, outputs, partition)
+        meshes, cluster = self._local_meshes(graph.num_stages)
+        compiled = compile_local(graph, config, list(meshes), leaves, cluster, recorded)
+        return _Entry(graph, LocalPipeline(compiled), in_tree, outputs, partition)
+
+    def _local_meshes(self, num_stages: int) -> tuple[list[Any], Cluster]:
+        """The stage meshes of a step of `num_stages` stages on this process's devices, and
+        the planner's cluster model of them."""
         if self.meshes is not None:
-            check_meshes(self.meshes, self.config.num_meshes(graph.num_stages))
-            meshes = self.meshes
+            check_meshes(self.meshes, self.config.num_meshes(num_stages))
+            meshes = list(self.meshes)
         else:
-            num_meshes = self.config.num_meshes(graph.num_stages)
+            num_meshes = self.config.num_meshes(num_stages)
             meshes = stage_meshes(self.config, num_meshes, jax.devices())
         devices = [d for mesh in meshes for d in mesh.devices.flat]
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
-        compiled = compile_local(graph, self.config, list(meshes), leaves, cluster, recorded)
-        return _Entry(graph, LocalPipeline(compiled), in_tree, outputs)
+        return meshes, cluster
+
+    def _partition(self, trace: Callable[..., Any], on_ray: bool) -> Any:
+        """Choose the `stage_candidate` cuts (see [Note: automatic partitioning])."""
+        from jaxreshard.runtime.step._partition import choose_cuts
+
+        if on_ray:
+            raise ValueError(
+                "PipelineConfig(partition='auto') chooses cuts on the local runtime so far: "
+                "run the step there once (train_step.plan(...) shows the choice), then pass "
+                "the chosen cuts=(...) on Ray"
+            )
+        found: list[Any] = []
+        graph_all, _ = trace("all", None, found)
+        assert self.config.num_stages is not None
+        meshes, cluster = self._local_meshes(self.config.num_stages)
+        gbps = self.config.emulate_network_gbps
+        if gbps is not None:  # the links the steps will see
+            devices = [d for mesh in meshes for d in mesh.devices.flat]
+            cluster = Cluster.from_devices(
+                devices, devices_per_host=self.config.devices_per_host,
+                inter_host_gbytes_per_s=gbps,
+            )  # fmt: skip
+        return choose_cuts(graph_all, found[1], self.config, meshes, cluster)
 
     def _trace_mesh(
         self, leaves: list[Any], batch_leaves: list[int], on_ray: bool
@@ -499,7 +539,7 @@ class Parallelized:
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it."""
         entry, _ = self._entry(args)
-        return PipelinePlan(entry.graph, entry.pipeline)
+        return PipelinePlan(entry.graph, entry.pipeline, entry.partition)
 
     @api_boundary
     def placement(self, *args: Any) -> tuple[Any, ...]:
@@ -632,6 +672,9 @@ class PipelinePlan:
 
     graph: StepGraph
     pipeline: Any  # LocalPipeline or RayPipeline
+    # partition="auto": the measured segments and cuts, every choice's predicted step, and the
+    # choice (see [Note: automatic partitioning] in runtime/step/_partition.py).
+    partition: Any = None
 
     @property
     def layout(self) -> Any:
@@ -687,6 +730,8 @@ class PipelinePlan:
     def __str__(self) -> str:
         g, layout = self.graph, self.layout
         lines = [f"pipeline: {self.summary()}"]
+        if self.partition is not None:
+            lines.append(self.partition.summary())
         for s, mesh in enumerate(self.meshes):
             stage = g.loss.stages[s]
             ids = [d.id for d in mesh.devices.flat]

@@ -314,7 +314,7 @@ import os  # noqa: E402
 
 import test_checkpoint as ck  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from test_checkpoint import saved  # noqa: E402, F401, F811  (the fixture)
+from test_checkpoint import saved  # noqa: E402, F401  (the fixture)
 
 
 @pytest.mark.ray

@@ -6,6 +6,7 @@ from jaxreshard.frontend._markers import filter_grad as filter_grad
 from jaxreshard.frontend._markers import filter_value_and_grad as filter_value_and_grad
 from jaxreshard.frontend._markers import grad as grad
 from jaxreshard.frontend._markers import stage_boundary as stage_boundary
+from jaxreshard.frontend._markers import stage_candidate as stage_candidate
 from jaxreshard.frontend._markers import value_and_grad as value_and_grad
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "filter_value_and_grad",
     "grad",
     "stage_boundary",
+    "stage_candidate",
     "value_and_grad",
 ]

@@ -77,10 +77,82 @@ def stage_boundary(x: Any) -> Any:
     the second stage 1, and so on. Outside `jaxreshard.parallelize` this is the identity (also
     under `jax.jit`, `jax.grad` and `jax.vmap`).
     """
+    return _boundary(x, "forced")
+
+
+def _boundary(x: Any, kind: Any) -> Any:
+    """Bind the marker on `x`'s leaves; record `kind` ("forced", or a candidate's number) while
+    candidates are being chosen (see [Note: candidate cuts])."""
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         return x
+    order = getattr(_state, "order", None)
+    if getattr(_state, "cuts", None) is not None and order is not None:
+        order.append(kind)
     return jax.tree.unflatten(treedef, stage_boundary_p.bind(*leaves, transposed=False))
+
+
+# -- stage_candidate ----------------------------------------------------------------------------
+
+# [Note: candidate cuts]
+# `stage_candidate(x)` marks where a stage *may* end. It is the identity, except while
+# `parallelize` traces a step with a choice of cuts (`candidate_cuts`): then the candidates whose
+# number (in the order the loss reaches them, from 0, counted afresh in every trace) is chosen
+# become `stage_boundary` markers and the others stay the identity. The choice comes from
+# `PipelineConfig(cuts=...)`, or from the automatic partitioner (`partition="auto"`), which
+# first traces with every candidate chosen to cost each segment and each cut
+# (`runtime/step/_partition.py`). A Python-level marker, not a primitive: the loss is traced
+# afresh for every choice, so nothing of an unchosen candidate reaches the jaxpr.
+
+
+def stage_candidate(x: Any) -> Any:
+    """Mark where a pipeline stage *may* end: return `x` (any pytree of arrays) unchanged.
+
+    `PipelineConfig(partition="auto", num_stages=S)` chooses S - 1 of the candidates as stage
+    boundaries by the simulated step time (each segment's measured compute, each cut's transfer
+    under the cluster model); `PipelineConfig(cuts=(i, j))` chooses candidates `i` and `j`
+    (numbered from 0 in the order the loss reaches them). `jr.stage_boundary` stays a forced
+    cut. Outside such a step this is the identity (also under `jax.jit` and `jax.grad`).
+    """
+    chosen = getattr(_state, "cuts", None)
+    if chosen is None:
+        return x
+    n = _state.candidates
+    _state.candidates = n + 1
+    _state.seen.append(jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x))
+    return _boundary(x, n) if (chosen == "all" or n in chosen) else x
+
+
+@contextlib.contextmanager
+def candidate_cuts(cuts: Any) -> Iterator[list[Any]]:
+    """While active, the `stage_candidate` markers numbered in `cuts` (a set of ints, or "all")
+    are stage boundaries; yields the list of what each candidate marked (its structs), in order.
+    `None` leaves every candidate the identity."""
+    previous = (getattr(_state, "cuts", None), getattr(_state, "candidates", 0),
+                getattr(_state, "seen", None), getattr(_state, "order", None))  # fmt: skip
+    _state.cuts = None if cuts is None else (cuts if cuts == "all" else frozenset(cuts))
+    _state.candidates = 0
+    _state.seen = []
+    _state.order = []
+    try:
+        yield _state.seen
+    finally:
+        _state.cuts, _state.candidates, _state.seen, _state.order = previous
+
+
+def restart_candidates() -> None:
+    """Number the candidates from 0 again (each trace of the step counts them afresh)."""
+    _state.candidates = 0
+    for name in ("seen", "order"):
+        record = getattr(_state, name, None)
+        if record is not None:
+            record.clear()
+
+
+def marker_order() -> list[Any]:
+    """The boundaries the current trace bound so far, in order: "forced" (`stage_boundary`) or
+    a candidate's number."""
+    return list(getattr(_state, "order", None) or [])
 
 
 # -- pipeline_grad ------------------------------------------------------------------------------

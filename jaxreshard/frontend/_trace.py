@@ -18,7 +18,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxreshard.frontend._markers import tracing_pipeline
+from jaxreshard.frontend._markers import (
+    candidate_cuts,
+    marker_order,
+    restart_candidates,
+    tracing_pipeline,
+)
 from jaxreshard.frontend._split import StepGraph, split_step
 
 
@@ -64,6 +69,8 @@ def trace_step(
     static: dict[int, Any] | None = None,
     loss_reduction: str = "mean",
     donated: Sequence[int] = (),
+    cuts: Any = None,
+    candidates: list[Any] | None = None,
 ) -> tuple[StepGraph, StepOutputs]:
     """Trace `fun` at the whole batch and per micro-batch, and cut it (see [Note: two traces]).
 
@@ -78,7 +85,10 @@ def trace_step(
     must be the one it gets when its stage compiles), and `mesh` must be the stage meshes' own
     abstract mesh (`mesh.abstract_mesh`), since JAX records it in every equation. A fresh wrapper
     function is traced every time, so that JAX's tracing cache never hands back a trace made
-    outside `parallelize`.
+    outside `parallelize`. `cuts` chooses which `stage_candidate` markers are boundaries (see
+    [Note: candidate cuts]); `candidates`, if given, receives `[structs, order]`: what each
+    candidate marked, and the boundaries of the whole-batch trace in order ("forced" or a
+    candidate's number).
 
     Returns:
         The cut step and its outputs' structure.
@@ -91,6 +101,7 @@ def trace_step(
     made: list[StepOutputs] = []
 
     def flat(*arrays: Any) -> list[Any]:
+        restart_candidates()
         leaves: list[Any] = [None] * num_leaves
         for i, value in static.items():
             leaves[i] = value
@@ -109,9 +120,18 @@ def trace_step(
             out.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding))
         return out
 
-    with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh):
+    with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh), candidate_cuts(cuts) as seen:
         full = jax.make_jaxpr(flat)(*structs(False))
         outputs = made[-1]
+        found = list(seen)
+        order = marker_order()
+        if cuts is not None and cuts != "all" and any(c >= len(found) for c in cuts):
+            raise ValueError(
+                f"PipelineConfig(cuts={tuple(sorted(cuts))}): the step has {len(found)} "
+                f"jr.stage_candidate markers (numbered 0 to {len(found) - 1}); choose among them"
+            )
+        if candidates is not None:
+            candidates[:] = [found, order]
         micro = jax.make_jaxpr(flat)(*structs(True)) if m > 1 else full
         graph = split_step(
             full,

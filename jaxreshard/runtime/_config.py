@@ -90,6 +90,13 @@ class PipelineConfig:
             each stage's last backward: `auto` (with one micro-batch, where it costs nothing),
             `always` (with any micro-batch count: faster steps, but a second backward variant
             to compile before the first), or `never`.
+        partition: `manual` (the stages are what `jr.stage_boundary` and `cuts` say) or `auto`
+            (choose `num_stages - 1` of the step's `jr.stage_candidate` markers as boundaries
+            by the simulated step time: each segment's measured compute and each cut's transfer
+            time under the cluster model; `train_step.plan(...)` shows the choice and why).
+        cuts: the `jr.stage_candidate` markers that are stage boundaries, by number (from 0,
+            in the order the loss reaches them); None: none (`manual`), or the partitioner's
+            choice (`auto`).
         reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
             its parameter gradients over that axis: `once` a step, after its last backward
             (the gradients of the micro-batches stay per device until then), where JAX can
@@ -119,6 +126,8 @@ class PipelineConfig:
     steps_in_flight: int = 2
     fuse_optimizer: str = "auto"
     reduce_gradients: str = "once"
+    partition: str = "manual"
+    cuts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -134,6 +143,24 @@ class PipelineConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("fuse_optimizer", self.fuse_optimizer, FUSE_OPTIMIZER)
         _choice("reduce_gradients", self.reduce_gradients, REDUCE_GRADIENTS)
+        _choice("partition", self.partition, ("manual", "auto"))
+        if self.cuts is not None:
+            cuts = self.cuts
+            if isinstance(cuts, (str, bytes)) or not isinstance(cuts, (tuple, list)):
+                raise ValueError(
+                    f"PipelineConfig(cuts={cuts!r}): a tuple of jr.stage_candidate numbers, "
+                    "e.g. (1, 3)"
+                )
+            if not all(_is_index(c) for c in cuts) or len(set(cuts)) != len(cuts):
+                raise ValueError(
+                    f"PipelineConfig(cuts={cuts!r}): distinct candidate numbers (ints >= 0)"
+                )
+            object.__setattr__(self, "cuts", tuple(sorted(int(c) for c in cuts)))
+        if self.partition == "auto" and (self.num_stages is None or self.num_stages < 2):
+            raise ValueError(
+                f"PipelineConfig(partition='auto', num_stages={self.num_stages!r}): say how many "
+                "stages to cut the step into (num_stages >= 2)"
+            )
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         _positive_int("steps_in_flight", self.steps_in_flight, 64)
         if self.num_stages is not None:
@@ -345,6 +372,10 @@ def _positive_int(name: str, value: Any, high: int) -> None:
     integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
     if not integral or not 1 <= value <= high:
         raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from 1 to {high:,}")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 def _finite_number(value: Any) -> bool:

@@ -194,6 +194,7 @@ class HostPipeline:
             static=static,
             loss_reduction=config.loss_reduction,
             donated=donated,
+            cuts=config.cuts,
         )
         self.watch = StepProgress()
         self.engine = HostEngine(

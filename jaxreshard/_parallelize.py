@@ -455,15 +455,16 @@ class Parallelized:
         """Choose the `stage_candidate` cuts (see [Note: automatic partitioning])."""
         from jaxreshard.runtime.step._partition import choose_cuts
 
-        if on_ray:
-            raise ValueError(
-                "PipelineConfig(partition='auto') chooses cuts on the local runtime so far: "
-                "run the step there once (train_step.plan(...) shows the choice), then pass "
-                "the chosen cuts=(...) on Ray"
-            )
         found: list[Any] = []
         graph_all, _ = trace("all", None, found)
         assert self.config.num_stages is not None
+        if on_ray:  # the hosts' meshes and links; segments are timed on this process's device
+            from jaxreshard.runtime import current_runtime
+            from jaxreshard.runtime.ray._placement import stage_placement
+
+            runtime = current_runtime()
+            meshes = stage_placement(runtime, self.config, self.config.num_stages)[0]
+            return choose_cuts(graph_all, found[1], self.config, meshes, runtime.cluster)
         meshes, cluster = self._local_meshes(self.config.num_stages)
         gbps = self.config.emulate_network_gbps
         if gbps is not None:  # the links the steps will see

@@ -16,7 +16,9 @@ Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Co
 stage the sum of its segments, each boundary its crossing tensors' time) for the configured
 schedule, and `pipeline._simulate` predicts its step; the fastest wins. The choice and every
 tried one's prediction are in `train_step.plan(...)`. Choices are enumerated (up to
-`MAX_CHOICES`); one mesh per stage (no virtual stages) so far.
+`MAX_CHOICES`); one mesh per stage (no virtual stages) so far. On Ray the meshes and links are
+the hosts' (`stage_placement`, the runtime's cluster model), and the segments are timed on the
+driver's first device: like the hosts' on a CPU cluster, not on a GPU one.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
-from jaxreshard.comm import plan_reshard
+from jaxreshard.comm import VirtualSharding, plan_reshard
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
@@ -142,6 +144,8 @@ def choose_cuts(
     mesh0 = meshes[0]
     split = _batch_split(config, dict(mesh0.shape))
     device = mesh0.devices.flat[0]
+    if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
+        device = jax.devices()[0]
     segments = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
     crossing = {
         i: [
@@ -249,12 +253,19 @@ def _best(compiled: Any, args: Sequence[Any]) -> float:
     return best
 
 
+def _sharding(mesh: Any, spec: Any) -> Any:
+    if isinstance(mesh, jax.sharding.Mesh):
+        return NamedSharding(mesh, spec)
+    return VirtualSharding(mesh, spec)  # a Ray runtime's mesh
+
+
 def _crossing_seconds(
     graph: StepGraph, position: int, src_mesh: Any, dst_mesh: Any, config: PipelineConfig,
     cluster: Any,
 ) -> float:  # fmt: skip
-    """Seconds to move, forward and back (activations and their gradients), what crosses
-    boundary `position` (made at or before it, used after it) from `src_mesh` to `dst_mesh`."""
+    """Seconds to move what crosses boundary `position` (made at or before it, used after it)
+    from `src_mesh` to `dst_mesh`: one direction, as `Costs.comm` wants it (the simulator
+    charges the same for the gradients' way back)."""
     total = 0.0
     for act in graph.loss.activations:
         if act.home <= position < max(act.consumers):
@@ -264,11 +275,10 @@ def _crossing_seconds(
             plan = plan_reshard(
                 shape,
                 dtype,
-                NamedSharding(src_mesh, spec_src),
-                NamedSharding(dst_mesh, spec_dst),
+                _sharding(src_mesh, spec_src),
+                _sharding(dst_mesh, spec_dst),
                 cluster=cluster,
                 strategy=config.resharding,
             )
-            back = 2 if act.differentiable and not graph.forward_only else 1
-            total += back * plan.seconds
+            total += plan.seconds  # (the simulator charges it again for the gradient back)
     return total

@@ -21,10 +21,19 @@ from jaxreshard.cli._console import (
 def _profile(args: argparse.Namespace) -> int:
     from jaxreshard import profiler
 
-    check_outputs(args, {"json": None, "trace": None, "plot": PLOT_SUFFIXES})
+    check_outputs(
+        args, {"json": None, "trace": None, "plot": PLOT_SUFFIXES, "auto_toml": (".toml",)}
+    )
     if (args.checkpoint_every or args.resume) and not args.checkpoint:
         flag = "--resume" if args.resume else "--checkpoint-every"
         raise CommandError(f"{flag} needs --checkpoint DIR (the folder of the checkpoints)")
+    if args.auto and (args.compare_schedules or args.compare_resharding or args.checkpoint):
+        raise CommandError(
+            "--auto searches layouts on its own; it does not go with --compare-schedules, "
+            "--compare-resharding or --checkpoint"
+        )
+    if args.auto_toml and not args.auto:
+        raise CommandError("--auto-toml FILE writes the winner of --auto; add --auto")
     if args.checkpoint:
         if args.compare_schedules or args.compare_resharding:
             raise CommandError(
@@ -57,6 +66,17 @@ def _profile(args: argparse.Namespace) -> int:
     if cache:
         console.print(f"XLA compile cache: {cache} (--compile-cache off to compile afresh)")
     progress = not args.no_progress
+    if args.auto:
+        record = profiler.auto_search(
+            pc,
+            console=console,
+            progress=progress,
+            toml_path=args.auto_toml and normalized(args.auto_toml),
+        )
+        if args.json:
+            write_json(args.json, record)
+            console.print(f"wrote {args.json}")
+        return 0
     if args.compare_schedules or args.compare_resharding:
         kinds = [k for k in ("schedules", "resharding") if getattr(args, f"compare_{k}")]
         results = {}
@@ -178,6 +198,18 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             "--bound",
             action="store_true",
             help="also time signal-only steps (the bound with free transfers; local backend)",
+        )
+        out.add_argument(
+            "--auto",
+            action="store_true",
+            help="search schedules and micro-batch counts by the calibrated simulator, measure "
+            "the best 3 beside plain data parallelism, report the fastest",
+        )
+        out.add_argument(
+            "--auto-toml",
+            default=None,
+            metavar="FILE.toml",
+            help="with --auto: write the winner as a profile config",
         )
         out.add_argument("--no-progress", action="store_true", help="no progress bar")
         ckpt = sub.add_argument_group("checkpoints (any layout can resume any other's)")

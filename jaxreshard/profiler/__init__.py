@@ -4,10 +4,12 @@
     result = run_profile(pc)          # the jaxreshard-profile/1 dict
     rows = compare(pc, schedule_variants(pc))
 
-See [Note: what a profile measures]. One profile: `_profile.py`; comparisons: `_compare.py`;
+See [Note: what a profile measures]. One profile: `_profile.py`; comparisons: `_compare.py`; the
+`--auto` search: `_auto.py`;
 settings: `_config.py`; sessions and statistics: `_run.py`; tables and files: `_report.py`.
 """
 
+from jaxreshard.profiler._auto import auto_search, profile_toml
 from jaxreshard.profiler._compare import (
     CALIBRATION_STEPS,
     _costs_that_fit,
@@ -30,6 +32,8 @@ from jaxreshard.profiler._run import Session, devices_needed
 
 __all__ = [
     "CALIBRATION_STEPS",
+    "auto_search",
+    "profile_toml",
     "_costs_that_fit",
     "compare_json",
     "runtime_for",

@@ -1,0 +1,240 @@
+"""`jaxreshard profile MODEL --auto`: search schedules and micro-batch counts by the calibrated
+simulator, measure the best few beside plain data parallelism, keep the fastest.
+
+[Note: configuration search]
+1. Calibrate: the configured layout runs its warm-up and timed steps, recorded, at its
+   micro-batch count and at twice (or half) it; each stage's measured F, B, W and transfer
+   times (`measured_costs`) are fitted as `fixed + per_row * rows` per micro-batch, so that
+   smaller micro-batches pay their actions' fixed cost; the optimizer's and the step's fixed
+   cost are taken as measured.
+2. Predict: every schedule of `schedule_variants` with every micro-batch count that divides the
+   batch into micro-batches of at least 2 rows (1 to 32 of them) is simulated with the fitted
+   costs at its micro-batch size.
+3. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
+   layout's devices, the batch split over the batch axis, one micro-batch: what a user would
+   write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
+   beside measured.
+4. Choose: the fastest measured, data parallelism included, so the search never picks a
+   layout slower than it; the winner's config is written as TOML (`--auto-toml`), and `--json`
+   records every configuration tried.
+The stage cut, the mesh shapes and where their axes sit stay as configured (`partition="auto"`
+and `jr.stage_candidate` choose cuts in the step itself); searching those is not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.profiler._compare import compare, schedule_variants
+from jaxreshard.profiler._config import ProfileConfig
+from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
+from jaxreshard.profiler._run import Session, measured_costs, run_steps, step_overhead
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+DATA_PARALLEL = "data parallel"
+
+
+def auto_search(
+    pc: ProfileConfig,
+    *,
+    top: int = 3,
+    console: Any = None,
+    progress: bool = True,
+    toml_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Search, measure and choose (see [Note: configuration search]); returns the JSON record."""
+    pc = _emulating(pc)
+    calibrations = _calibration_points(pc)
+    measured = []
+    with runtime_for(pc) as runtime:
+        for m in calibrations:
+            cpc = pc.replace_pipeline(num_micro_batches=m)
+            with _status(console, f"calibrating the configured layout at {m} micro-batches"):
+                session = Session(cpc, "calibration", runtime=runtime)
+                session.warm_up()
+            with _bar(console, progress, pc.run.steps) as advance:
+                run_steps([session], pc.run.steps, on_step=advance)
+            rows = session.layout.micro_batch_rows
+            measured.append((rows, measured_costs(session.steps, session.layout),
+                             step_overhead(session.steps)))  # fmt: skip
+            del session
+    model = CostModel.fit(measured)
+    predictions = []
+    for label, changes in schedule_variants(pc):
+        if changes.get("virtual_stages") or changes.get("num_stages"):
+            continue  # (another cut of the model: the calibration's costs do not apply)
+        for m in MICRO_BATCHES:
+            # (micro-batches of one row are left out: with one row, the cutter cannot tell a
+            # per-example dim from a size-1 one, and warns about values that are per example)
+            if pc.run.batch_size % m or pc.run.batch_size // m < 2:
+                continue
+            seconds = _predict(model.at(pc.run.batch_size // m), changes, m) + model.overhead
+            predictions.append((seconds, f"{label}, {m} micro-batches",
+                                {**changes, "num_micro_batches": m}))  # fmt: skip
+    predictions.sort(key=lambda p: p[0])
+    chosen = predictions[:top]
+    variants = [(label, changes) for _, label, changes in chosen]
+    dp = data_parallel_changes(pc)
+    if dp is not None:
+        variants.append((DATA_PARALLEL, dp))
+    rows = compare(pc, variants, bound=False, console=console, progress=progress,
+                   title=f"{pc.model} {pc.preset}: the {len(chosen)} best predicted layouts "
+                         "and data parallelism")  # fmt: skip
+    predicted = {label: seconds for seconds, label, _ in chosen}
+    for row in rows:
+        row["search_predicted_seconds"] = predicted.get(row["label"])
+    best = min(rows, key=lambda r: r["step_seconds"])
+    dp_row = next((r for r in rows if r["label"] == DATA_PARALLEL), None)
+    changes = dict(variants)[best["label"]]
+    winner = pc.replace_pipeline(**changes)
+    record = {
+        "format": "jaxreshard-profile-auto/1",
+        "model": pc.model,
+        "preset": pc.preset,
+        "calibration": {
+            "micro_batch_rows": [rows for rows, _, _ in measured],
+            "costs": [costs.to_json() for _, costs, _ in measured],
+            "step_overhead_seconds": model.overhead,
+        },
+        "predicted": [
+            {"label": label, "predicted_seconds": s, "changes": c} for s, label, c in predictions
+        ],
+        "measured": rows,
+        "winner": best["label"],
+        "winner_pipeline": winner.pipeline.to_dict(),
+        "speedup_over_data_parallel": (
+            dp_row["step_seconds"] / best["step_seconds"] if dp_row else None
+        ),
+    }
+    if console is not None:
+        for line in summary_lines(record):
+            console.print(line, highlight=False)
+    if toml_path is not None:
+        Path(toml_path).write_text(profile_toml(winner))
+        if console is not None:
+            console.print(f"wrote {toml_path} (jaxreshard profile {pc.model} --config {toml_path})")
+    return record
+
+
+def _calibration_points(pc: ProfileConfig) -> list[int]:
+    """The micro-batch counts to calibrate at: the configured one and a second (twice it, or
+    half) that divides the batch, so that each action's time fits `a + b * rows`."""
+    m = pc.pipeline.num_micro_batches
+    for other in (2 * m, m // 2):
+        if other >= 1 and pc.run.batch_size % other == 0 and pc.run.batch_size // other >= 2:
+            return [m, other]
+    return [m]
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Per stage and action kind, seconds = fixed + per_row * micro-batch rows (fitted through
+    the calibration points; with one point, proportional to the rows)."""
+
+    points: list[tuple[int, Costs]]
+    overhead: float
+
+    @classmethod
+    def fit(cls, measured: list[tuple[int, Costs, float]]) -> CostModel:
+        overhead = sum(o for _, _, o in measured) / len(measured)
+        return cls([(rows, costs) for rows, costs, _ in measured], overhead)
+
+    def at(self, rows: int) -> Costs:
+        def line(get: Any) -> tuple[float, ...]:
+            if len(self.points) == 1:
+                ((r0, c0),) = self.points
+                return tuple(v * rows / r0 for v in get(c0))
+            (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
+            out = []
+            for v0, v1 in zip(get(c0), get(c1)):
+                slope = max((v1 - v0) / (r1 - r0), 0.0)
+                fixed = max(v0 - slope * r0, 0.0)
+                out.append(fixed + slope * rows)
+            return tuple(out)
+
+        forward = line(lambda c: c.forward)
+        backward = line(lambda c: c.backward)
+        weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
+        return Costs(forward=forward, backward=backward, weight_grad=weight,
+                     comm=line(lambda c: c.comm), apply=self.points[0][1].apply)  # fmt: skip
+
+
+def _predict(costs: Costs, changes: dict[str, Any], m: int) -> float:
+    """The simulated step of `changes`' schedule at `m` micro-batches of these costs."""
+    schedule = build_schedule(
+        changes["schedule"],
+        len(costs.forward),
+        m,
+        weight_delay=changes.get("weight_delay", False),
+        costs=costs,
+    )
+    return simulate(schedule.with_apply(), costs).makespan
+
+
+def data_parallel_changes(pc: ProfileConfig) -> dict[str, Any] | None:
+    """The pipeline changes for plain data parallelism on the layout's devices: one stage,
+    the batch axis over every device, one micro-batch (None without a batch axis)."""
+    p = pc.pipeline
+    axis = p.batch_axis
+    if axis is None or axis not in p.mesh_axis_names:
+        return None
+    devices = sum(_size(shape) for shape in p.mesh_shapes(p.num_meshes(pc.num_stages)))
+    shape = tuple(devices if name == axis else 1 for name in p.mesh_axis_names)
+    if pc.run.batch_size % devices:
+        return None
+    return {"num_stages": 1, "stage_mesh_shape": shape, "num_micro_batches": 1,
+            "schedule": "1f1b", "weight_delay": False, "virtual_stages": None}  # fmt: skip
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def summary_lines(record: dict[str, Any]) -> list[str]:
+    rows = record["measured"]
+    lines = ["search: predicted (calibrated simulator) beside measured"]
+    for row in rows:
+        predicted = row.get("search_predicted_seconds")
+        text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "
+        lines.append(f"  {row['label']:<48} predicted {text}  measured "
+                     f"{row['step_seconds'] * 1e3:9.1f} ms")  # fmt: skip
+    speedup = record["speedup_over_data_parallel"]
+    if record["winner"] == DATA_PARALLEL:
+        lines.append("winner: plain data parallelism; no pipeline layout tried beats it here")
+    elif speedup is not None:
+        lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's step")
+    else:
+        lines.append(f"winner: {record['winner']} (no data-parallel baseline: no batch axis)")
+    return lines
+
+
+def profile_toml(pc: ProfileConfig) -> str:
+    """`pc` as a profile config file ([model], [run], [pipeline])."""
+    model = {"name": pc.model, "preset": pc.preset,
+             **dataclasses.asdict(pc.model_config)}  # fmt: skip
+    tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
+    out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
+    for name, values in tables.items():
+        out.append(f"\n[{name}]")
+        for key, value in values.items():
+            if value is not None:
+                out.append(f"{key} = {_toml(value)}")
+    return "\n".join(out) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")

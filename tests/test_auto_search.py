@@ -1,0 +1,36 @@
+"""`jaxreshard profile MODEL --auto`: the calibrated simulator ranks schedules and micro-batch
+counts, the best few run beside plain data parallelism, and the measured fastest wins (never a
+layout slower than data parallelism); its config is written as a profile TOML."""
+
+import json
+
+from jaxreshard.cli import main
+from jaxreshard.profiler import load_profile_config
+
+BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", "1",
+        "--warmup-steps", "1"]  # fmt: skip
+
+
+def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
+    toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
+    assert main([*BASE, "--auto", "--auto-toml", str(toml), "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    labels = [row["label"] for row in record["measured"]]
+    assert len(labels) == 4 and labels[-1] == "data parallel"
+    assert len(record["predicted"]) == 16  # 4 schedules x 1, 2, 4, 8 micro-batches of 16 rows
+    fastest = min(record["measured"], key=lambda r: r["step_seconds"])
+    assert record["winner"] == fastest["label"]
+    dp = record["measured"][-1]["step_seconds"]
+    assert record["speedup_over_data_parallel"] == dp / fastest["step_seconds"] >= 1.0
+    assert len(record["calibration"]["micro_batch_rows"]) == 2  # 4 and 8 micro-batches
+    written = load_profile_config("gpt", toml).pipeline.to_dict()
+    for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages"):
+        assert written[key] == record["winner_pipeline"][key], key
+    assert "winner:" in capsys.readouterr().out
+
+
+def test_auto_refuses_what_it_does_not_go_with(capsys):
+    assert main([*BASE, "--auto", "--compare-schedules"]) == 2
+    assert "--auto searches layouts on its own" in capsys.readouterr().err
+    assert main([*BASE, "--auto-toml", "x.toml"]) == 2
+    assert "--auto-toml FILE writes the winner of --auto; add --auto" in capsys.readouterr().err

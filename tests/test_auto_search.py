@@ -13,10 +13,11 @@ BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", 
 
 def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
-    assert main([*BASE, "--auto", "--auto-toml", str(toml), "--json", str(out)]) == 0
+    flags = ["--auto", "--auto-top", "2", "--auto-toml", str(toml), "--json", str(out)]
+    assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
-    assert len(labels) == 4 and labels[-1] == "data parallel"
+    assert len(labels) == 3 and labels[-1] == "data parallel"
     assert len(record["predicted"]) == 16  # 4 schedules x 1, 2, 4, 8 micro-batches of 16 rows
     fastest = min(record["measured"], key=lambda r: r["step_seconds"])
     assert record["winner"] == fastest["label"]

@@ -69,6 +69,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.auto:
         record = profiler.auto_search(
             pc,
+            top=args.auto_top,
             console=console,
             progress=progress,
             toml_path=args.auto_toml and normalized(args.auto_toml),
@@ -203,7 +204,14 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             "--auto",
             action="store_true",
             help="search schedules and micro-batch counts by the calibrated simulator, measure "
-            "the best 3 beside plain data parallelism, report the fastest",
+            "the best few (--auto-top) beside plain data parallelism, report the fastest",
+        )
+        out.add_argument(
+            "--auto-top",
+            type=_positive,
+            default=3,
+            metavar="N",
+            help="with --auto: how many of the best predictions to measure (default 3)",
         )
         out.add_argument(
             "--auto-toml",

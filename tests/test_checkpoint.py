@@ -296,6 +296,20 @@ def test_an_asynchronous_save_survives_donation(tmp_path):
         jr.save_checkpoint(tmp_path / "b", {"x": x})
 
 
+def test_a_script_that_exits_right_after_an_asynchronous_save_leaves_its_checkpoint(tmp_path):
+    """The write finishes at interpreter exit (before the thread pools it needs stop)."""
+    directory = tmp_path / "last"
+    script = (
+        "import numpy as np, jaxreshard as jr\n"
+        f"jr.save_checkpoint({str(directory)!r}, {{'w': np.arange(4, dtype=np.float32)}}, "
+        "wait=False)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    got = jr.restore_checkpoint(directory, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(4.0))
+
+
 def test_live_relayout_moves_state_between_pipelines(saved):
     """`reshard` of a whole training state into another pipeline's placement (no disk)."""
     directory, losses = saved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import threading
@@ -50,6 +51,7 @@ class PendingCheckpoint:
                 self._done.set()
 
         if asynchronous:
+            _hook_exit()
             self._thread: threading.Thread | None = threading.Thread(
                 target=run, name="jaxreshard-checkpoint", daemon=True
             )
@@ -90,10 +92,33 @@ _PENDING: set[PendingCheckpoint] = set()
 
 
 def wait_all_pending(timeout_s: float = 600.0) -> None:
-    """Let every background write finish (the exit hook and tests call it)."""
+    """Let every background write finish (at most `timeout_s` each): the exit hook, so that a
+    script whose last act is `save_checkpoint(..., wait=False)` leaves its checkpoint."""
     for pending in list(_PENDING):
         pending._done.wait(timeout_s)
         _PENDING.discard(pending)
+
+
+_hooked = False
+
+
+def _hook_exit() -> None:
+    """Wait for the background writes at exit, before the thread pools stop.
+
+    At interpreter exit `threading._shutdown` runs threading's own exit hooks, in reverse order,
+    before `atexit`'s: `concurrent.futures` stops taking work there, and Orbax's background write
+    needs it. So the wait goes into those hooks, registered at the first background write (by
+    then Orbax has imported every pool it uses, so this hook runs first); `atexit` where they are
+    missing."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(wait_all_pending, 300.0)
+    else:  # pragma: no cover
+        atexit.register(wait_all_pending, 300.0)
 
 
 @api_boundary

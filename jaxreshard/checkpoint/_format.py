@@ -71,6 +71,10 @@ class Index:
     leaves: list[LeafRecord]
     metadata: dict[str, Any]
 
+    def part_keys(self, part: str) -> list[str]:
+        """The flat-dict keys of the leaves saved in `part`, in leaf order."""
+        return [self.key_of(n) for n, r in enumerate(self.leaves) if r.part == part]
+
     @staticmethod
     def key_of(i: int) -> str:
         """Leaf `i`'s key in a part's flat dict."""

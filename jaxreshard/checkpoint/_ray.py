@@ -153,8 +153,6 @@ def read_remote(
     out: dict[int, Any] = {}
     whole_skeleton = jax.tree.unflatten(treedef, [0] * len(structs))
     part_keys: dict[str, list[str]] = {}
-    for n, r in enumerate(index.leaves):
-        part_keys.setdefault(str(r.part), []).append(Index.key_of(n))
     for i in wanted:
         s = structs[i]
         runtime._check_sharding(s.sharding, f"target leaf {paths[i]}")
@@ -164,7 +162,10 @@ def read_remote(
         if index.layout == "orbax":
             source, skeleton, position = ".", whole_skeleton, i
         else:
-            keys = part_keys[str(record.part)]
+            part = str(record.part)
+            if part not in part_keys:
+                part_keys[part] = index.part_keys(part)
+            keys = part_keys[part]
             source = f"{PARTS}/{record.part}"
             skeleton = {k: 0 for k in keys}
             position = sorted(keys).index(place.key)  # a dict flattens in sorted key order

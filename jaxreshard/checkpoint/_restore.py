@@ -135,7 +135,7 @@ def _read_part(
     """Read `items` (key -> (target position, struct)) from one part: a flat dict with every
     key of the part, PLACEHOLDER for the ones not wanted."""
     skip = _orbax.placeholder()
-    keys = [Index.key_of(n) for n, r in enumerate(index.leaves) if r.part == part]
+    keys = index.part_keys(part)
     item = {k: items[k][1] if k in items else skip for k in keys}
     values = _orbax.read(str(path), item)
     return {i: values[k] for k, (i, _) in items.items()}

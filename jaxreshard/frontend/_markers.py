@@ -119,34 +119,35 @@ def stage_candidate(x: Any) -> Any:
         return x
     n = _state.candidates
     _state.candidates = n + 1
-    _state.seen.append(jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), x))
     return _boundary(x, n) if (chosen == "all" or n in chosen) else x
 
 
 @contextlib.contextmanager
-def candidate_cuts(cuts: Any) -> Iterator[list[Any]]:
+def candidate_cuts(cuts: Any) -> Iterator[None]:
     """While active, the `stage_candidate` markers numbered in `cuts` (a set of ints, or "all")
-    are stage boundaries; yields the list of what each candidate marked (its structs), in order.
-    `None` leaves every candidate the identity."""
+    are stage boundaries. `None` leaves every candidate the identity."""
     previous = (getattr(_state, "cuts", None), getattr(_state, "candidates", 0),
-                getattr(_state, "seen", None), getattr(_state, "order", None))  # fmt: skip
+                getattr(_state, "order", None))  # fmt: skip
     _state.cuts = None if cuts is None else (cuts if cuts == "all" else frozenset(cuts))
     _state.candidates = 0
-    _state.seen = []
     _state.order = []
     try:
-        yield _state.seen
+        yield
     finally:
-        _state.cuts, _state.candidates, _state.seen, _state.order = previous
+        _state.cuts, _state.candidates, _state.order = previous
 
 
 def restart_candidates() -> None:
     """Number the candidates from 0 again (each trace of the step counts them afresh)."""
     _state.candidates = 0
-    for name in ("seen", "order"):
-        record = getattr(_state, name, None)
-        if record is not None:
-            record.clear()
+    order = getattr(_state, "order", None)
+    if order is not None:
+        order.clear()
+
+
+def candidate_count() -> int:
+    """How many `stage_candidate` markers the current trace reached so far."""
+    return getattr(_state, "candidates", 0)
 
 
 def marker_order() -> list[Any]:

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxreshard.frontend._markers import (
+    candidate_count,
     candidate_cuts,
     marker_order,
     restart_candidates,
@@ -86,8 +87,8 @@ def trace_step(
     abstract mesh (`mesh.abstract_mesh`), since JAX records it in every equation. A fresh wrapper
     function is traced every time, so that JAX's tracing cache never hands back a trace made
     outside `parallelize`. `cuts` chooses which `stage_candidate` markers are boundaries (see
-    [Note: candidate cuts]); `candidates`, if given, receives `[structs, order]`: what each
-    candidate marked, and the boundaries of the whole-batch trace in order ("forced" or a
+    [Note: candidate cuts]); `candidates`, if given, receives `[count, order]`: how many
+    candidates the loss reached, and the boundaries of the whole-batch trace in order ("forced" or a
     candidate's number).
 
     Returns:
@@ -120,15 +121,15 @@ def trace_step(
             out.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding))
         return out
 
-    with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh), candidate_cuts(cuts) as seen:
+    with tracing_pipeline(), jax.sharding.use_abstract_mesh(mesh), candidate_cuts(cuts):
         full = jax.make_jaxpr(flat)(*structs(False))
         outputs = made[-1]
-        found = list(seen)
+        found = candidate_count()
         order = marker_order()
-        if cuts is not None and cuts != "all" and any(c >= len(found) for c in cuts):
+        if cuts is not None and cuts != "all" and any(c >= found for c in cuts):
             raise ValueError(
-                f"PipelineConfig(cuts={tuple(sorted(cuts))}): the step has {len(found)} "
-                f"jr.stage_candidate markers (numbered 0 to {len(found) - 1}); choose among them"
+                f"PipelineConfig(cuts={tuple(sorted(cuts))}): the step has {found} "
+                f"jr.stage_candidate markers (numbered 0 to {found - 1}); choose among them"
             )
         if candidates is not None:
             candidates[:] = [found, order]

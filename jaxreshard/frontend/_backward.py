@@ -128,7 +128,7 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _typed_eval(closed: Any) -> Any:
+def typed_eval(closed: Any) -> Any:
     """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
     equation's operands go through `_reconciled` first."""
     jaxpr = closed.jaxpr
@@ -149,6 +149,56 @@ def _typed_eval(closed: Any) -> Any:
     return run
 
 
+# Calls whose body can be evaluated in place of the call where nothing differentiates it (a
+# custom derivative rule only matters under differentiation): name -> its body's parameter.
+_CALL_BODIES = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def inlined_eval(closed: Any) -> Any:
+    """`jaxpr_as_fun(closed)` for tracing on an Explicit mesh a jaxpr that nothing will
+    differentiate (a post-gradient segment: the optimizer): every equation binds under the
+    caller's abstract mesh, and calls (`jit`, custom derivatives) are evaluated in place, so that
+    no inner jaxpr typed on the step's own mesh is bound (JAX refuses mixing the two)."""
+    mesh = None
+
+    def host(x: Any) -> Any:  # a constant of the trace, typed on the step's mesh: untyped
+        typed = isinstance(x, jax.Array) or hasattr(x, "aval")  # (or a TypedNdArray)
+        return np.asarray(x) if typed else x
+
+    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(host, consts)))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(v: Any) -> Any:
+            return host(v.val) if isinstance(v, jc.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            values = [read(v) for v in eqn.invars]
+            body = eqn.params.get(_CALL_BODIES.get(eqn.primitive.name, ""))
+            if body is not None:
+                inner, inner_consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
+                outs = run(inner, inner_consts, values)
+            else:
+                outs = bind_equation(eqn, values, mesh)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def fn(*args: Any) -> list[Any]:
+        nonlocal mesh
+        mesh = jax.sharding.get_abstract_mesh()
+        return run(closed.jaxpr, closed.consts, args)
+
+    return fn
+
+
 def _as_reduced(x: Any, axes: Sequence[str]) -> Any:
     """`x` (typed on an Explicit mesh) as `reduced` over `axes`: free, and its cotangent comes
     out `unreduced` over them."""
@@ -163,7 +213,7 @@ def _forward(
     reduced: Sequence[str] = (),
     cast: Sequence[int] = (),
 ):
-    fn = _typed_eval(stage.jaxpr) if reduced else jc.jaxpr_as_fun(stage.jaxpr)
+    fn = typed_eval(stage.jaxpr) if reduced else jc.jaxpr_as_fun(stage.jaxpr)
     kept = _differentiated(stage)
     if reduced:  # cast before the VJP, so the cast's transpose (a reduction) is not in it
         inputs = [_as_reduced(x, reduced) if i in cast else x for i, x in enumerate(inputs)]

@@ -87,7 +87,8 @@ class PipelineConfig:
             batch and activations meanwhile). Errors of a step surface at a later call or at
             `train_step.wait()`.
         fuse_optimizer: where the optimizer (the step's code after the gradients) runs inside
-            each stage's last backward: `auto` (with one micro-batch, where it costs nothing),
+            each stage's last backward: `auto` (where it costs no extra executable: with one
+            micro-batch, or in a one-stage pipeline, whose micro-batches run as one scan),
             `always` (with any micro-batch count: faster steps, but a second backward variant
             to compile before the first), or `never`.
         partition: `manual` (the stages are what `jr.stage_boundary` and `cuts` say) or `auto`

@@ -144,9 +144,7 @@ class HostEngine:
         }
         # The optimizer runs inside its stage's last backward where it can (the driver finds
         # the same ones: `fusable_segments` is a function of the step and the stages).
-        self.fused = fusable_segments(
-            graph, list(self.compilers), config.num_micro_batches, config.fuse_optimizer
-        )
+        self.fused = fusable_segments(graph, list(self.compilers), config)
         grad_of = {v: k for k, v in enumerate(graph.grad_outputs[1:])}
         grad_vars = set(graph.grad_outputs[1:])
         given = donated_arguments(graph)
@@ -154,16 +152,16 @@ class HostEngine:
             seg = graph.segments[j]
             extra = [v for v in seg.inputs if v not in grad_vars]
             invars = graph.outer.jaxpr.invars
-            params = {
-                invars[graph.params[r.index]]
-                for r in graph.loss.stages[s].inputs
+            params = {  # the stage's parameters, by their position among its inputs
+                invars[graph.params[r.index]]: i
+                for i, r in enumerate(graph.loss.stages[s].inputs)
                 if r.kind == PARAM
             }
             self.compilers[s].set_apply(
                 seg.jaxpr,
                 [grad_of.get(v) for v in seg.inputs],
                 given=[given.get(v) == j and seg.inputs.count(v) == 1 for v in extra],
-                read=[v in params for v in extra],
+                read=[params.get(v) for v in extra],
             )
         self._apply_avals = {  # a fused segment's inputs other than the gradients
             s: [v.aval for v in graph.segments[j].inputs if v not in grad_vars]

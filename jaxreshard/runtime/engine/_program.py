@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from jaxreshard.frontend._split import ACT, BATCH, CONST, LOSS, MB, OUT, PARAM, StepGraph
-from jaxreshard.pipeline._action import BACKWARD, FORWARD
+from jaxreshard.pipeline._action import BACKWARD
 from jaxreshard.pipeline._emit import (
     ACTIVATION,
     GRADIENT,
@@ -40,7 +40,13 @@ from jaxreshard.runtime.engine._channels import MISSING, Channels
 from jaxreshard.runtime.engine._events import WAIT, Event, PipelineError, Stopped, transfer_name
 from jaxreshard.runtime.step._compile import StageCompiler
 from jaxreshard.runtime.step._layout import PipelineLayout, Transfer
-from jaxreshard.runtime.step._programs import program_fusion
+from jaxreshard.runtime.step._programs import (
+    Call,
+    base_name,
+    program_calls,
+    program_fusion,
+    starts_from_zero,
+)
 
 
 def check_source(transfer: Transfer, value: Any, planned: Any) -> None:
@@ -107,9 +113,22 @@ class StageProgram:
         self.rank, self.record = rank, record
         self.program = layout.programs[rank]
         split = any(c.bw.w is not None for c in compilers.values())
-        self.last_backward, self.fused_fb = program_fusion(
+        fused = [c for c, comp in compilers.items() if comp.fused]
+        # What each RUN calls, in a plain step and in a recorded one (which fuses nothing).
+        self._calls = {
+            recorded: program_calls(
+                self.program, list(compilers), layout.num_stages - 1, split, fused, recorded
+            )
+            for recorded in (False, True)
+        }
+        self.last_backward, _ = program_fusion(
             self.program, list(compilers), layout.num_stages - 1, split
         )
+
+    @property
+    def calls(self) -> dict[int, Call]:
+        """What each RUN position calls in this step (`program_calls`)."""
+        return self._calls[self.record is not None]
 
     def run(
         self, *args: Any, **kwargs: Any
@@ -274,61 +293,73 @@ class StageProgram:
         apply_inputs: dict[int, Sequence[Any]],
         log: list[tuple[str, Any]] | None,
     ) -> None:
-        action = ins.action
+        action, call = ins.action, self.calls[position]
         c, mb, kind = action.stage_index, action.microbatch_index, action.kind
         ch = chunks[c]
-        comp, bw = ch.c, ch.c.bw
-        extra = apply_inputs.get(c)
-        fused = comp.fused and extra is not None
+        comp = ch.c
+        if not call.name:  # computed by an earlier call (a fused forward-backward, a scan)
+            if kind == BACKWARD:
+                keep_act_grads(ch, mb, ch.early.pop(mb))
+            return
+        name = comp.variant(call.name)
+        base, extra = base_name(name), apply_inputs.get(c)
         start = time.perf_counter()
-        if kind != FORWARD and ch.acc is None and comp.acc_params:
-            ch.acc = comp.call("zeros")  # the step's accumulators start at zero
-        if position in self.fused_fb and self.record is None:  # forward and backward at once
-            if ch.acc is None and comp.acc_params:
+        acc: list[Any] = []
+        if (
+            call.backward >= 0
+            and comp.acc_params
+            and not starts_from_zero(name)
+            and base != "b_part"
+        ):
+            if ch.acc is None:
                 ch.acc = comp.call("zeros")
-            args = forward_inputs(ch, mb)
-            if fused and self.fused_fb[position] == self.last_backward[c]:
-                outs, act_grads, ch.applied = comp.call("fb_apply", ch.acc or [], args, extra)
-                ch.acc = []
-            else:
-                outs, act_grads, ch.acc = comp.call("fb", ch.acc or [], args)
+            acc = ch.acc
+        applies = base in ("apply", "fb_apply", "fb_scan_apply")
+        with_acc = [] if starts_from_zero(name) else [acc]
+        if base == "fb_scan" or base == "fb_scan_apply":  # several micro-batches at once
+            varying = comp.varying()
+            shared = [x for x, v in zip(forward_inputs(ch, mb), varying) if not v]
+            pieces = [
+                [x for x, v in zip(forward_inputs(ch, j), varying) if v] for j in call.micro_batches
+            ]
+            outs, act_grads, result = comp.call(name, *with_acc, shared, pieces,
+                                                *([extra] if applies else []))  # fmt: skip
+            for j, o, a in zip(call.micro_batches, outs, act_grads):
+                keep_outputs(ch, j, o)
+                ch.early[j] = a
+            done: Any = (outs, act_grads, result)
+        elif base in ("fb", "fb_apply"):  # the last chunk's forward and backward at once
+            outs, act_grads, result = comp.call(
+                name, *with_acc, forward_inputs(ch, mb), *([extra] if applies else [])
+            )
             keep_outputs(ch, mb, outs)
             ch.early[mb] = act_grads
-            done: Any = (outs, act_grads, ch.acc, ch.applied)
-            kind = "FB"
-            backward_at = self.fused_fb[position]
-        elif kind == BACKWARD and mb in ch.early:
-            keep_act_grads(ch, mb, ch.early.pop(mb))
-            return
-        elif kind == FORWARD:
-            outs, ch.residuals[mb] = comp.call("forward", *forward_inputs(ch, mb))
+            done = (outs, act_grads, result)
+        elif base == "forward":
+            outs, ch.residuals[mb] = comp.call(name, *forward_inputs(ch, mb))
             keep_outputs(ch, mb, outs)
-            done, backward_at = outs, -1
-        elif kind == BACKWARD:
-            final = fused and position == self.last_backward[c]
-            res, cts = ch.residuals[mb], cotangents(ch, mb)
-            if final:
-                act_grads, ch.applied = comp.call("apply", ch.acc or [], res, cts, extra)
-                ch.acc = []
-            elif bw.w is None:
-                act_grads, ch.acc = comp.call("backward", ch.acc or [], res, cts)
-            else:
-                act_grads, ch.exports[mb] = comp.call("b_part", res, cts)
+            done = outs
+        elif base == "b_part":
+            act_grads, ch.exports[mb] = comp.call(name, ch.residuals[mb], cotangents(ch, mb))
             keep_act_grads(ch, mb, act_grads)
-            # Everything the executable wrote (a first stage sends nothing back: its backward
-            # is all accumulators).
-            done = (act_grads, ch.acc, ch.applied, ch.exports.get(mb))
-            backward_at = position
-        else:  # WEIGHT
+            done, result = (act_grads, ch.exports[mb]), None
+        elif kind == BACKWARD:  # backward, or apply (the optimizer too)
+            res, cts = ch.residuals[mb], cotangents(ch, mb)
+            act_grads, result = comp.call(name, *with_acc, res, cts,
+                                          *([extra] if applies else []))  # fmt: skip
+            keep_act_grads(ch, mb, act_grads)
+            done = (act_grads, result)
+        else:  # WEIGHT: w_part, or apply (the optimizer too)
             res, cts, exports = ch.residuals[mb], cotangents(ch, mb), ch.exports.pop(mb)
-            if fused and position == self.last_backward[c]:  # with the optimizer
-                ch.applied = comp.call("apply", ch.acc or [], res, cts, exports, extra)
-                ch.acc, done = [], ch.applied
+            result = comp.call(name, *with_acc, res, cts, exports,
+                               *([extra] if applies else []))  # fmt: skip
+            done = result
+        if call.backward >= 0 and base != "b_part":
+            if applies:
+                ch.applied, ch.acc = result, []
             else:
-                ch.acc = comp.call("w_part", ch.acc or [], res, cts, exports)
-                done = ch.acc
-            backward_at = position
-        if comp.reduced and ch.acc and backward_at == self.last_backward[c]:
+                ch.acc = result
+        if comp.reduced and ch.acc and call.backward == self.last_backward[c]:
             # The step's one reduction of this chunk's gradients over its batch axes (see
             # [Note: gradients reduced once] in `step/_reduction.py`).
             ch.acc = comp.call("reduce", ch.acc)  # (donates the unreduced ones)
@@ -336,9 +367,13 @@ class StageProgram:
                 x for x in jax.tree.leaves(done) if isinstance(x, jax.Array) and not x.is_deleted()
             ]
             done = (kept, ch.acc)
+        fb = base.startswith("fb")
         if log is not None:
-            log.append((f"stage {c}'s {'FB' if kind == 'FB' else kind}{mb}", done))
+            what = f"{'FB' if fb else kind}{mb}"
+            if len(call.micro_batches) > 1:
+                what = f"FB{mb}..{call.micro_batches[-1]} (one scan)"
+            log.append((f"stage {c}'s {what}", done))
         if self.record is not None:
             jax.block_until_ready(done)
-            label = f"{c}FB{mb}" if kind == "FB" else str(action)
-            self.record(Event(c, kind, mb, start, time.perf_counter(), label))
+            label = f"{c}FB{mb}" if fb else str(action)
+            self.record(Event(c, "FB" if fb else kind, mb, start, time.perf_counter(), label))

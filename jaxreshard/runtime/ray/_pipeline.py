@@ -395,11 +395,7 @@ class RayPipeline(PipelineDriver):
             compilers = [_RemoteCompiler(runtime, hosts_of_stage[s], key, s) for s in range(p)]
             fused: dict[int, int] = {}  # as each host fuses its own stages' optimizers
             for stages in stages_of.values():
-                fused.update(
-                    fusable_segments(
-                        graph, list(stages), config.num_micro_batches, config.fuse_optimizer
-                    )
-                )
+                fused.update(fusable_segments(graph, list(stages), config))
             layout = layout_pipeline(
                 graph, config, schedule, meshes, leaves, runtime.cluster, compilers, fused,
                 recorded,

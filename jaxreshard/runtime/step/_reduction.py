@@ -22,9 +22,11 @@ mesh whose `data` axis is Explicit. So for such a stage the compiler (`StageComp
 Every output other than the accumulators is laid out on the stage's own (Auto) mesh, so the
 rest of the runtime sees the same arrays as before.
 
+An optimizer fused into the stage's last backward reads the gradients reduced, in the same
+program (the fused variants reduce before they update; no `reduce` executable runs then).
+
 A stage keeps the per-micro-batch reduction, and the plan says why, when: the step has one
-micro-batch (nothing to save); the optimizer runs fused into the last backward
-(`fuse_optimizer="always"`); a parameter is shared with another stage (its gradient
+micro-batch (nothing to save); a parameter is shared with another stage (its gradient
 contribution arrives as a reduced value); no mesh axis splits the stage's inputs while leaving
 its parameters whole; `PipelineConfig.reduce_gradients="every_micro_batch"`; or JAX refuses the
 typed trace (an op whose sharding is ambiguous on an Explicit mesh, such as a model-parallel
@@ -89,8 +91,6 @@ def reduction_axes(
         return (), none, "the stage has no parameter gradients"
     if config.num_micro_batches == 1:
         return (), none, "one micro-batch"
-    if config.fuse_optimizer == "always":
-        return (), none, 'the optimizer runs inside the last backward (fuse_optimizer="always")'
     shared = {
         r.index
         for t, other in enumerate(graph.loss.stages)

@@ -85,7 +85,8 @@ class FeedSplitter:
             wholes = placing.done(
                 [_whole_on(values[f], sh, placing) for f, sh in zip(refs, self.shardings[s])]
             )
-            batches[s] = self._cut[s](*wholes)
+            # (One micro-batch is the whole feed: nothing to cut.)
+            batches[s] = [wholes] if self.m == 1 else self._cut[s](*wholes)
         return batches
 
 
@@ -108,8 +109,8 @@ def _whole_on(x: Any, sharding: NamedSharding, placing: Placement) -> Any:
         # even for a mesh of this process's devices alone.)
         return x if jax.process_count() == 1 else placing.put(x, sharding)
     if isinstance(x, jax.Array):
-        if x.sharding == sharding:
-            return x
+        if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x  # (a one-device array on that device: the cutter reads it in place)
         if len(x.sharding.device_set) == 1 == len(sharding.device_set):
             return copy_shards(x, sharding)
     return placing.put(x, sharding)

@@ -4,7 +4,8 @@ One stage of `jr.parallelize` with M micro-batches against `jax.jit` of the whol
 against `jax.jit` of a hand-written `lax.scan` that accumulates the gradients of the same M
 micro-batches (the same arithmetic as the pipeline), all three donating the parameters and the
 optimizer state (`donate_argnums=(0, 1)`), for an MLP (default 4 x 1024, batch 256,
-Adam) and optionally a GPT (`--gpt`, 12 layers of `jaxreshard.models.gpt`).
+Adam) and optionally a GPT (`--gpt LAYERS` of `jaxreshard.models.gpt`, `--gpt-hidden`, `--gpt-batch`
+rows of 256 tokens; `--no-mlp` for the GPT alone).
 
 For each variant:
 - **step**: the steady step, `--chain` steps called back to back (each feeds the next its
@@ -66,10 +67,10 @@ def mlp(width: int, depth: int, seed: int = 0):
     return params, loss, batch
 
 
-def gpt_model(layers: int, seed: int = 0):
+def gpt_model(layers: int, hidden: int = 512, seed: int = 0):
     from jaxreshard.models import gpt
 
-    cfg = gpt.GPTConfig(vocab=2048, seq=256, hidden=512, layers=layers, heads=8)
+    cfg = gpt.GPTConfig(vocab=2048, seq=256, hidden=hidden, layers=layers, heads=8)
     params = gpt.init_params(cfg, seed)
 
     def loss(params, batch):
@@ -146,11 +147,10 @@ def one_step(fn, state, batch):
     return returned, ready, (out[0], out[1])
 
 
-def measure(name: str, model, m: int, rounds: int, chain_len: int, lr: float) -> dict:
+def measure(name: str, model, m: int, rounds: int, chain_len: int, lr: float, rows: int) -> dict:
     params, loss, make_batch = model
     tx = optax.adam(lr)
     fns = variants(loss, tx, m)
-    rows = args.batch
     batches = [jax.device_put(make_batch(rows, i)) for i in range(chain_len)]
     states = {k: fresh(params, tx) for k in fns}
     for k, fn in fns.items():  # compile and warm up
@@ -219,17 +219,23 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--gpt", type=int, default=0, metavar="LAYERS", help="also a GPT")
+    parser.add_argument("--gpt-hidden", type=int, default=512)
+    parser.add_argument("--gpt-batch", type=int, default=16, help="the GPT's batch (rows)")
+    parser.add_argument("--no-mlp", action="store_true", help="only the GPT")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--chain", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
-    models = [(f"MLP {args.depth}x{args.width}", mlp(args.width, args.depth))]
+    models = []
+    if not args.no_mlp:
+        models.append((f"MLP {args.depth}x{args.width}", mlp(args.width, args.depth), args.batch))
     if args.gpt:
-        models.append((f"GPT {args.gpt}L", gpt_model(args.gpt)))
-    for name, model in models:
+        name = f"GPT {args.gpt}L h{args.gpt_hidden}"
+        models.append((name, gpt_model(args.gpt, args.gpt_hidden), args.gpt_batch))
+    for name, model, batch in models:
         for m in args.micro_batches:
-            rows += measure(name, model, m, args.rounds, args.chain, 1e-3)["rows"]
+            rows += measure(name, model, m, args.rounds, args.chain, 1e-3, batch)["rows"]
     print_table(rows)
     if args.out:
         record = {

@@ -149,6 +149,12 @@ def typed_eval(closed: Any) -> Any:
     return run
 
 
+def _untyped(x: Any) -> Any:
+    """A constant of the user's trace (typed on the step's own mesh) as plain host data."""
+    typed = isinstance(x, jax.Array) or hasattr(x, "aval")  # (or a TypedNdArray)
+    return np.asarray(x) if typed else x
+
+
 # Calls whose body can be evaluated in place of the call where nothing differentiates it (a
 # custom derivative rule only matters under differentiation): name -> its body's parameter.
 _CALL_BODIES = {
@@ -169,16 +175,12 @@ def inlined_eval(closed: Any) -> Any:
     no inner jaxpr typed on the step's own mesh is bound (JAX refuses mixing the two)."""
     mesh = None
 
-    def host(x: Any) -> Any:  # a constant of the trace, typed on the step's mesh: untyped
-        typed = isinstance(x, jax.Array) or hasattr(x, "aval")  # (or a TypedNdArray)
-        return np.asarray(x) if typed else x
-
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(host, consts)))
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(_untyped, consts)))
         env.update(zip(jaxpr.invars, args))
 
         def read(v: Any) -> Any:
-            return host(v.val) if isinstance(v, jc.Literal) else env[v]
+            return _untyped(v.val) if isinstance(v, jc.Literal) else env[v]
 
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -887,30 +888,53 @@ def _segments(
     free = {o for p, e in enumerate(eqns) if placement.get(e.outvars[0]) is None for o in e.outvars}
     defined_at = {o: p for p, e in enumerate(eqns) for o in e.outvars}
 
-    def ready(item: tuple[int, int], produced: set[tuple[Any, int | None]]) -> bool:
-        p, stage = item
-        for v in eqns[p].invars:
-            if is_var(v) and v in defined_at and (v, stage if v in free else None) not in produced:
-                return False
-        return True
+    def key(v: Any, stage: int) -> tuple[Any, int | None]:
+        return (v, stage if v in free else None)
 
     # Greedy topological grouping: keep running the current stage while any of its equations is
-    # ready, so that each stage gets few segments.
-    remaining = [(p, stage) for p in range(len(eqns)) for stage in sorted(stages[p])]
-    produced: set[tuple[Any, int | None]] = set()
+    # ready, so that each stage gets few segments; else the first ready equation (in equation
+    # order, then stage). Each equation counts the values it still waits for (linear in the
+    # equations: a quadratic scan took 0.6 s of a tiny NNX LM's 5 s first step).
+    items = [(p, stage) for p in range(len(eqns)) for stage in sorted(stages[p])]
+    waiting: dict[tuple[Any, int | None], list[int]] = {}
+    missing = []
+    for i, (p, stage) in enumerate(items):
+        keys = {key(v, stage) for v in eqns[p].invars if is_var(v) and v in defined_at}
+        for k in keys:
+            waiting.setdefault(k, []).append(i)
+        missing.append(len(keys))
+    everywhere = [i for i, n in enumerate(missing) if n == 0]  # ready, by item order
+    by_stage: dict[int, list[int]] = {}
+    for i in everywhere:
+        by_stage.setdefault(items[i][1], []).append(i)
+    heapq.heapify(everywhere)
+    done = [False] * len(items)
     groups: list[tuple[int, list[int]]] = []
     current: int | None = None
-    while remaining:
-        candidates = [item for item in remaining if ready(item, produced)]
-        same = [item for item in candidates if item[1] == current]
-        pick = same[0] if same else candidates[0]
-        if pick[1] != current or not groups:
-            current = pick[1]
+
+    def first(heap: list[int]) -> int | None:
+        while heap and done[heap[0]]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    for _ in range(len(items)):
+        i = first(by_stage.get(current, [])) if current is not None else None
+        if i is None:
+            i = first(everywhere)
+        if i is None:
+            raise AssertionError("post-gradient equations wait for each other in a cycle")
+        done[i] = True
+        p, stage = items[i]
+        if stage != current or not groups:
+            current = stage
             groups.append((current, []))
-        groups[-1][1].append(pick[0])
-        for o in eqns[pick[0]].outvars:
-            produced.add((o, pick[1] if o in free else None))
-        remaining.remove(pick)
+        groups[-1][1].append(p)
+        for o in eqns[p].outvars:
+            for j in waiting.pop(key(o, stage), []):
+                missing[j] -= 1
+                if missing[j] == 0:
+                    heapq.heappush(everywhere, j)
+                    heapq.heappush(by_stage.setdefault(items[j][1], []), j)
     out = []
     for n, (stage, positions) in enumerate(groups):
         seg_eqns = [eqns[p] for p in positions]

@@ -306,6 +306,29 @@ def test_one_stage_one_micro_batch_is_one_executable():
     assert {name for name, _ in compiler._ready} == {"fb_apply@0"}
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager_1f1b"])
+def test_one_stage_runs_its_micro_batches_as_one_scan(schedule):
+    """A one-stage pipeline's micro-batches, whatever order the schedule gives their forwards
+    and backwards, run as one executable scanning over them, with the optimizer inside and the
+    accumulators started inside (one program a step, as a hand-written `lax.scan` under
+    jax.jit); donated parameters are consumed by it; a profile still times every action."""
+    cfg = config(num_stages=1, num_micro_batches=4, stage_mesh_shape=(1, 1), schedule=schedule)
+    step = jr.parallelize(make_step(1), config=cfg, batch_argnums=(1,), donate_argnums=(0,))
+    ref = jax.jit(make_step(1))
+    params, batch = make_params(1), make_batch()
+    ref_params, ref_loss = ref(params, batch)
+    given = jax.tree.map(jax.numpy.array, params)
+    new, loss = step(given, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for k in ref_params:
+        np.testing.assert_allclose(np.asarray(new[k]), ref_params[k], rtol=1e-5, atol=1e-6)
+    assert all(x.is_deleted() for x in jax.tree.leaves(given))
+    compiler = entry_compiler(step, params, batch)
+    assert {name for name, _ in compiler._ready} == {"fb_scan_apply/4@0"}
+    _, events = step.profile_call(params, batch)
+    assert sorted(e.kind for e in events if e.kind in "FB") == ["B"] * 4 + ["F"] * 4
+
+
 def entry_compiler(step, *args):
     return step._entry(args)[0].pipeline.compiled.compilers[0]
 

@@ -18,7 +18,7 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
     assert len(labels) == 3 and labels[-1] == "data parallel"
-    assert len(record["predicted"]) == 16  # 4 schedules x 1, 2, 4, 8 micro-batches of 16 rows
+    assert len(record["predicted"]) == 20  # 4 schedules x 1, 2, 4, 8, 16 micro-batches of 16 rows
     fastest = min(record["measured"], key=lambda r: r["step_seconds"])
     assert record["winner"] == fastest["label"]
     dp = record["measured"][-1]["step_seconds"]

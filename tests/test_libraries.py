@@ -525,6 +525,41 @@ def test_batch_statistics_inside_the_loss_warn():
         jr.parallelize(batch_norm, config=config(), batch_argnums=(1,))(mlp_params(), mlp_batch())
 
 
+@pytest.mark.parametrize("mixes", [False, True], ids=["attention", "in-batch negatives"])
+def test_one_row_micro_batches_warn_only_about_values_that_mix_examples(mixes):
+    """With one row per micro-batch JAX squeezes the size-1 batch dim of a batched matmul
+    (attention's scores) in one trace and not the other: not a value mixing examples. A
+    (B, B) similarity matrix still is."""
+    import warnings
+
+    from jaxreshard.models import gpt
+
+    cfg = gpt.GPTConfig(vocab=64, seq=8, hidden=16, layers=2, heads=2)
+
+    def train_step(params, tokens):
+        def loss_fn(p):
+            if mixes:
+                h = jnp.take(p["wte"], tokens[:, 0], axis=0)
+                return jnp.mean(jax.nn.log_softmax(h @ h.T))
+            return gpt.loss(p, tokens, cfg, num_stages=2)
+
+        return jr.value_and_grad(loss_fn)(params)
+
+    params, toks = gpt.init_params(cfg, 0), gpt.synthetic_batch(cfg, 4, 0, 0)["tokens"]
+    cfg4 = config(num_micro_batches=4, num_stages=2 if not mixes else 1)
+    step = jr.parallelize(train_step, config=cfg4, batch_argnums=(1,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, _ = step(params, toks)
+    found = [w for w in caught if issubclass(w.category, jr.MicroBatchWarning)]
+    assert bool(found) == mixes, [str(w.message) for w in found]
+    if mixes:
+        assert "across examples" in str(found[0].message)
+    else:
+        np.testing.assert_allclose(float(loss), float(jax.jit(train_step)(params, toks)[0]),
+                                   rtol=1e-5)  # fmt: skip
+
+
 def test_static_leaves_changing_every_call_warn():
     def train_step(params, batch, scale):
         def loss_fn(p):

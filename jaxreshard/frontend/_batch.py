@@ -75,6 +75,17 @@ def batch_dim(full: Sequence[int], micro: Sequence[int], num_micro_batches: int)
     return dims[0]
 
 
+def squeezed_row(full: Sequence[int], micro: Sequence[int], num_micro_batches: int) -> bool:
+    """Whether `micro` is `full` without its batch dim, as with micro-batches of one row: JAX
+    drops such a size-1 dim where the whole batch keeps it (`jnp.matmul` squeezes size-1 batch
+    dims before its `dot_general` and adds them back after), so the two traces pair a value of
+    one row, squeezed, with the whole batch's."""
+    full, micro = tuple(full), tuple(micro)
+    return len(full) == len(micro) + 1 and any(
+        full[d] == num_micro_batches and full[:d] + full[d + 1 :] == micro for d in range(len(full))
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Combine:
     """How the micro-batches' values of one output make the step's value: `concat` along `dim`
@@ -249,13 +260,17 @@ def find_statistics(
             try:
                 batch_dim(s[1], s[0], num_micro_batches)
             except ValueError:
-                findings.append(Finding("mixes", eqn, None))
-                break
+                if not squeezed_row(s[1], s[0], num_micro_batches):
+                    findings.append(Finding("mixes", eqn, None))
+                    break
         if eqn.primitive.name in _SCANS and any(is_var(v) and batched(v) for v in eqn.invars):
             axes = eqn.params.get("axis", eqn.params.get("dimension", eqn.params.get("dimensions")))
             axes = axes if isinstance(axes, tuple) else (axes,)
             x = next(v for v in eqn.invars if is_var(v) and batched(v))
-            d = batch_dim(*reversed(shapes(x)), num_micro_batches)  # type: ignore[misc]
+            try:
+                d = batch_dim(*reversed(shapes(x)), num_micro_batches)  # type: ignore[misc]
+            except ValueError:  # (a one-row micro-batch's squeezed batch dim: not along it)
+                d = None
             if d in axes:
                 findings.append(Finding("mixes", eqn, None))
     # The loss's own reduction: statistics that reach the combined outputs linearly.

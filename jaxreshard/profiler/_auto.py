@@ -67,10 +67,8 @@ def auto_search(
         if changes.get("virtual_stages") or changes.get("num_stages"):
             continue  # (another cut of the model: the calibration's costs do not apply)
         for m in MICRO_BATCHES:
-            # (micro-batches of one row are left out: with one row, the cutter cannot tell a
-            # per-example dim from a size-1 one, and warns about values that are per example)
-            if pc.run.batch_size % m or pc.run.batch_size // m < 2:
-                continue
+            if pc.run.batch_size % m or (pc.run.batch_size // m) % _batch_split(pc):
+                continue  # (a micro-batch must split evenly over the stages' batch axis)
             seconds = _predict(model.at(pc.run.batch_size // m), changes, m) + model.overhead
             predictions.append((seconds, f"{label}, {m} micro-batches",
                                 {**changes, "num_micro_batches": m}))  # fmt: skip
@@ -172,6 +170,16 @@ def _predict(costs: Costs, changes: dict[str, Any], m: int) -> float:
         costs=costs,
     )
     return simulate(schedule.with_apply(), costs).makespan
+
+
+def _batch_split(pc: ProfileConfig) -> int:
+    """The most ways a stage mesh splits a micro-batch (its batch axis's largest size)."""
+    p = pc.pipeline
+    if p.batch_axis is None:
+        return 1
+    k = p.mesh_axis_names.index(p.batch_axis)
+    shapes = p.mesh_shapes(p.num_meshes(pc.num_stages))
+    return max((shape[k] for shape in shapes if k < len(shape)), default=1)
 
 
 def data_parallel_changes(pc: ProfileConfig) -> dict[str, Any] | None:

@@ -150,3 +150,30 @@ def test_donation_on_ray_equals_jit(ray_runtime, m):
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
     for k in params:
         np.testing.assert_allclose(ours[0][k].fetch(), np.asarray(ref[0][k]), atol=2e-5)
+
+
+@pytest.mark.parametrize("m, mesh", [(1, (1,)), (4, (1,)), (4, (2,))])
+def test_a_donated_constant_read_by_the_loss_and_the_optimizer(cpu_devices, m, mesh):
+    """A donated per-step constant (a learning rate) that the loss reads too: the fused
+    executable (one micro-batch, or a one-stage pipeline's scan) keeps it rather than donate a
+    buffer it also reads (XLA refuses that, or crashes on a data mesh)."""
+    import jax.numpy as jnp
+
+    def step(params, batch, lr):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"]) * lr
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - lr * g, params, grads), loss
+
+    params, batch, lr = make_params(1), make_batch(), np.float32(0.05)
+    want = jax.jit(step)(params, batch, lr)
+    config = jr.PipelineConfig(
+        backend="local", num_stages=1, num_micro_batches=m, stage_mesh_shape=mesh
+    )
+    pstep = jr.parallelize(step, config=config, batch_argnums=(1,), donate_argnums=(0, 2))
+    for _ in range(2):
+        got = pstep(jax.tree.map(jnp.array, params), batch, jnp.array(lr))
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)

@@ -32,6 +32,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard.frontend._backward import derive_backward, derive_forward
+from jaxreshard.frontend._jaxprs import is_var
 from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.engine._channels import Channels
@@ -152,11 +153,14 @@ class HostEngine:
             seg = graph.segments[j]
             extra = [v for v in seg.inputs if v not in grad_vars]
             invars = graph.outer.jaxpr.invars
-            params = {  # the stage's parameters, by their position among its inputs
-                invars[graph.params[r.index]]: i
-                for i, r in enumerate(graph.loss.stages[s].inputs)
-                if r.kind == PARAM
-            }
+            # What the stage's forward reads too (a parameter, a per-step constant), by its
+            # position among the stage's inputs.
+            params = {}
+            for i, r in enumerate(graph.loss.stages[s].inputs):
+                if r.kind == PARAM:
+                    params[invars[graph.params[r.index]]] = i
+                elif r.kind == CONST and is_var(graph.consts[r.index]):
+                    params[graph.consts[r.index]] = i
             self.compilers[s].set_apply(
                 seg.jaxpr,
                 [grad_of.get(v) for v in seg.inputs],

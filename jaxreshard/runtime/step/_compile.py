@@ -196,7 +196,9 @@ class StageCompiler:
             if len(self.graph.loss.stages) == 1 and bw.w is None:  # a scan over micro-batches
                 names.append("fb_scan_apply/2" if self.fused else "fb_scan/2")
         if self.fused:  # the optimizer reads the gradients reduced, in the same program
-            names.append("fb_apply" if self.loss_scale is not None else "apply")
+            names.append("apply")  # (a recorded step's, on the last stage too)
+            if self.loss_scale is not None:
+                names.append("fb_apply")
         for name in names:
             fn, args, out_shardings, donate = self._spec(name)
             with jax.set_mesh(mesh), quiet_donation():
@@ -493,9 +495,14 @@ class StageCompiler:
         self._extra_specs = list(extra_specs) or [P()] * len(self._extra_avals)
         n = len(self._extra_avals)
         given, read = list(given) or [False] * n, list(read) or [None] * n
-        self._given = {"apply": given, "fb_apply": given}
+        # The variants that run the forward take a donated parameter once (`_taken`); another
+        # donated input the forward reads too (a per-step constant) they keep, as XLA refuses a
+        # buffer donated and read by one call.
+        kinds = [r.kind for r in self.bw.stage.inputs]
+        forward = [g and (i is None or kinds[i] == PARAM) for g, i in zip(given, read)]
+        self._given = {"apply": given, "fb_apply": forward}
         # Stage input position -> its place among the donated extra inputs.
-        donated = [i for i, g in zip(read, given) if g]
+        donated = [i for i, g in zip(read, forward) if g]
         self._taken = {i: j for j, i in enumerate(donated) if i is not None}
 
         typed = inlined_eval(segment)
@@ -553,9 +560,12 @@ class StageCompiler:
             for a, sh, keep in zip(acc, params, self.unreduced)
         ]
 
-    def _apply(self, grads: Sequence[Any], kept: Sequence[Any], given: Sequence[Any]) -> Any:
-        """The fused optimizer segment on the final (reduced) gradients."""
-        return self._update(self._reduced(grads), self._merge(kept, given, "apply"))
+    def _apply(
+        self, grads: Sequence[Any], kept: Sequence[Any], given: Sequence[Any], name: str = "apply"
+    ) -> Any:
+        """The fused optimizer segment on the final (reduced) gradients; `name`: the variant
+        whose donation flags split its other inputs into `kept` and `given`."""
+        return self._update(self._reduced(grads), self._merge(kept, given, name))
 
     def _apply_full(self, acc, res, cts, kept, given):
         acts, grads = self.fns["full"](acc, res, cts)
@@ -576,7 +586,7 @@ class StageCompiler:
     def _fb_apply(self, acc, args, kept, given):
         args = self._retaken(range(len(self.bw.stage.inputs)), args, given)
         outs, acts, grads = self._fb(acc, args)
-        return outs, acts, self._apply(grads, kept, given)
+        return outs, acts, self._apply(grads, kept, given, "fb_apply")
 
     def varying(self) -> list[bool]:
         """Per stage input, whether it differs between micro-batches (a scan's `xs`) or not
@@ -609,7 +619,7 @@ class StageCompiler:
         varying = self.varying()
         shared = self._retaken([i for i, v in enumerate(varying) if not v], shared, given)
         outs, acts, grads = self._fb_scan(acc, shared, pieces)
-        return outs, acts, self._apply(grads, kept, given)
+        return outs, acts, self._apply(grads, kept, given, "fb_apply")
 
     @functools.cached_property
     def acc_params(self) -> list[int]:

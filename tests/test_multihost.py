@@ -270,18 +270,27 @@ def test_optimizer_state_laid_out_by_the_caller_runs_the_segments_compiled_ahead
     assert all(r["segments_compiled_in_steps"][pipe.key] == [] for r in reports), reports
 
 
-@pytest.mark.parametrize("shape", [(2,), (4,)], ids=["one-host", "two-hosts"])
-def test_data_parallel_stages_sum_their_gradients_once_on_ray(ray_runtime, shape):
+@pytest.mark.parametrize(
+    "shape, stages",
+    [((2,), 2), ((4,), 2), ((4,), 1)],
+    ids=["one-host", "two-hosts", "one-stage-fused"],
+)
+def test_data_parallel_stages_sum_their_gradients_once_on_ray(ray_runtime, shape, stages):
     """Stages of one host and stages that span two (their gradients' one reduction a step then
     crosses the hosts' link): equal to jax.jit. The one-host case also places a NumPy batch on
-    a data-split mesh inside a distributed runtime, which jit refuses to take as it is."""
-    cfg = ray_config(stage_mesh_shape=shape, mesh_axis_names=("data",), num_micro_batches=4)
-    step = jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,))
-    params, losses = run_steps(step, make_params(2), make_batch(rows=16))
+    a data-split mesh inside a distributed runtime, which jit refuses to take as it is. One
+    stage over two hosts runs its micro-batches as one scan with the optimizer fused, which
+    reads the gradients reduced once."""
+    cfg = ray_config(
+        stage_mesh_shape=shape, mesh_axis_names=("data",), num_micro_batches=4, num_stages=stages
+    )
+    step = jr.parallelize(make_step(stages), config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(stages), make_batch(rows=16))
     reductions = step.pipeline(params, make_batch(rows=16)).layout.reductions
     assert set(reductions.values()) == {"once per step, over data"}, reductions
-    ref_step = jax.jit(make_step(2))
-    assert_same(params, losses, *run_steps(ref_step, make_params(2), make_batch(rows=16)), tol=2e-5)
+    ref_step = jax.jit(make_step(stages))
+    ref = run_steps(ref_step, make_params(stages), make_batch(rows=16))
+    assert_same(params, losses, *ref, tol=2e-5)
 
 
 def test_a_cpu_runtime_joined_for_nothing_says_what_it_costs(ray_runtime):

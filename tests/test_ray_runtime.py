@@ -199,7 +199,7 @@ def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
     import jax.numpy as jnp
     import ray
 
-    from jaxreshard.runtime.ray import _pipeline as _pipeline_ray
+    from jaxreshard.runtime.ray import _hosts as _hosts_ray
 
     @jax.custom_jvp
     def slow(x):  # an identity that takes 0.5 s on the host
@@ -215,7 +215,7 @@ def test_a_pipeline_step_longer_than_its_deadline_runs_while_its_hosts_progress(
         loss, g = jaxreshard.value_and_grad(loss_fn)(w)
         return w - 0.1 * g, loss
 
-    monkeypatch.setattr(_pipeline_ray, "STEP_GRACE_S", 0.0)  # the driver waits timeout_s
+    monkeypatch.setattr(_hosts_ray, "STEP_GRACE_S", 0.0)  # the driver waits timeout_s
     config = jaxreshard.PipelineConfig(num_micro_batches=8, timeout_s=3.0, backend="ray")
     pstep = jaxreshard.parallelize(step, config=config, batch_argnums=(1,))
     w = np.ones((4, 4), np.float32) * 0.1

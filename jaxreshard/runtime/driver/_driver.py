@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
+from jaxreshard.runtime.driver._deferred import Deferred, StepValue
 from jaxreshard.runtime.engine._events import APPLY_EVENT, Event
 from jaxreshard.runtime.engine._placing import literal_or
 from jaxreshard.runtime.step._around import combine_losses, combine_results, pre_values, step_value
@@ -56,6 +57,10 @@ class StepCall:
         segments: (segment index, inputs) to run after the stages, in order; an input is
             ("grad", k), ("out", (j, n)), or a value as `Hosts.ref` tags it.
         record, signal_only: as `Parallelized.profile_call`.
+        seq: the step's place among the calls the host gets, from 0 (Ray: a host runs them in
+            this order, see [Note: asynchronous steps on Ray]); -1 where calls run as made.
+        generation: how many failed steps the driver knew of when it sent the call (a host
+            cancels the queued steps of a failed step's generation).
     """
 
     step_id: str
@@ -66,6 +71,8 @@ class StepCall:
     segments: list[tuple[int, list[Any]]]
     record: bool
     signal_only: bool
+    seq: int = -1
+    generation: int = 0
 
 
 @dataclasses.dataclass
@@ -73,12 +80,14 @@ class HostResult:
     """What one host's step call gave back, as the driver uses it.
 
     Attributes:
-        losses: per micro-batch (a host of the last stage), else None.
+        losses: per micro-batch (a host of the last stage), else None; a `Deferred` list for a
+            step that returns before its values exist.
         grads: gradients of the parameters its stages own, by index (values as `Hosts`
             hands them out: arrays locally, `RemoteArray`s on Ray).
         applied: per stage with a fused optimizer, its outputs.
         segments: the outputs of the segments it ran, by index.
-        results: per result its stages computed, its value per micro-batch.
+        results: per result its stages computed, its value per micro-batch (or a `Deferred`
+            list).
         events: timed events, on the driver's clock (with `record`).
     """
 
@@ -140,6 +149,14 @@ class Hosts:
         """The step's loss as it returns it (from the micro-batches' host values: of the
         loss's dtype, as `jax.jit` gives it)."""
         return np.asarray(loss, dtype=aval.dtype)
+
+
+def _shape(v: Any) -> tuple[Any, Any]:
+    return v.aval.shape, v.aval.dtype
+
+
+def _now(x: Any) -> Any:
+    return x.result() if isinstance(x, Deferred) else x
 
 
 NOT_THERE = object()  # `Hosts.ref`: the value cannot reach those hosts within the step call
@@ -273,15 +290,37 @@ class PipelineDriver:
         # 5. What the step made.
         lead = {s: hs[0] for s, hs in hosts.hosts_of_stage.items()}
         m = self.config.num_micro_batches
+        reduction = self.config.loss_reduction
         per_mb = [results[lead[home]].results[j] for j, home in enumerate(g.loss.result_homes)]
-        combined = combine_results(per_mb, g.results, self.config.loss_reduction)
+        later = next((x for x in per_mb if isinstance(x, Deferred)), None)
+        if later is None:
+            combined = combine_results(per_mb, g.results, reduction)
+        else:  # an asynchronous step's: combined when read (see `StepValue`)
+            whole = Deferred.of(
+                later, lambda: combine_results([_now(x) for x in per_mb], g.results, reduction)
+            )
+            combined = [
+                StepValue(Deferred.of(whole, lambda n=n: whole.result()[n]), *_shape(v))
+                for n, v in enumerate(g.result_outputs)
+            ]
         values.update(zip(g.result_outputs, combined))
         if g.forward_only:
             return [literal_or(values, v) for v in g.outer.jaxpr.outvars]
         losses = results[lead[self.layout.num_stages - 1]].losses
-        assert losses is not None and len(losses) == m
-        loss = combine_losses(losses, self.config.loss_reduction)
-        values[g.grad_outputs[0]] = hosts.loss_value(loss, g.grad_outputs[0].aval)
+        aval = g.grad_outputs[0].aval
+        if isinstance(losses, Deferred):
+            read = losses
+            values[g.grad_outputs[0]] = StepValue(
+                Deferred.of(
+                    read, lambda: hosts.loss_value(combine_losses(read.result(), reduction), aval)
+                ),
+                aval.shape,
+                aval.dtype,
+            )
+        else:
+            assert losses is not None and len(losses) == m
+            loss = combine_losses(losses, reduction)
+            values[g.grad_outputs[0]] = hosts.loss_value(loss, aval)
         for k, v in enumerate(g.grad_outputs[1:]):
             owner = g.owner[k]
             grad = results[lead[owner]].grads.get(k)

@@ -27,8 +27,11 @@ by definition and skipped.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from jaxreshard.runtime.engine._dispatch import Completion
@@ -64,10 +67,18 @@ class StepWatch:
                 on_failure(e)
                 raise
 
+        self.track_call(step_id, watch)
+
+    def track_call(self, step_id: str, wait: Callable[[], None]) -> Future[None]:
+        """Watch step `step_id` by calling `wait()` in the watch thread, after the steps tracked
+        before it: it returns once the step has finished, or raises its error (with its own
+        deadline). The future is done when the step is seen finished."""
         with self._lock:
             if self._pool is None:
                 self._pool = DaemonPool(1, "jaxreshard-watch")
-            self._pending.append((step_id, self._pool.submit(watch)))
+            future = self._pool.submit(wait)
+            self._pending.append((step_id, future))
+        return future
 
     @property
     def in_flight(self) -> int:
@@ -105,6 +116,12 @@ class StepWatch:
                 _, future = self._pending.popleft()
             self._raise(future, wait=True)
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait at most `timeout_s` for the watched steps to finish; raise nothing."""
+        with self._lock:
+            futures = [f for _, f in self._pending]
+        futures_wait(futures, timeout=timeout_s)
+
     def _raise(self, future: Future[None], wait: bool = False) -> None:
         # (the watch itself has the deadline: the result comes, or its error)
         error = future.exception() if wait or future.done() else None
@@ -114,7 +131,7 @@ class StepWatch:
                 self._pending.clear()
             for f in later:
                 f.cancel()
-            raise error
+            raise anew(error) from error.__cause__
 
     def close(self, join_s: float | None = JOIN_S) -> None:
         """End the watch thread (steps in flight are no longer watched)."""
@@ -124,3 +141,16 @@ class StepWatch:
         if pool is not None:
             pool.shutdown(join_s)
         self._completion.close(join_s)
+
+
+def anew(error: BaseException) -> BaseException:
+    """A copy of a watched step's error to raise in the caller's thread. The original stays in
+    its future, which handles of the step's outputs keep; raised itself, it would take the
+    caller's frames into its traceback, and with them the pipeline (which could then never be
+    dropped)."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # (an exception type that cannot be copied)
+        return error
+    new.__traceback__ = None
+    return new

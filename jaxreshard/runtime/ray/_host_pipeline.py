@@ -39,26 +39,28 @@ from jaxreshard.runtime.step._specs import place, spec_of, transplant_spec
 
 
 class StepProgress:
-    """What a host's part of the running step has finished, for the driver's progress deadline
-    (see [Note: progress deadline]). Thread-safe; it holds only weak references to outputs."""
+    """What a host's part of each recent step has finished, for the driver's progress deadline
+    (see [Note: progress deadline]): a step's outputs may still be computed while the next step
+    is dispatched. Thread-safe; it holds only weak references to outputs."""
+
+    KEEP = 8  # steps remembered
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.step_id = ""
-        self.count = 0
-        self.last = "nothing"
-        self._when = time.monotonic()
-        self._pending: list[tuple[str, list[Any]]] = []  # dispatched: (what, weakrefs of outputs)
+        self._steps: dict[str, _Progress] = {}
+        self._current: _Progress | None = None
 
     def begin(self, step_id: str) -> None:
         with self._lock:
-            self.step_id, self.count, self.last = step_id, 0, "nothing"
-            self._when, self._pending = time.monotonic(), []
+            self._current = self._steps[step_id] = _Progress()
+            while len(self._steps) > self.KEEP:
+                del self._steps[next(iter(self._steps))]
 
     def finished(self, what: str) -> None:
-        """Something of the step finished now."""
+        """Something of the step being dispatched finished now."""
         with self._lock:
-            self._finished(what)
+            if self._current is not None:
+                self._current.finished(what)
 
     def dispatched(self, what: str, outputs: Any) -> None:
         """An action was dispatched: it has finished once `outputs` are ready (or gone)."""
@@ -68,29 +70,46 @@ class StepProgress:
             if isinstance(x, jax.Array) and hasattr(x, "is_ready")
         ]
         with self._lock:
-            self._pending.append((what, refs))
-            self._sweep()
+            if self._current is not None:
+                self._current.pending.append((what, refs))
+                self._current.sweep()
 
     def report(self, step_id: str) -> tuple[int, str, float]:
         """(how many things step `step_id` finished here, the last one, seconds since)."""
         with self._lock:
-            if step_id != self.step_id:
+            progress = self._steps.get(step_id)
+            if progress is None:
                 return (0, "nothing", 0.0)
-            self._sweep()
-            return (self.count, self.last, time.monotonic() - self._when)
+            progress.sweep()
+            return (progress.count, progress.last, time.monotonic() - progress.when)
 
-    def _finished(self, what: str) -> None:
+
+class _Progress:
+    """One step's `StepProgress`."""
+
+    def __init__(self) -> None:
+        self.count, self.last, self.when = 0, "nothing", time.monotonic()
+        self.pending: list[tuple[str, list[Any]]] = []  # dispatched: (what, weakrefs of outputs)
+
+    def finished(self, what: str) -> None:
         self.count += 1
-        self.last, self._when = what, time.monotonic()
+        self.last, self.when = what, time.monotonic()
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         pending = []
-        for what, refs in self._pending:
+        for what, refs in self.pending:
             if all(_done(ref()) for ref in refs):
-                self._finished(what)
+                self.finished(what)
             else:
                 pending.append((what, refs))
-        self._pending = pending
+        self.pending = pending
+
+
+def _small(x: Any) -> Any:
+    """A kept array's value if it is small (it travels with the answer), else None."""
+    if x.size * np.dtype(x.dtype).itemsize <= SMALL_BYTES:
+        return local_value(x, required=False)
+    return None
 
 
 def _done(x: Any) -> bool:
@@ -212,6 +231,13 @@ class HostPipeline:
         self._step_id = ""
         self._running = 0  # step calls under way
         self.dropped = False
+        # Step calls run in the driver's order (`StepCall.seq`), one dispatch at a time (see
+        # [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
+        self._turn = threading.Condition()
+        self._next_seq = 0
+        self._moved_at = time.monotonic()  # when a step last took or gave up its turn
+        self._cancelled: dict[str, str] = {}  # step id -> why (aborted before its turn)
+        self._waiting: dict[str, int] = {}  # steps waiting for their turn -> generation
 
     def _mesh(self, grid: Any) -> Mesh:
         """A mesh of global device ids as this process's JAX sees it."""
@@ -278,19 +304,31 @@ class HostPipeline:
             self.channels.signalled(step_id, key)
 
     def abort(self, step_id: str, reason: str) -> None:
-        """Stop the running step `step_id` (a peer failed): every wait ends with `reason`."""
+        """Stop step `step_id` (a peer failed, or a step before it did): the running one's
+        waits end with `reason`; one still queued here (or not yet arrived) will not run."""
+        if not step_id.startswith(f"{self.key}:"):
+            return  # (another pipeline's step, or a resharding)
         if self.channels is not None and step_id == self._step_id:
             self.channels.fail(PipelineError(f"host {self.actor.host}: stopped: {reason}"))
+        with self._turn:
+            if len(self._cancelled) > 1024:  # (steps that had run already: forget the oldest)
+                del self._cancelled[next(iter(self._cancelled))]
+            self._cancelled[step_id] = reason
 
     # Values between the driver and the engine ---------------------------------------------------
 
     def _held(self, array_id: str, shape: Sequence[int], sharding: NamedSharding) -> jax.Array:
         """Array `array_id` with `sharding` (this host's shards of it): as a step kept it, when
-        it has that sharding (a parameter from the last step), else put together from its
-        shards here."""
+        it has that sharding (a parameter from the last step), moved to it when a step kept it
+        on the same devices otherwise (the driver's handle of an asynchronous step's output
+        says what the last step made: see [Note: asynchronous steps on Ray]), else put
+        together from its shards here."""
         whole = self.actor.whole.get(array_id)
-        if whole is not None and whole.sharding.is_equivalent_to(sharding, len(shape)):
-            return whole
+        if whole is not None:
+            if whole.sharding.is_equivalent_to(sharding, len(shape)):
+                return whole
+            if whole.sharding.device_set == sharding.device_set:
+                return jax.device_put(whole, sharding)
         shards = self.actor._array(array_id)
         arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat if d in self._gid]
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
@@ -311,8 +349,9 @@ class HostPipeline:
         return from_wire(value)
 
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
-        """Keep `value` here as `array_id`; describe it for the driver (with its value when it
-        is small, so the driver need not fetch it: an optimizer's step count, say)."""
+        """Keep `value` here as `array_id`; describe it for the driver: (id, spec, shape,
+        dtype, None); the step's answer puts a small array's value last (`_small`), so the
+        driver need not fetch it (an optimizer's step count, say)."""
         if not isinstance(value.sharding, NamedSharding) and not is_key(value):
             mesh = next(
                 (
@@ -330,31 +369,82 @@ class HostPipeline:
                     "please report it"
                 )
         self.actor._keep(array_id, value)
-        dtype = np.dtype(value.dtype)
-        small = None
-        if value.size * dtype.itemsize <= SMALL_BYTES:
-            small = local_value(value, required=False)
-        return (array_id, tuple(spec_of(value.sharding)), value.shape, dtype.name, small)
+        return (array_id, tuple(spec_of(value.sharding)), value.shape, np.dtype(value.dtype).name,
+                None)  # fmt: skip
 
     # A step ---------------------------------------------------------------------------------------
 
     def step(self, call: StepCall) -> dict[str, Any]:
-        """Run this host's part of a step (the engine: its stages, then the post-gradient
-        segments the driver placed here); keep gradients and outputs; return losses (hosts of
-        the last stage), what was kept (described), aux outputs, events."""
+        """Run this host's part of a step: once the steps sent before it have been dispatched
+        here, dispatch its stages and the post-gradient segments the driver placed here, and
+        keep gradients and outputs (the next step may go on); then wait for its values and
+        return losses (hosts of the last stage), what was kept (described, with the values of
+        small arrays), aux outputs, events."""
         if self.dropped:
             raise PipelineError(f"host {self.actor.host}: pipeline {self.key} was closed")
         assert self.channels is not None, "set_layout first"
         channels = self.channels
         self._running += 1
         try:
-            return self._step(call)
+            self._await_turn(call)
+            try:
+                with self._turn:
+                    why = self._cancelled.pop(call.step_id, None)
+                if why is not None:
+                    raise PipelineError(
+                        f"host {self.actor.host}: step {call.step_id} was cancelled: {why}"
+                    )
+                try:
+                    out, result = self._dispatch(call)
+                except BaseException:
+                    # The steps queued behind it, sent before the driver knew of a failure,
+                    # read what it would have made.
+                    with self._turn:
+                        for step_id, generation in self._waiting.items():
+                            if generation == call.generation:
+                                self._cancelled[step_id] = f"step {call.step_id} failed before it"
+                    raise
+            finally:
+                with self._turn:
+                    if call.seq >= 0:
+                        self._next_seq = max(self._next_seq, call.seq + 1)
+                    self._moved_at = time.monotonic()
+                    self._turn.notify_all()
+            return self._answer(call, out, result)
         finally:
             self._running -= 1
             if self.dropped and not self._running:  # dropped during the step: now it is over
                 channels.forget(self.key)
 
-    def _step(self, call: StepCall) -> dict[str, Any]:
+    def _await_turn(self, call: StepCall) -> None:
+        """Wait until the steps sent before `call` have been dispatched here. A step that is
+        dispatching has deadlines of its own; one that never arrives fails this one after
+        `timeout_s` without any step moving. A step waiting here is cancelled if one before it
+        fails here."""
+        limit = self.config.timeout_s
+        with self._turn:
+            self._waiting[call.step_id] = call.generation
+            try:
+                while call.seq > self._next_seq and not self.dropped:
+                    idle = time.monotonic() - self._moved_at
+                    if idle > limit and self._running == len(self._waiting):  # none dispatches
+                        raise PipelineError(
+                            f"host {self.actor.host}: step {call.step_id} (call {call.seq} of "
+                            f"pipeline {self.key}) waited {idle:.0f} s for call "
+                            f"{self._next_seq}, which never reached this host (the driver or "
+                            "its link to this host failed?)"
+                        )
+                    self._turn.wait(1.0)
+            finally:
+                self._waiting.pop(call.step_id, None)
+            if self.dropped:
+                raise PipelineError(f"host {self.actor.host}: pipeline {self.key} was closed")
+            self._moved_at = time.monotonic()
+
+    def _dispatch(self, call: StepCall) -> tuple[Any, dict[str, Any]]:
+        """Dispatch this host's part of step `call`; keep its outputs here under their ids
+        (those the driver builds its handles with: `RayHosts.predicted`); describe them
+        without values."""
         g, step_id = self.graph, call.step_id
         self._step_id = step_id
         self.watch.begin(step_id)
@@ -410,9 +500,17 @@ class HostPipeline:
                 j: [self._describe(f"{step_id}:seg{j}:{n}", v) for n, v in enumerate(values)]
                 for j, values in out.segments.items()
             },
-            "losses": None if out.losses is None else [local_value(v) for v in out.losses],
-            "results": {},
         }
+        return out, result
+
+    def _answer(self, call: StepCall, out: Any, result: dict[str, Any]) -> dict[str, Any]:
+        """The step's answer to the driver, once its values are computed: `result` with the
+        values of small kept arrays, the losses, the aux outputs and the events."""
+        for kind in ("applied", "segments"):
+            for i, values in getattr(out, kind).items():
+                result[kind][i] = [(*d[:4], _small(v)) for d, v in zip(result[kind][i], values)]
+        result["losses"] = None if out.losses is None else [local_value(v) for v in out.losses]
+        result["results"] = {}
         m = self.config.num_micro_batches
         for j in sorted({j for j, _ in out.results}):
             result["results"][j] = [to_wire(out.results[(j, mb)]) for mb in range(m)]
@@ -427,4 +525,7 @@ class HostPipeline:
         mesh = self.meshes[seg.stage]
         values = [self._value(item, var.aval, mesh) for item, var in zip(inputs, seg.inputs)]
         outs = self.engine.segment(index, values)
-        return [self._describe(f"{step_id}:seg{index}:{n}", v) for n, v in enumerate(outs)]
+        return [
+            (*self._describe(f"{step_id}:seg{index}:{n}", v)[:4], _small(v))
+            for n, v in enumerate(outs)
+        ]

@@ -5,8 +5,9 @@ The driver traces and cuts the step; every host actor that runs stages traces an
 (the step function travels by value, and a fingerprint proves both traces agree), compiles its
 own stages in its `HostEngine` (see [Note: host engine]), and is sent the layout: specs,
 transfer plans over the runtime's device ids, and its stages' instruction lists. A step is
-`PipelineDriver.run` (see [Note: one step]) over `RayHosts`: one call per host per step (feeds
-in; losses, small outputs and array handles out). Boundary tensors move between hosts by the
+`PipelineDriver.run` (see [Note: one step]) over `RayHosts` (`ray/_hosts.py`): one call per host
+per step (feeds in; losses, small outputs and array handles out; the call returns before the
+step is done, see [Note: asynchronous steps on Ray]). Boundary tensors move between hosts by the
 plan's host programs over the runtime's transport, inside a host by a local resharding (see
 [Note: boundary tensors]). Parameters, gradients and optimizer state stay in the actors: a host
 keeps a step's outputs as the jax.Arrays they are, the optimizer segments whose inputs are all
@@ -64,24 +65,24 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.comm import VirtualMesh, VirtualSharding
+from jaxreshard.comm import VirtualSharding
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import fingerprint
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.driver._driver import NOT_THERE, HostResult, Hosts, PipelineDriver, StepCall
+from jaxreshard.runtime.driver._driver import PipelineDriver
 from jaxreshard.runtime.driver._lifetime import track_pipeline
-from jaxreshard.runtime.engine._events import Event
+from jaxreshard.runtime.engine._watch import StepWatch
+from jaxreshard.runtime.ray._hosts import RayHosts
 from jaxreshard.runtime.ray._nccl_order import check_channel_order, nccl_programs
 from jaxreshard.runtime.ray._placement import (
     COMPILE_WAIT_S,
@@ -90,238 +91,11 @@ from jaxreshard.runtime.ray._placement import (
     warn_distributed_cost,
 )
 from jaxreshard.runtime.ray._remote import RemoteArray
-from jaxreshard.runtime.ray._wire import from_wire, is_key, merge_wire, to_wire
 from jaxreshard.runtime.step._fusion import fusable_segments
-from jaxreshard.runtime.step._layout import PipelineLayout, layout_pipeline, pipeline_schedule
+from jaxreshard.runtime.step._layout import layout_pipeline, pipeline_schedule
 from jaxreshard.runtime.step._specs import spec_of
 
-STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
 DROP_WAIT_S = 5.0  # how long `RayPipeline.close` waits for the hosts to have dropped it
-
-
-class RayHosts(Hosts):
-    """The driver's way to a pipeline's host actors (see [Note: one step]): step calls as actor
-    calls, values as `RemoteArray`s and host data."""
-
-    def __init__(
-        self,
-        runtime: Any,
-        key: str,
-        graph: StepGraph,
-        config: PipelineConfig,
-        meshes: Sequence[VirtualMesh],
-        hosts_of_stage: Mapping[int, tuple[int, ...]],
-    ):
-        self.runtime, self.key, self.graph, self.config = runtime, key, graph, config
-        self.meshes = list(meshes)
-        self.hosts_of_stage = dict(hosts_of_stage)
-        self.layout: PipelineLayout | None = None
-        self.transport = runtime.transport
-        self._lead = {s: hs[0] for s, hs in self.hosts_of_stage.items()}
-
-    def sharding(self, s: int, spec: P) -> VirtualSharding:
-        return VirtualSharding(self.meshes[s], spec)
-
-    def begin(self, step_id: str) -> None:
-        rt = self.runtime
-        rt.flush_frees()  # the handles the last step's outputs replaced
-        if self.transport == "nccl":  # an abort (a failed step) ended them all: make them again
-            assert self.layout is not None
-            for channel, programs in nccl_programs(self.layout, self.hosts_of_stage):
-                rt._ensure_communicators(programs, channel)
-
-    def params(self, values: Mapping[int, Any]) -> dict[int, Any]:
-        g, layout = self.graph, self.layout
-        assert layout is not None
-        out = {}
-        for k, value in values.items():
-            sharding = self.sharding(g.owner[k], layout.param_specs[k])
-            if not (
-                isinstance(value, RemoteArray) and value.sharding == sharding and not value.is_freed
-            ):
-                value = self._put_param(k, np.asarray(value), sharding)
-            out[k] = value
-        return out
-
-    def _put_param(self, k: int, value: np.ndarray, sharding: VirtualSharding) -> RemoteArray:
-        """Put parameter `k` on its stage's hosts; a host that died meanwhile is named with its
-        stages, as in a step (a step's first act is to put the parameters it was given as host
-        data, so a host lost just before a step fails here)."""
-        from jaxreshard.runtime.ray._wait import RuntimeBroken
-
-        try:
-            return self.runtime.put(value, sharding)
-        except RuntimeBroken as e:
-            if e.host is None:  # broken before: the message says how
-                raise
-            stage = self.graph.owner[k]
-            broken = RuntimeBroken(
-                f"{e} (putting parameter {k}, {value.dtype}{list(value.shape)}, on stage {stage}'s "
-                f"hosts; {self._stages_text(e.host)})"
-            )
-            broken.host = e.host
-            raise broken from None
-
-    def pre_inputs(self, leaves: Sequence[Any]) -> list[Any]:
-        return [x if isinstance(x, RemoteArray) or is_key(x) else np.asarray(x) for x in leaves]
-
-    def pre_place(self, inputs: list[Any]) -> list[Any]:
-        """The driver's copies of values the `pre` part reads (arrays the hosts hold come
-        over)."""
-        return [x.fetch() if isinstance(x, RemoteArray) else x for x in inputs]
-
-    def ref(self, value: Any, hosts: Sequence[int], gather: bool = False) -> Any:
-        """("id", ...) for an array those hosts keep; host data otherwise: ("laid", (data,
-        spec)) for an array laid out with a spec, which the hosts place with that spec where it
-        fits, as the local runtime keeps an array's spec (the executables compiled ahead expect
-        it); ("data", data) for the rest."""
-        if isinstance(value, jax.Array) and not is_key(value):
-            return ("laid", (to_wire(value), tuple(spec_of(value.sharding))))
-        if not isinstance(value, RemoteArray):
-            return ("data", to_wire(value))
-        if value.value is not None:  # small: it travels
-            return ("data", value.value)
-        mesh = value.sharding.mesh
-        if {d.process_index for d in mesh.devices.flat} == set(hosts):
-            grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
-            return ("id", (value.array_id, tuple(value.sharding.spec), grid))
-        if gather:
-            return ("laid", (value.fetch(), tuple(value.sharding.spec)))
-        return NOT_THERE
-
-    def call(self, calls: Mapping[int, StepCall]) -> dict[int, HostResult]:
-        rt = self.runtime
-        step_id = next(iter(calls.values())).step_id
-        wire = {
-            h: StepCall(
-                c.step_id,
-                {k: x.array_id for k, x in c.params.items()},
-                {f: to_wire(x) for f, x in c.feeds.items()},
-                {i: to_wire(x) for i, x in c.consts.items()},
-                c.apply_inputs,
-                c.segments,
-                c.record,
-                c.signal_only,
-            )
-            for h, c in calls.items()
-        }
-        refs = {h: rt.actors[h].pipeline_step.remote(self.key, c) for h, c in wire.items()}
-        answers = self._wait(
-            refs,
-            f"running step {step_id}",
-            self.config.timeout_s + STEP_GRACE_S,
-            work_id=step_id,
-            progress=lambda h: rt.actors[h].pipeline_progress.remote(self.key, step_id),
-        )
-        here = time.time() - time.perf_counter()
-        g = self.graph
-        out = {}
-        for h, r in answers.items():
-            events = [
-                Event(
-                    **{
-                        **e,
-                        "start": e["start"] + r["clock"] - here,
-                        "end": e["end"] + r["clock"] - here,
-                    }
-                )
-                for e in r.get("events", [])
-                if self._lead.get(e["stage"], h) == h  # a stage's hosts record the same actions
-            ]
-            results = {}
-            for j, per_mb in r["results"].items():
-                hosts = self.hosts_of_stage[g.loss.result_homes[j]]
-                if hosts[0] != h:  # (the lead's answer carries the stage's, merged once)
-                    continue
-                results[j] = [
-                    from_wire(merge_wire([answers[x]["results"][j][mb] for x in hosts]))
-                    for mb in range(len(per_mb))
-                ]
-            # Handles only from a stage's lead host: a stage's hosts keep its arrays under the
-            # same ids, and a second handle would free them when it goes.
-            grads = {}
-            for k, array_id in r["grads"].items():
-                if self._lead[g.owner[k]] != h:
-                    continue
-                aval = g.outer.in_avals[g.params[k]]
-                assert self.layout is not None
-                sharding = self.sharding(g.owner[k], self.layout.param_specs[k])
-                grads[k] = RemoteArray(rt, array_id, aval.shape, aval.dtype, sharding)
-            applied = {s: self._remote(s, d) for s, d in r["applied"].items() if self._lead[s] == h}
-            segments = {
-                j: self._remote(g.segments[j].stage, d)
-                for j, d in r["segments"].items()
-                if self._lead[g.segments[j].stage] == h
-            }
-            out[h] = HostResult(r["losses"], grads, applied, segments, results, events)
-        return out
-
-    def _wait(self, refs: dict[int, Any], what: str, *args: Any, **kwargs: Any) -> dict[int, Any]:
-        """`RayRuntime._wait` for calls that run stages (a step, a segment), and what a failure
-        means with stages that span hosts: a host of such a stage that failed or stopped may
-        leave the others in its collectives, which nothing can interrupt; if any is still busy
-        a few seconds after the failure, the runtime is marked broken (it could not run another
-        step) and the error says so. A dead host's error names its stage."""
-        import ray
-
-        from jaxreshard.runtime.engine._dispatch import STOP_GRACE_S
-        from jaxreshard.runtime.ray._wait import RuntimeBroken
-
-        rt = self.runtime
-        spanning = {s: hs for s, hs in self.hosts_of_stage.items() if len(hs) > 1}
-        try:
-            return rt._wait(refs, what, *args, **kwargs)
-        except RuntimeBroken as e:
-            broken = RuntimeBroken(f"{e} ({self._stages_text(e.host)})")
-            broken.host = e.host
-            raise broken from None
-        except Exception as e:
-            if not spanning:
-                raise
-            busy = [h for h in refs if any(h in hs for hs in spanning.values())]
-            done, _ = ray.wait([refs[h] for h in busy], num_returns=len(busy), timeout=STOP_GRACE_S)
-            if len(done) == len(busy) and not isinstance(e, TimeoutError):
-                raise  # every host of those stages got out: nothing is stuck
-            stages = "; ".join(self._stages_text(hs[0]) for hs in spanning.values())
-            rt._broken = f"{what} failed with stages that span hosts ({stages})"
-            raise RuntimeBroken(
-                f"{e}. Stages that span hosts ({stages}) run collectives across their hosts, "
-                "and hosts of them are still busy: one that stopped holds the others in its "
-                "collectives, so this runtime cannot run more steps; call jaxreshard.shutdown() "
-                "and jaxreshard.init() again"
-            ) from e
-
-    def _stages_text(self, host: int | None) -> str:
-        """Which stages a host runs, with their hosts (for messages)."""
-        stages = [s for s, hs in self.hosts_of_stage.items() if host in hs]
-        if host is None or not stages:
-            return "it runs no stage of this pipeline"
-        parts = []
-        for s in stages:
-            hs = self.hosts_of_stage[s]
-            parts.append(
-                f"stage {s}" + (f" with hosts {', '.join(map(str, hs))}" if len(hs) > 1 else "")
-            )
-        return f"host {host} runs {', '.join(parts)}"
-
-    def segment(self, stage: int, index: int, step_id: str, inputs: list[Any]) -> list[Any]:
-        rt = self.runtime
-        hosts = self.hosts_of_stage[stage]
-        described = self._wait(
-            {
-                h: rt.actors[h].pipeline_segment.remote(self.key, index, step_id, inputs)
-                for h in hosts
-            },
-            f"post segment {index} of step {step_id}",
-            self.config.timeout_s + STEP_GRACE_S,
-        )[hosts[0]]
-        return self._remote(stage, described)
-
-    def _remote(self, stage: int, described: list[Any]) -> list[RemoteArray]:
-        return [
-            RemoteArray(self.runtime, array_id, shape, dtype, self.sharding(stage, P(*spec)), small)
-            for array_id, spec, shape, dtype, small in described
-        ]
 
 
 class RayPipeline(PipelineDriver):
@@ -362,7 +136,7 @@ class RayPipeline(PipelineDriver):
         # or dropping it (see [Note: pipeline lifetime]). (No reference to `self` in here.)
         runtime.start_dropper()
         self._finalizer = weakref.finalize(
-            self, _drop_on_hosts, weakref.ref(runtime), key, tuple(self.hosts)
+            self, _drop_on_hosts, weakref.ref(runtime), key, tuple(self.hosts), hosts.watch
         )
         self._finalizer.atexit = False  # at exit, the actors go with Ray
         track_pipeline(self)
@@ -432,10 +206,13 @@ class RayPipeline(PipelineDriver):
         buffers go), waiting a few seconds at most for them (see [Note: pipeline lifetime]).
         Dropping the pipeline, or `jaxreshard.shutdown()`, does it too; a closed pipeline runs
         no more steps. Idempotent; never raises."""
+        processes = getattr(self, "processes", None)
+        if processes is not None:  # steps still running finish first (a few seconds at most)
+            processes.watch.drain(DROP_WAIT_S)
         detached = self._finalizer.detach()
         if detached is not None:
-            runtime_ref, key, hosts = detached[2]
-            _drop_on_hosts(runtime_ref, key, hosts, wait_s=DROP_WAIT_S)
+            runtime_ref, key, hosts, watch = detached[2]
+            _drop_on_hosts(runtime_ref, key, hosts, watch, wait_s=DROP_WAIT_S)
 
     @property
     def closed(self) -> bool:
@@ -464,13 +241,20 @@ def _leaf_spec(x: Any) -> P | None:
 
 
 def _drop_on_hosts(
-    runtime_ref: Any, key: str, hosts: tuple[int, ...], wait_s: float | None = None
+    runtime_ref: Any,
+    key: str,
+    hosts: tuple[int, ...],
+    watch: StepWatch,
+    wait_s: float | None = None,
 ) -> None:
-    """A `RayPipeline`'s finalizer (and `close`): the hosts drop pipeline `key`. From the
-    finalizer (`wait_s` None) only a message is queued: it may run at any point of any thread."""
+    """A `RayPipeline`'s finalizer (and `close`): the driver's watch thread ends, and the hosts
+    drop pipeline `key`. From the finalizer (`wait_s` None) only messages are queued: it may
+    run at any point of any thread."""
+    watch.close(join_s=wait_s)
     runtime = runtime_ref()
     if runtime is None:
         return
+    runtime.steps_sent.pop(key, None)
     with contextlib.suppress(Exception):  # nothing may raise from a finalizer
         runtime.drop_pipeline(key, hosts, wait_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,10 @@ class RemoteArray:
         # `SMALL_BYTES`): reading it needs no round trip to its host.
         self.value = value
         self._freed = False
+        # An asynchronous step's output: the step's watch, until it has finished (see
+        # [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
+        self.pending: Future[Any] | None = None
+        self.step_id = ""
 
     @property
     def ndim(self) -> int:
@@ -54,8 +59,28 @@ class RemoteArray:
     def is_freed(self) -> bool:
         return self._freed
 
+    def is_ready(self) -> bool:
+        """Whether the step that makes it has finished (see `block_until_ready`)."""
+        return self.pending is None or self.pending.done()
+
+    def block_until_ready(self) -> RemoteArray:
+        """Wait until the step that makes it has finished on its hosts; raise that step's
+        error if it failed (what `jax.block_until_ready` calls)."""
+        self.settle()
+        return self
+
+    def settle(self) -> None:
+        """`block_until_ready`: anything that reads the array on its hosts waits so first."""
+        pending = self.pending
+        if pending is not None:
+            from jaxreshard.runtime.driver._deferred import settle
+
+            settle(pending, self.step_id)
+            self.pending = None
+
     def fetch(self) -> np.ndarray:
         """Copy the array to the driver as one numpy array."""
+        self.settle()
         if self.value is not None:
             return self.value.copy()
         return self.runtime.fetch(self)
@@ -67,6 +92,7 @@ class RemoteArray:
         """Drop the shards on every host (idempotent)."""
         if not self._freed:
             self._freed = True
+            self.settle()
             self.runtime.free(self)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -84,7 +110,7 @@ class RemoteArray:
         try:
             if not self._freed and self.runtime.is_alive:
                 self._freed = True
-                self.runtime.free(self, wait=False)
+                self.runtime.free(self, wait=False, pending=self.pending)
         except Exception:  # interpreter shutdown; nothing left to free
             pass
 

@@ -24,7 +24,9 @@ import queue
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
@@ -127,8 +129,10 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
         import jax
 
         self.timeout_s = timeout_s
-        self._to_free: dict[int, list[str]] = {}  # host -> ids of dropped handles
+        self._to_free: dict[int, list[tuple[str, Any]]] = {}  # host -> dropped (id, pending)
         self._free_lock = threading.Lock()
+        # Per pipeline, the watch of its last asynchronous step sent (`RayHosts.call`), weakly.
+        self.steps_sent: dict[str, Callable[[], Future[Any] | None]] = {}
         self.enable_x64 = bool(jax.config.jax_enable_x64)
         self._broken: str | None = None
         self._closed = False
@@ -262,29 +266,46 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
                 out[tuple(slice(a, b) for a, b in index)] = shards[h][device]
         return out
 
-    def free(self, array: RemoteArray, *, wait: bool = True) -> None:
+    def free(self, array: RemoteArray, *, wait: bool = True, pending: Any = None) -> None:
         """Drop an array's shards on the hosts that hold them. Without `wait` (a handle going
         away), the id joins a batch that goes out with the next call: a training step drops a
-        few hundred handles, and one message per host beats one per array."""
+        few hundred handles, and one message per host beats one per array. `pending`: the
+        watch of the asynchronous step that makes the array. The free goes out once that step
+        and every step sent before the handle went have finished: before, a host may not have
+        made the array yet, or not yet read it (see [Note: asynchronous steps on Ray])."""
         if self._closed or self._broken:
             return
         hosts = sorted({d.process_index for d in array.sharding.mesh.devices.flat})
+        sent = [ref() for ref in list(self.steps_sent.values())]
+        running = [f for f in (pending, *sent) if f is not None]
         if not wait:
+            after = _AllDone([f for f in running if not f.done()])
             with self._free_lock:
                 for h in hosts:
-                    self._to_free.setdefault(h, []).append(array.array_id)
+                    self._to_free.setdefault(h, []).append((array.array_id, after))
             return
+        futures_wait(running)  # (each has its step's progress deadline)
         calls = {h: self.actors[h].free_many.remote([array.array_id]) for h in hosts}
         self._wait(calls, f"freeing {array.array_id}")
 
     def flush_frees(self) -> None:
-        """Send the batched frees (one message per host; nothing waits for them)."""
+        """Send the batched frees (one message per host; nothing waits for them). Those of
+        arrays whose step is still running stay for a later flush."""
         with self._free_lock:
             batches, self._to_free = self._to_free, {}
+            later: dict[int, list[tuple[str, Any]]] = {}
+            for h, items in batches.items():
+                kept = [item for item in items if not item[1].done()]
+                if kept:
+                    later[h] = kept
+                    batches[h] = [item for item in items if item[1].done()]
+            for h, kept in later.items():
+                self._to_free.setdefault(h, []).extend(kept)
         if self._closed or self._broken:
             return
-        for h, ids in batches.items():
-            self.actors[h].free_many.remote(ids)
+        for h, items in batches.items():
+            if items:
+                self.actors[h].free_many.remote([array_id for array_id, _ in items])
 
     # -- pipelines' lifetime -----------------------------------------------------------------------
 
@@ -341,6 +362,7 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
             raise ValueError(f"{array!r} belongs to another (closed) runtime")
         if array.is_freed:
             raise ValueError(f"{array!r} was freed")
+        array.settle()  # (an asynchronous step's output: once its step has made it)
 
     def _check_sharding(self, sharding: Any, what: str) -> None:
         if not isinstance(sharding, VirtualSharding):
@@ -406,6 +428,17 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "running")
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
+
+
+class _AllDone:
+    """Done once all these futures are."""
+
+    def __init__(self, futures: list[Future[Any]]):
+        self.futures = futures
+
+    def done(self) -> bool:
+        self.futures = [f for f in self.futures if not f.done()]
+        return not self.futures
 
 
 def _tell_drop(runtime: RayRuntime, key: str, hosts: Sequence[int]) -> list[Any]:

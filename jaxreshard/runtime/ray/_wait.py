@@ -29,7 +29,7 @@ class HostWaits:
     actors: list[Any]
     infos: list[dict[str, Any]]
     timeout_s: float
-    _to_free: dict[int, list[str]]
+    _to_free: dict[int, list[tuple[str, Any]]]
     _broken: str | None
     _communicators: set[tuple[str, tuple[int, ...]]]
 

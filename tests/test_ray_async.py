@@ -1,0 +1,184 @@
+"""Asynchronous steps on the Ray runtime (see [Note: asynchronous steps on Ray]): a call returns
+before its step is done, with handles the driver made itself; the hosts run steps in order; a
+failure or a hung stage surfaces at the next call or at `wait()`, the steps sent after it are
+cancelled, and the next step is right."""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from test_parallelize import make_batch, make_params
+
+import jaxreshard as jr
+from jaxreshard.runtime.driver._deferred import StepValue
+from jaxreshard.runtime.engine._events import PipelineError
+
+pytestmark = pytest.mark.ray
+
+TIMEOUT_S = 3.0
+
+
+def file_step(hold: str, fail: str):
+    """`make_step(2)` whose stage 1 forward calls back into Python on its host: while the file
+    `hold` exists the callback waits (a slow or hung stage), while `fail` exists it raises
+    (files, since the callback runs in the host actors' processes)."""
+
+    def callback(x):
+        start = time.monotonic()
+        while os.path.exists(hold) and time.monotonic() - start < 60:
+            time.sleep(0.02)
+        if os.path.exists(fail):
+            raise RuntimeError("the data source broke")
+        return np.zeros((), np.float32)
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["emb"])
+            h = jr.stage_boundary(h)
+            h = h + jax.pure_callback(
+                callback, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(p["b1"][0])
+            )
+            h = jnp.tanh(h @ p["w1"] + p["b1"])
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    return step
+
+
+def ray_config(**overrides):
+    base = dict(
+        stage_mesh_shape=(1, 2),
+        mesh_axis_names=("data", "model"),
+        num_micro_batches=2,
+        backend="ray",
+        timeout_s=TIMEOUT_S,
+    )
+    return jr.PipelineConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def files(tmp_path):
+    hold, fail = tmp_path / "hold", tmp_path / "fail"
+    yield hold, fail
+    hold.unlink(missing_ok=True)
+    fail.unlink(missing_ok=True)
+
+
+def fetched(tree):
+    return jax.tree.map(lambda x: x.fetch() if isinstance(x, jr.RemoteArray) else x, tree)
+
+
+def test_ray_calls_return_before_their_steps_finish_and_equal_jax_jit(ray_runtime, files):
+    hold, fail = files
+    fun = file_step(str(hold), str(fail))
+    step = jr.parallelize(fun, config=ray_config(steps_in_flight=2), batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    ref_params, ref_losses = params, []
+    for _ in range(6):
+        ref_params, loss = jax.jit(fun)(ref_params, batch)
+        ref_losses.append(float(loss))
+    p, losses = params, []
+    for _ in range(2):  # the first steps run synchronously: they tell what the outputs are
+        p, loss = step(p, batch)
+        losses.append(loss)
+    hold.touch()
+    start = time.monotonic()
+    outs = [step(p, batch)]
+    outs.append(step(outs[0][0], batch))  # a second step in flight, on handles of the first
+    returned = time.monotonic() - start
+    try:
+        assert returned < 1.0, f"the calls waited for their steps ({returned:.2f} s)"
+        for new_params, loss in outs:
+            assert isinstance(loss, StepValue) and not loss.is_ready()
+            assert all(not x.is_ready() for x in jax.tree.leaves(new_params))
+        (entry,) = step._cache.values()
+        assert entry.pipeline.processes.watch.in_flight == 2
+    finally:
+        hold.unlink()
+    p, loss = outs[1]
+    losses += [outs[0][1], loss]
+    for _ in range(2):
+        p, loss = step(p, batch)
+        losses.append(loss)
+    step.wait()
+    np.testing.assert_allclose([float(x) for x in losses], ref_losses, rtol=1e-5)
+    for k, v in fetched(p).items():
+        np.testing.assert_allclose(v, np.asarray(ref_params[k]), rtol=1e-5, atol=1e-6)
+    assert f"{np.float32(float(loss)):.4f}" == f"{loss:.4f}"  # it reads like the number
+
+
+@pytest.mark.parametrize("surfaces_at", ["wait", "next call"])
+def test_a_failed_ray_step_cancels_the_next_and_surfaces_later(ray_runtime, files, surfaces_at):
+    """The step fails on its host after the call returned: its error (naming the stage's
+    host and the callback's message) comes at `wait()` or at the next call; the step sent
+    after it never runs; reading either's outputs raises; the step after the error is right."""
+    hold, fail = files
+    fun = file_step(str(hold), str(fail))
+    # One device per stage: a callback that raises on one device of a larger mesh leaves the
+    # others in a collective for good on CPU (see [Note: threads at exit]).
+    step = jr.parallelize(fun, config=ray_config(stage_mesh_shape=(1, 1)), batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    ref_params, ref_loss = jax.jit(fun)(params, batch)
+    step(params, batch)
+    step(params, batch)
+    step.wait()
+    hold.touch()
+    fail.touch()
+    bad = step(params, batch)
+    cancelled = step(params, batch)  # sent while the first is held: it is queued on the hosts
+    hold.unlink()
+    with pytest.raises(PipelineError, match="the data source broke") as info:
+        if surfaces_at == "wait":
+            step.wait()
+        else:
+            time.sleep(2.0)
+            step(params, batch)
+    assert "stage 1" in str(info.value)
+    fail.unlink()
+    with pytest.raises(PipelineError, match=r"did not run|was cancelled: step .* failed before"):
+        float(cancelled[1])
+    with pytest.raises(PipelineError, match="the data source broke"):
+        bad[0]["w1"].fetch()
+    (entry,) = step._cache.values()
+    runtime = entry.pipeline.runtime
+    held = [ray.get(runtime.actors[h].held.remote(), timeout=60) for h in entry.pipeline.hosts]
+    never = cancelled[0]["w1"].step_id
+    assert never and not [a for h in held for a in h["arrays"] if a.startswith(f"{never}:")]
+    new_params, loss = step(params, batch)  # the step after the error is right
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for k, v in fetched(new_params).items():
+        np.testing.assert_allclose(v, np.asarray(ref_params[k]), rtol=1e-5, atol=1e-6)
+    step.wait()
+
+
+def test_a_hung_ray_step_is_named_within_timeout_s_at_wait(ray_runtime, files, monkeypatch):
+    from jaxreshard.runtime.ray import _hosts
+
+    monkeypatch.setattr(_hosts, "STEP_GRACE_S", 0.0)
+    hold, fail = files
+    fun = file_step(str(hold), str(fail))
+    step = jr.parallelize(fun, config=ray_config(), batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    _, ref_loss = jax.jit(fun)(params, batch)
+    step(params, batch)
+    step(params, batch)
+    step.wait()
+    hold.touch()
+    start = time.monotonic()
+    step(params, batch)
+    assert time.monotonic() - start < TIMEOUT_S
+    try:
+        with pytest.raises((PipelineError, TimeoutError), match=r"no progress|timeout_s"):
+            step.wait()
+        assert time.monotonic() - start < TIMEOUT_S + 10
+    finally:
+        hold.unlink()
+    _, loss = step(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    step.wait()

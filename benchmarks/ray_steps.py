@@ -15,7 +15,8 @@ machine's noise hits both alike. Per backend:
 Medians over `--rounds`. For Ray it also measures what a step's driver pays outside the
 hosts' work: the round trip of an empty actor call (`ping`), and the driver's own share of a
 synchronous step (`driver`: its time in `PipelineDriver.run` minus the wait for the hosts'
-answers).
+answers), and for both, from recorded steps (`profile_call`, each action timed apart), each
+stage's compute and its time blocked in receives.
 
 Prints a table; writes JSON with --out.
 
@@ -77,6 +78,29 @@ class Runner:
         returned = time.perf_counter() - start
         self.wait(loss)
         return time.perf_counter() - start, returned
+
+
+COMPUTE = ("F", "B", "W", "FB", "A")
+
+
+def recorded(runner: Runner, steps: int) -> dict[str, float]:
+    """Medians over `steps` recorded steps (`profile_call`, each action timed apart): the
+    step, and per stage the sum of its actions' times and its time blocked in receives."""
+    s = runner.session
+    per: dict[str, list[float]] = {}
+    for _ in range(steps):
+        start = time.perf_counter()
+        (params, opt, loss), events = s.pstep.profile_call(*runner.state, s._batch())
+        runner.state = (params, opt)
+        runner.losses.append(float(np.asarray(loss)))
+        per.setdefault("step", []).append(time.perf_counter() - start)
+        for stage in sorted({e.stage for e in events}):
+            mine = [e for e in events if e.stage == stage]
+            busy = sum(e.end - e.start for e in mine if e.kind in COMPUTE)
+            blocked = sum(e.end - e.start for e in mine if e.kind == "wait")
+            per.setdefault(f"s{stage} compute", []).append(busy)
+            per.setdefault(f"s{stage} blocked", []).append(blocked)
+    return {k: statistics.median(v) * 1e3 for k, v in per.items()}
 
 
 def driver_share(runner: Runner, steps: int) -> list[float]:
@@ -145,6 +169,7 @@ def main() -> None:
             start = time.perf_counter()
             ray.get(actor.ping.remote())
             pings.append(time.perf_counter() - start)
+        timed = {b: recorded(r, 5) for b, r in runners.items()}
         driver = driver_share(runners["ray"], args.rounds)
         losses = {b: r.losses for b, r in runners.items()}
     finally:
@@ -164,6 +189,9 @@ def main() -> None:
         f"Ray: empty actor call {ping_ms:.2f} ms; "
         f"the driver's share of a sync step {driver_ms:.1f} ms"
     )
+    print("recorded steps (each action timed apart), medians (ms):")
+    for b, t in timed.items():
+        print(f"  {b:6} " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
     n = len(losses["local"])  # (Ray ran more steps: the driver's share)
     same = np.allclose(losses["local"], losses["ray"][:n], rtol=1e-5)
     print(f"losses equal (rtol 1e-5) step for step: {same}")
@@ -182,6 +210,7 @@ def main() -> None:
                     "ray_over_local": {"async": ratio_async, "sync": ratio_sync},
                     "ping_ms": ping_ms,
                     "driver_share_ms": driver_ms,
+                    "recorded_ms": timed,
                     "losses_equal": bool(same),
                     "samples_s": rows,
                 },

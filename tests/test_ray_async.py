@@ -182,3 +182,39 @@ def test_a_hung_ray_step_is_named_within_timeout_s_at_wait(ray_runtime, files, m
     _, loss = step(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     step.wait()
+
+
+def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, monkeypatch):
+    """Adam's step count is made by one stage's optimizer segment and read by the other's, on
+    another host: while its step runs, that host reads it from the step's answer (no segment
+    falls back to the driver, no step waits for the one before), and the steps equal
+    jax.jit's."""
+    import optax
+    from test_parallelize import adam_step, mlp_loss
+
+    from jaxreshard.runtime.ray import _hosts
+
+    driver_segments = []
+    original = _hosts.RayHosts.segment
+    monkeypatch.setattr(
+        _hosts.RayHosts,
+        "segment",
+        lambda self, *a: driver_segments.append(a[1]) or original(self, *a),
+    )
+    fun = adam_step(mlp_loss, optax.adam(1e-2))
+    step = jr.parallelize(fun, config=ray_config(), batch_argnums=(2,))
+    params, batch = make_params(2), make_batch()
+    state = optax.adam(1e-2).init(params)
+    p, s, rp, rs = params, state, params, state
+    losses, ref_losses = [], []
+    for _ in range(6):
+        p, s, loss = step(p, s, batch)
+        losses.append(loss)
+        rp, rs, ref_loss = jax.jit(fun)(rp, rs, batch)
+        ref_losses.append(float(ref_loss))
+    assert isinstance(losses[-1], StepValue)  # (the last steps ran asynchronously)
+    step.wait()
+    np.testing.assert_allclose([float(x) for x in losses], ref_losses, rtol=1e-5)
+    for k, v in fetched(p).items():
+        np.testing.assert_allclose(v, np.asarray(rp[k]), rtol=1e-5, atol=1e-6)
+    assert driver_segments == []

@@ -338,6 +338,8 @@ class HostPipeline:
         (on its own mesh; the engine moves it where it is needed), host data laid out with a
         spec (placed so on `mesh` where it fits, else replicated), or host data."""
         kind, value = item
+        if kind == "answer":
+            return self._answered(*value)
         if kind == "id":
             array_id, spec, grid = value
             return self._held(array_id, aval.shape, NamedSharding(self._mesh(grid), P(*spec)))
@@ -347,6 +349,30 @@ class HostPipeline:
             fitted = transplant_spec(P(*spec), dict(mesh.shape), data.shape)
             return place(data, NamedSharding(mesh, fitted))
         return from_wire(value)
+
+    def _answered(self, answer: Any, array_id: str) -> Any:
+        """A small output of a step another host runs, from that step's answer (see
+        `RayHosts.ref`): waited for as a boundary tensor is, until it comes, the step fails,
+        or this step is aborted."""
+        import ray
+
+        start = time.monotonic()
+        bound = self.config.timeout_s * 10  # (the driver's progress deadline ends it before)
+        while not ray.wait([answer], timeout=1.0)[0]:
+            if self.channels is not None and self.channels.stopped:
+                raise PipelineError(f"host {self.actor.host}: stopped while waiting for {array_id}")
+            if time.monotonic() - start > bound:
+                raise PipelineError(
+                    f"host {self.actor.host}: {array_id}, made by a step on another host, did not "
+                    f"come within {bound:g} s (10 x timeout_s)"
+                )
+        result = ray.get(answer)
+        for kind in ("applied", "segments"):
+            for described in result[kind].values():
+                for d in described:
+                    if d[0] == array_id:
+                        return d[4]
+        raise PipelineError(f"host {self.actor.host}: no {array_id} in its step's answer")
 
     def _describe(self, array_id: str, value: Any) -> tuple[Any, ...]:
         """Keep `value` here as `array_id`; describe it for the driver: (id, spec, shape,

@@ -50,7 +50,7 @@ from jaxreshard.runtime.driver._driver import NOT_THERE, HostResult, Hosts, Step
 from jaxreshard.runtime.engine._events import Event
 from jaxreshard.runtime.engine._watch import StepWatch
 from jaxreshard.runtime.ray._nccl_order import nccl_programs
-from jaxreshard.runtime.ray._remote import RemoteArray
+from jaxreshard.runtime.ray._remote import SMALL_BYTES, RemoteArray
 from jaxreshard.runtime.ray._wire import from_wire, is_key, merge_wire, to_wire
 from jaxreshard.runtime.step._layout import PipelineLayout
 from jaxreshard.runtime.step._specs import spec_of
@@ -146,7 +146,8 @@ class RayHosts(Hosts):
         """("id", ...) for an array those hosts keep; host data otherwise: ("laid", (data,
         spec)) for an array laid out with a spec, which the hosts place with that spec where it
         fits, as the local runtime keeps an array's spec (the executables compiled ahead expect
-        it); ("data", data) for the rest."""
+        it); ("answer", (ref, id)) for a small array a running step makes on other hosts (read
+        from that step's answer); ("data", data) for the rest."""
         if isinstance(value, jax.Array) and not is_key(value):
             return ("laid", (to_wire(value), tuple(spec_of(value.sharding))))
         if not isinstance(value, RemoteArray):
@@ -157,6 +158,10 @@ class RayHosts(Hosts):
         if {d.process_index for d in mesh.devices.flat} == set(hosts):
             grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
             return ("id", (value.array_id, tuple(value.sharding.spec), grid))
+        if value.source is not None and not value.is_ready():
+            # Small, made by a step still running on other hosts: those hosts read it from
+            # that step's answer when they need it (an optimizer's step count, say).
+            return ("answer", (value.source, value.array_id))
         if gather:
             return ("laid", (value.fetch(), tuple(value.sharding.spec)))
         return NOT_THERE
@@ -165,7 +170,15 @@ class RayHosts(Hosts):
         rt = self.runtime
         first = next(iter(calls.values()))
         step_id = first.step_id
-        asynchronous = self._stable and not first.record
+        asynchronous = (
+            self._stable
+            and not first.record
+            and self._template is not None
+            and all(  # the segments run where they ran in the steps the template is of
+                sorted(j for j, _ in c.segments) == sorted(self._template[h]["segments"])
+                for h, c in calls.items()
+            )
+        )
         if not asynchronous:
             self.watch.wait()  # the steps before it first (a recorded step's time is its own)
         seq, self._seq = self._seq, self._seq + 1
@@ -200,10 +213,12 @@ class RayHosts(Hosts):
         )
         self.runtime.steps_sent[self.key] = weakref.ref(future)  # (frees of handles wait for it)
         out = self._results(predicted, (future, box, step_id))
-        for result in out.values():
+        for h, result in out.items():
             for x in [*result.grads.values(), *_flat(result.applied), *_flat(result.segments)]:
                 x.pending, x.step_id = future, step_id
                 handles[x.array_id] = x
+                if x.nbytes <= SMALL_BYTES:  # (its value comes with the answer)
+                    x.source = refs[h]
         return out
 
     def _wait_step(self, refs: dict[int, Any], step_id: str) -> dict[int, Any]:

@@ -42,6 +42,7 @@ class RemoteArray:
         # [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
         self.pending: Future[Any] | None = None
         self.step_id = ""
+        self.source: Any = None  # (small) the ObjectRef of the answer that will carry its value
 
     @property
     def ndim(self) -> int:

@@ -18,15 +18,24 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
     assert len(labels) == 3 and labels[-1] == "data parallel"
-    assert len(record["predicted"]) == 20  # 4 schedules x 1, 2, 4, 8, 16 micro-batches of 16 rows
+    # Every uniform stage mesh over the 4 devices, each calibrated: the configured 1x2 first.
+    layouts = [entry["layout"] for entry in record["layouts"]]
+    assert layouts == ["2 x 1x2", "2 x 1x1", "2 x 2x1"]
+    assert all(len(entry["micro_batch_rows"]) == 2 for entry in record["layouts"])
+    configured = [p for p in record["predicted"] if "stage_mesh_shape" not in p["changes"]]
+    assert len(configured) == 20  # 4 schedules x 1, 2, 4, 8, 16 micro-batches of 16 rows
+    # The 2x1 meshes split a micro-batch over 2 devices: no one-row micro-batches there.
+    wide = [p for p in record["predicted"] if p["changes"].get("stage_mesh_shape") == [2, 1]]
+    assert wide and all(p["changes"]["num_micro_batches"] <= 8 for p in wide)
+    assert all(p["label"].endswith("meshes " + e) for e in ["2 x 2x1"] for p in wide)
     fastest = min(record["measured"], key=lambda r: r["step_seconds"])
     assert record["winner"] == fastest["label"]
     dp = record["measured"][-1]["step_seconds"]
     assert record["speedup_over_data_parallel"] == dp / fastest["step_seconds"] >= 1.0
     assert len(record["calibration"]["micro_batch_rows"]) == 2  # 4 and 8 micro-batches
     written = load_profile_config("gpt", toml).pipeline.to_dict()
-    for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages"):
-        assert written[key] == record["winner_pipeline"][key], key
+    for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages", "stage_mesh_shape"):
+        assert json.loads(json.dumps(written[key])) == record["winner_pipeline"][key], key
     assert "winner:" in capsys.readouterr().out
 
 

@@ -73,6 +73,7 @@ def _profile(args: argparse.Namespace) -> int:
             console=console,
             progress=progress,
             toml_path=args.auto_toml and normalized(args.auto_toml),
+            meshes=args.auto_meshes == "search",
         )
         if args.json:
             write_json(args.json, record)
@@ -203,7 +204,8 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
         out.add_argument(
             "--auto",
             action="store_true",
-            help="search schedules and micro-batch counts by the calibrated simulator, measure "
+            help="search stage meshes, schedules and micro-batch counts by the calibrated "
+            "simulator, measure "
             "the best few (--auto-top) beside plain data parallelism, report the fastest",
         )
         out.add_argument(
@@ -212,6 +214,13 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             default=3,
             metavar="N",
             help="with --auto: how many of the best predictions to measure (default 3)",
+        )
+        out.add_argument(
+            "--auto-meshes",
+            choices=("search", "keep"),
+            default="search",
+            help="with --auto: also search the stage meshes (every uniform mesh over the "
+            "layout's devices, each calibrated by a few steps; default) or keep the configured",
         )
         out.add_argument(
             "--auto-toml",

@@ -1,24 +1,31 @@
-"""`jaxreshard profile MODEL --auto`: search schedules and micro-batch counts by the calibrated
-simulator, measure the best few beside plain data parallelism, keep the fastest.
+"""`jaxreshard profile MODEL --auto`: search stage meshes, schedules and micro-batch counts by the
+calibrated simulator, measure the best few beside plain data parallelism, keep the fastest.
 
 [Note: configuration search]
-1. Calibrate: the configured layout runs its warm-up and timed steps, recorded, at its
-   micro-batch count and at twice (or half) it; each stage's measured F, B, W and transfer
-   times (`measured_costs`) are fitted as `fixed + per_row * rows` per micro-batch, so that
-   smaller micro-batches pay their actions' fixed cost; the optimizer's and the step's fixed
-   cost are taken as measured.
-2. Predict: every schedule of `schedule_variants` with every micro-batch count that divides the
-   batch into micro-batches of at least 2 rows (1 to 32 of them) is simulated with the fitted
-   costs at its micro-batch size.
-3. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
+1. Mesh layouts (`mesh_layouts`, unless `--auto-meshes keep`): every stage gets the same mesh,
+   of any size that divides the layout's devices by the stage count and either fits in a host
+   or takes whole hosts, in every shape over the mesh axes. The shape says where each axis
+   sits: a stage mesh takes the hosts' devices in order, so on a mesh that spans hosts its
+   first axis (of size above 1) crosses them. Smaller meshes leave devices idle (one stage per
+   host can beat a stage spanning hosts over slow links: see docs/benchmarks.md).
+2. Calibrate each layout: it runs its warm-up and timed steps, recorded, at its micro-batch
+   count and at twice (or half) it; each stage's measured F, B, W and transfer times
+   (`measured_costs`; a stage's own collectives are inside its F, B and W) are fitted as
+   `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
+   fixed cost; the optimizer's and the step's fixed cost are taken as measured. A layout that
+   does not build (a model axis the model's shapes do not divide) is reported and skipped.
+3. Predict: per layout, every schedule of `schedule_variants` with every micro-batch count
+   that divides the batch into micro-batches its stages' batch axis splits evenly (1 to 32 of
+   them) is simulated with the fitted costs at its micro-batch size.
+4. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
    layout's devices, the batch split over the batch axis, one micro-batch: what a user would
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
    beside measured.
-4. Choose: the fastest measured, data parallelism included, so the search never picks a
+5. Choose: the fastest measured, data parallelism included, so the search never picks a
    layout slower than it; the winner's config is written as TOML (`--auto-toml`), and `--json`
    records every configuration tried.
-The stage cut, the mesh shapes and where their axes sit stay as configured (`partition="auto"`
-and `jr.stage_candidate` choose cuts in the step itself); searching those is not built yet.
+The stage cut stays as configured (`partition="auto"` and `jr.stage_candidate` choose cuts in
+the step itself); heterogeneous stage meshes are not searched.
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.profiler._compare import compare, schedule_variants
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
-from jaxreshard.profiler._run import Session, measured_costs, run_steps, step_overhead
+from jaxreshard.profiler._run import (
+    Session,
+    devices_needed,
+    measured_costs,
+    run_steps,
+    step_overhead,
+)
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 DATA_PARALLEL = "data parallel"
@@ -44,34 +57,45 @@ def auto_search(
     console: Any = None,
     progress: bool = True,
     toml_path: str | Path | None = None,
+    meshes: bool = True,
 ) -> dict[str, Any]:
-    """Search, measure and choose (see [Note: configuration search]); returns the JSON record."""
+    """Search, measure and choose (see [Note: configuration search]); returns the JSON record.
+    `meshes=False` keeps the configured stage meshes."""
     pc = _emulating(pc)
-    calibrations = _calibration_points(pc)
-    measured = []
+    calibrated: list[dict[str, Any]] = []
     with runtime_for(pc) as runtime:
-        for m in calibrations:
-            cpc = pc.replace_pipeline(num_micro_batches=m)
-            with _status(console, f"calibrating the configured layout at {m} micro-batches"):
-                session = Session(cpc, "calibration", runtime=runtime)
-                session.warm_up()
-            with _bar(console, progress, pc.run.steps) as advance:
-                run_steps([session], pc.run.steps, on_step=advance)
-            rows = session.layout.micro_batch_rows
-            measured.append((rows, measured_costs(session.steps, session.layout),
-                             step_overhead(session.steps)))  # fmt: skip
-            del session
-    model = CostModel.fit(measured)
+        hosts = getattr(runtime, "hosts", None)  # (Ray: each host's devices)
+        layouts = mesh_layouts(pc, len(hosts[0]) if hosts else None) if meshes else [{}]
+        for layout in layouts:
+            lpc = pc.replace_pipeline(**layout)
+            entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": layout}
+            try:
+                entry["measured"] = _calibrate(lpc, runtime, console, progress)
+            except Exception as e:  # (a mesh the model does not shard on, say)
+                entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                if console is not None:
+                    console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
+                if not layout:  # the configured layout must build
+                    raise
+            calibrated.append(entry)
     predictions = []
-    for label, changes in schedule_variants(pc):
-        if changes.get("virtual_stages") or changes.get("num_stages"):
-            continue  # (another cut of the model: the calibration's costs do not apply)
-        for m in MICRO_BATCHES:
-            if pc.run.batch_size % m or (pc.run.batch_size // m) % _batch_split(pc):
-                continue  # (a micro-batch must split evenly over the stages' batch axis)
-            seconds = _predict(model.at(pc.run.batch_size // m), changes, m) + model.overhead
-            predictions.append((seconds, f"{label}, {m} micro-batches",
-                                {**changes, "num_micro_batches": m}))  # fmt: skip
+    for entry in calibrated:
+        if "measured" not in entry:
+            continue
+        lpc = pc.replace_pipeline(**entry["changes"])
+        model = CostModel.fit(entry["measured"])
+        entry["model"] = model
+        where = f", meshes {entry['layout']}" if len(layouts) > 1 else ""
+        for label, changes in schedule_variants(lpc):
+            if changes.get("virtual_stages") or changes.get("num_stages"):
+                continue  # (another cut of the model: the calibration's costs do not apply)
+            for m in MICRO_BATCHES:
+                if pc.run.batch_size % m or (pc.run.batch_size // m) % _batch_split(lpc):
+                    continue  # (a micro-batch must split evenly over the stages' batch axis)
+                seconds = _predict(model.at(pc.run.batch_size // m), changes, m) + model.overhead
+                predictions.append((seconds, f"{label}, {m} micro-batches{where}",
+                                    {**entry["changes"], **changes,
+                                     "num_micro_batches": m}))  # fmt: skip
     predictions.sort(key=lambda p: p[0])
     chosen = predictions[:top]
     variants = [(label, changes) for _, label, changes in chosen]
@@ -88,15 +112,13 @@ def auto_search(
     dp_row = next((r for r in rows if r["label"] == DATA_PARALLEL), None)
     changes = dict(variants)[best["label"]]
     winner = pc.replace_pipeline(**changes)
+    first = calibrated[0]
     record = {
         "format": "jaxreshard-profile-auto/1",
         "model": pc.model,
         "preset": pc.preset,
-        "calibration": {
-            "micro_batch_rows": [rows for rows, _, _ in measured],
-            "costs": [costs.to_json() for _, costs, _ in measured],
-            "step_overhead_seconds": model.overhead,
-        },
+        "calibration": _calibration_json(first),
+        "layouts": [_calibration_json(entry) for entry in calibrated],
         "predicted": [
             {"label": label, "predicted_seconds": s, "changes": c} for s, label, c in predictions
         ],
@@ -115,6 +137,83 @@ def auto_search(
         if console is not None:
             console.print(f"wrote {toml_path} (jaxreshard profile {pc.model} --config {toml_path})")
     return record
+
+
+def _calibrate(
+    pc: ProfileConfig, runtime: Any, console: Any, progress: bool
+) -> list[tuple[int, Costs, float]]:
+    """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
+    overhead) per point."""
+    measured = []
+    for m in _calibration_points(pc):
+        cpc = pc.replace_pipeline(num_micro_batches=m)
+        text = f"calibrating meshes {_layout_text(cpc)} at {m} micro-batches"
+        with _status(console, text):
+            session = Session(cpc, "calibration", runtime=runtime)
+            session.warm_up()
+        with _bar(console, progress, pc.run.steps) as advance:
+            run_steps([session], pc.run.steps, on_step=advance)
+        rows = session.layout.micro_batch_rows
+        measured.append((rows, measured_costs(session.steps, session.layout),
+                         step_overhead(session.steps)))  # fmt: skip
+        del session
+    return measured
+
+
+def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {"layout": entry["layout"], "changes": entry["changes"]}
+    if "error" in entry:
+        return {**out, "error": entry["error"]}
+    measured, model = entry["measured"], entry["model"]
+    return {
+        **out,
+        "micro_batch_rows": [rows for rows, _, _ in measured],
+        "costs": [costs.to_json() for _, costs, _ in measured],
+        "step_overhead_seconds": model.overhead,
+    }
+
+
+def mesh_layouts(pc: ProfileConfig, per_host: int | None = None) -> list[dict[str, Any]]:
+    """The stage-mesh layouts `--auto` calibrates (see [Note: configuration search]): the
+    configured one first (no changes), then every uniform stage mesh over the layout's devices
+    that fits in a host or takes whole hosts (`per_host` devices each; default the config's
+    `devices_per_host`, else one host), as pipeline changes."""
+    p = pc.pipeline
+    meshes = p.num_meshes(pc.num_stages)
+    devices = devices_needed(pc)
+    per_host = per_host or p.devices_per_host or devices
+    configured = p.mesh_shapes(meshes)
+    out: list[dict[str, Any]] = [{}]
+    for size in range(1, devices // meshes + 1):
+        if (devices // meshes) % size:
+            continue
+        if not (per_host % size == 0 or size % per_host == 0):
+            continue  # (a mesh fits in a host or takes whole hosts)
+        for shape in _shapes(size, len(p.mesh_axis_names)):
+            if all(s == shape for s in configured):
+                continue
+            out.append({"stage_mesh_shape": shape})
+    return out
+
+
+def _shapes(size: int, axes: int) -> list[tuple[int, ...]]:
+    """Every shape of `axes` dimensions with `size` elements."""
+    if axes == 1:
+        return [(size,)]
+    return [
+        (d, *rest)
+        for d in range(1, size + 1)
+        if size % d == 0
+        for rest in _shapes(size // d, axes - 1)
+    ]
+
+
+def _layout_text(pc: ProfileConfig) -> str:
+    p = pc.pipeline
+    shapes = p.mesh_shapes(p.num_meshes(pc.num_stages))
+    if len(set(shapes)) == 1:
+        return f"{len(shapes)} x {'x'.join(map(str, shapes[0]))}"
+    return ", ".join("x".join(map(str, s)) for s in shapes)
 
 
 def _calibration_points(pc: ProfileConfig) -> list[int]:

@@ -12,7 +12,9 @@ For each config it runs, on one emulated cluster (`jaxreshard.cluster.emulated`;
 1. the data-parallel baseline: `--steps` timed steps after `--warmup`, each waited for; the
    step time is the slowest host's, median over the steps;
 2. the pipeline: `jaxreshard profile MODEL --config FILE --address ... --json` (its median
-   step, each waited for), in a process of its own as a real job's driver would be;
+   step, each waited for), in a process of its own as a real job's driver would be; with
+   `--auto TOP`, `profile --auto --auto-top TOP` instead (mesh layouts, schedules and
+   micro-batch counts searched on the cluster), and its winner's step;
 and prints both and their ratio, and writes JSON with --out.
 
     sudo python benchmarks/data_parallel_emulated.py \\
@@ -163,17 +165,26 @@ def data_parallel(address: str, model: str, config: str, hosts: int, devices: in
     }
 
 
-def pipeline(address: str, model: str, config: str, steps: int) -> dict[str, Any]:
-    """`jaxreshard profile` of the config on the cluster: its median step."""
+def pipeline(address: str, model: str, config: str, steps: int, auto: int = 0) -> dict[str, Any]:
+    """`jaxreshard profile` of the config on the cluster: its median step; with `auto`,
+    `profile --auto --auto-top AUTO`: its winner's median step, and the search's record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile.json"
         command = [sys.executable, "-m", "jaxreshard", "profile", model, "--config", config,
-                   "--address", address, "--steps", str(steps), "--json", str(out)]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+                   "--address", address, "--steps", str(steps), "--json", str(out),
+                   "--no-progress"]  # fmt: skip
+        if auto:
+            command += ["--auto", "--auto-top", str(auto), "--warmup-steps", "1"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=7200)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n"
                                f"{done.stderr[-3000:]}")  # fmt: skip
         record = json.loads(out.read_text())
+    if auto:
+        best = next(r for r in record["measured"] if r["label"] == record["winner"])
+        return {"step_seconds": best["step_seconds"], "winner": record["winner"],
+                "winner_pipeline": record["winner_pipeline"], "auto": record,
+                "output": done.stdout[-6000:]}  # fmt: skip
     return {"step_seconds": record["step_seconds"], "schedule": record["schedule"],
             "config": record.get("config")}  # fmt: skip
 
@@ -196,6 +207,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-pipeline", action="store_true", help="the baseline only")
+    parser.add_argument(
+        "--auto",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="run `profile --auto --auto-top TOP` as the pipeline (its winner's step)",
+    )
     parser.add_argument("--name", default="jrdp")
     parser.add_argument("--child", nargs=2, metavar=("ADDRESS", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
@@ -226,7 +244,7 @@ def main() -> None:
             row: dict[str, Any] = {"config": config, "data_parallel": dp}
             if not args.no_pipeline:
                 model = model_of(config, args.model)
-                row["pipeline"] = pipeline(cluster.address, model, config, args.steps)
+                row["pipeline"] = pipeline(cluster.address, model, config, args.steps, args.auto)
                 row["pipeline_over_data_parallel"] = (
                     row["pipeline"]["step_seconds"] / dp["step_seconds"]
                 )

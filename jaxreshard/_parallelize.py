@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,23 +14,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxreshard._jax_compat import abstract_mesh, axis_type_names, make_mesh
+from jaxreshard._arguments import (
+    _STATIC,
+    _arg_name,
+    _batch_leaf_indices,
+    _check_argnums,
+    _check_mesh_list,
+    _hashable,
+    _jax_dtype,
+    _leaf_key,
+    _leaf_paths,
+    likely_batch_argnum,
+    mesh_axis_types,
+    typed_specs,
+)
+from jaxreshard._jax_compat import abstract_mesh, make_mesh
+from jaxreshard._plan import PipelinePlan
 from jaxreshard._tracebacks import api_boundary
-from jaxreshard.comm import Cluster, describe_sharding
-from jaxreshard.comm._layout import normalized_spec
-from jaxreshard.frontend._split import ACT, BATCH, CONST, PARAM, StepGraph
+from jaxreshard.comm import Cluster
+from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import StepOutputs, is_array, trace_step
-from jaxreshard.pipeline._emit import format_programs
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.engine._events import Event
 from jaxreshard.runtime.local._compiled import compile_local
 from jaxreshard.runtime.local._pipeline import LocalPipeline
 from jaxreshard.runtime.step._specs import (
-    batch_spec,
     check_meshes,
-    spec_of,
     stage_meshes,
-    transplant_spec,
 )
 
 
@@ -81,69 +90,6 @@ def parallelize(
         )
     config = PipelineConfig() if config is None else config
     return Parallelized(fun, config, batch_argnums, meshes, donate_argnums)
-
-
-def _check_argnums(argnums: Any, name: str = "batch_argnums") -> tuple[int, ...]:
-    """`batch_argnums` (or `donate_argnums`) as a tuple of ints (an int alone is one; None is
-    none)."""
-    what = {
-        "batch_argnums": "the arguments that hold the batch, e.g. batch_argnums=(2,)",
-        "donate_argnums": "the arguments whose buffers the step may reuse, e.g. "
-        "donate_argnums=(0, 1)",
-    }[name]
-    if argnums is None:
-        return ()
-    items = (argnums,) if _is_int(argnums) else argnums
-    if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)):
-        raise TypeError(
-            f"parallelize({name}={argnums!r}) takes an int or a tuple of ints: the positions of "
-            f"{what}"
-        )
-    bad = [i for i in items if not _is_int(i)]
-    if bad:
-        raise TypeError(
-            f"parallelize({name}={argnums!r}): {bad[0]!r} is not an argument position; give "
-            f"ints: the positions of {what}"
-        )
-    if len(set(items)) != len(items):
-        raise ValueError(f"parallelize({name}={argnums!r}) repeats a position")
-    return tuple(int(i) for i in items)
-
-
-def _jax_dtype(dtype: np.dtype) -> bool:
-    try:
-        jax.dtypes.canonicalize_dtype(dtype)
-        return jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_
-    except (TypeError, ValueError):
-        return False
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_mesh_list(meshes: Any) -> list[Mesh] | None:
-    """`meshes` as a list of `jax.sharding.Mesh`es (None: the config's stage meshes)."""
-    if meshes is None:
-        return None
-    if isinstance(meshes, Mesh):
-        raise TypeError(
-            "parallelize(meshes=...) takes one Mesh per stage (a list), not one Mesh: e.g. "
-            "meshes=[mesh0, mesh1]"
-        )
-    if isinstance(meshes, (str, bytes)) or not isinstance(meshes, (list, tuple)):
-        raise TypeError(
-            f"parallelize(meshes={meshes!r}) takes a list of jax.sharding.Mesh, one per stage"
-        )
-    if not meshes:
-        raise ValueError("parallelize(meshes=[]) gives no mesh; give one Mesh per stage, or None")
-    for i, mesh in enumerate(meshes):
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"parallelize(meshes=...): meshes[{i}] is {type(mesh).__name__} ({mesh!r}), not a "
-                "jax.sharding.Mesh; build one with jax.make_mesh(shape, names, devices=...)"
-            )
-    return list(meshes)
 
 
 class BatchArgnumsWarning(UserWarning):
@@ -576,67 +522,6 @@ class Parallelized:
         return self._entry(args)[0].pipeline
 
 
-def likely_batch_argnum(args: tuple[Any, ...], num_micro_batches: int) -> int | None:
-    """The argument that looks like a batch: the last one whose array leaves all share one
-    dim 0 size that `num_micro_batches` divides, a size that no other such argument has (the
-    parameters' leaves seldom all share a dim 0; a parameter argument that does, with the
-    batch's size, leaves no answer). None if there is none."""
-    rows: dict[int, int] = {}
-    for i, arg in enumerate(args):
-        leaves = [x for x in jax.tree.leaves(arg) if is_array(x)]
-        if not leaves or any(x.ndim == 0 for x in leaves):
-            continue
-        sizes = {int(x.shape[0]) for x in leaves}
-        n = sizes.pop()
-        if not sizes and n >= num_micro_batches and n % num_micro_batches == 0:
-            rows[i] = n
-    for i in sorted(rows, reverse=True):
-        if list(rows.values()).count(rows[i]) == 1:
-            return i
-    return None
-
-
-def _arg_name(fun: Callable[..., Any], i: int) -> str:
-    """` (`name`)` for positional parameter `i` of `fun`, if its signature tells."""
-    try:
-        params = list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return ""
-    if i < len(params) and params[i].kind in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    ):
-        return f" (`{params[i].name}`)"
-    return ""
-
-
-def _batch_leaf_indices(args: tuple[Any, ...], batch_argnums: Sequence[int]) -> list[int]:
-    out, at = [], 0
-    norm = {i % len(args) for i in batch_argnums} if args else set()
-    for i, arg in enumerate(args):
-        n = len(jax.tree.leaves(arg))
-        if i in norm:
-            out.extend(range(at, at + n))
-        at += n
-    return out
-
-
-_STATIC = object()  # marks a static leaf in a cache key
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
-
-
-def _leaf_paths(args: tuple[Any, ...]) -> list[str]:
-    paths, _ = jax.tree_util.tree_flatten_with_path(args)
-    return [f"args{jax.tree_util.keystr(path)}" for path, _ in paths]
-
-
 # How many argument signatures one parallelized step keeps compiled.
 MAX_COMPILED = 8
 
@@ -645,149 +530,3 @@ def _close(entry: _Entry) -> None:
     close = getattr(entry.pipeline, "close", None)
     if close is not None:
         close()
-
-
-@functools.lru_cache(maxsize=1024)
-def _normalized_leaf_spec(sharding: Any, unit_axes: frozenset[str]) -> tuple[Any, ...]:
-    mesh = getattr(sharding, "mesh", None)
-    sizes = dict(getattr(mesh, "shape", None) or {})
-    ones = {a: 1 for a in unit_axes if sizes.get(a) == 1}
-    return normalized_spec(spec_of(sharding), ones)
-
-
-def _leaf_key(x: Any, unit_axes: frozenset[str] = frozenset()) -> tuple[Any, ...]:
-    """What the compiled step depends on of one leaf: shape, dtype and PartitionSpec (an
-    unsharded leaf counts as replicated, so host arrays and the step's own outputs share one
-    compile). Shardings are few and hashable: their specs are looked up, not rebuilt.
-    Specs are normalised (`normalized_spec`): `P('model', None)` as placed and `P('model')` as
-    XLA returns the step's outputs are one sharding, and so are `P('data')` and `P()` when
-    'data' has one device on the leaf's mesh and on every stage mesh (`unit_axes`); they must
-    not compile the step twice. An axis of one device on the leaf's mesh but more on a stage's
-    keeps its name: the step would shard over it."""
-    return (x.shape, x.dtype, _normalized_leaf_spec(getattr(x, "sharding", None), unit_axes))
-
-
-@dataclasses.dataclass
-class PipelinePlan:
-    """What a parallelized step does: stages, meshes, boundary tensors, schedule, programs."""
-
-    graph: StepGraph
-    pipeline: Any  # LocalPipeline or RayPipeline
-    # partition="auto": the measured segments and cuts, every choice's predicted step, and the
-    # choice (see [Note: automatic partitioning] in runtime/step/_partition.py).
-    partition: Any = None
-
-    @property
-    def layout(self) -> Any:
-        return self.pipeline.layout
-
-    @property
-    def meshes(self) -> list[Any]:
-        return self.pipeline.meshes
-
-    def boundary_tensors(self) -> list[dict[str, Any]]:
-        """One record per transfer kind and edge: what moves where, how, and how many bytes."""
-        out = []
-        for (kind, tensor, src, dst), t in sorted(
-            self.layout.transfers.items(), key=lambda kv: (kv[0][0] != "act", kv[0])
-        ):
-            out.append(
-                {
-                    "kind": kind,
-                    "tensor": tensor,
-                    "src_stage": src,
-                    "dst_stage": dst,
-                    "shape": t.shape,
-                    "dtype": str(np.dtype(t.dtype)),
-                    "src_sharding": describe_sharding(self.pipeline.sharding(src, t.src_spec)),
-                    "dst_sharding": describe_sharding(self.pipeline.sharding(dst, t.dst_spec)),
-                    "strategy": t.plan.chosen if t.plan else "local",
-                    "bytes": t.nbytes,
-                    "per": "step" if kind in ("param", "param_grad") else "micro-batch",
-                }
-            )
-        return out
-
-    def summary(self) -> str:
-        """One line: stages (and ranks), micro-batches and their rows, schedule."""
-        g, layout = self.graph, self.layout
-        schedule = layout.schedule
-        stages = f"{g.num_stages} stages"
-        if schedule.virtual_stages > 1 or schedule.num_chunks != schedule.num_stages:
-            stages += f" on {schedule.num_stages} ranks"
-        m = layout.config.num_micro_batches
-        if g.batch:
-            batches = f"{m} micro-batch{'es' if m > 1 else ''} of {layout.micro_batch_rows} rows"
-        elif m == 1:
-            batches = "1 micro-batch, no batch argument"
-        else:
-            batches = (
-                f"{m} micro-batches, no batch argument (batch_argnums=()): each micro-batch "
-                "computes the whole step"
-            )
-        delay = " + weight delay" if schedule.weight_delay else ""
-        return f"{stages}, {batches}, schedule {schedule.name}{delay}"
-
-    def __str__(self) -> str:
-        g, layout = self.graph, self.layout
-        lines = [f"pipeline: {self.summary()}"]
-        if self.partition is not None:
-            lines.append(self.partition.summary())
-        for s, mesh in enumerate(self.meshes):
-            stage = g.loss.stages[s]
-            ids = [d.id for d in mesh.devices.flat]
-            kinds = {k: sum(r.kind == k for r in stage.inputs) for k in (PARAM, BATCH, CONST, ACT)}
-            lines.append(
-                f"  stage {s}: mesh {dict(mesh.shape)} devices {ids}; "
-                f"{len(stage.jaxpr.jaxpr.eqns)} equations; inputs: {kinds[PARAM]} params, "
-                f"{kinds[BATCH]} batch, {kinds[CONST]} consts, {kinds[ACT]} activations"
-            )
-        if layout.reductions:
-            lines.append("parameter gradients summed over the batch axes:")
-            for s, how in sorted(layout.reductions.items()):
-                lines.append(f"  stage {s}: {how}")
-        lines.append("boundary tensors:")
-        for t in self.boundary_tensors():
-            lines.append(
-                f"  {t['kind']}{t['tensor']} s{t['src_stage']}->s{t['dst_stage']} "
-                f"{t['dtype']}{list(t['shape'])} {t['bytes']} B per {t['per']}: "
-                f"{t['src_sharding']} -> {t['dst_sharding']} by {t['strategy']}"
-            )
-        for a in g.loss.activations:
-            lines.append(f"  act{a.id} is computed at {a.where}")
-        lines.append(f"post-gradient segments on stages: {[seg.stage for seg in g.segments]}")
-        lines.append("schedule:")
-        lines.append(layout.schedule.grid())
-        lines.append("instructions (first ones):")
-        lines.append(format_programs(layout.programs, limit=12))
-        return "\n".join(lines)
-
-
-def mesh_axis_types(meshes: Sequence[Mesh]) -> tuple[str, ...]:
-    """The axis types (`auto` / `explicit`) the stage meshes share (tracing needs one set)."""
-    first = axis_type_names(meshes[0])
-    for s, mesh in enumerate(meshes):
-        if tuple(mesh.axis_names) != tuple(meshes[0].axis_names) or axis_type_names(mesh) != first:
-            raise ValueError(
-                f"parallelize(meshes=...): stage mesh {s} has axes {tuple(mesh.axis_names)} of "
-                f"types {axis_type_names(mesh)} but stage mesh 0 has {tuple(meshes[0].axis_names)}"
-                f" of types {first}; every stage mesh needs the same axis names and types"
-            )
-    return first
-
-
-def typed_specs(
-    leaves: Sequence[Any], batch_leaves: Sequence[int], sizes: dict[str, int], config: Any
-) -> list[Any]:
-    """Every leaf's PartitionSpec as a stage will compile it: the batch over `batch_axis` (per
-    micro-batch), other leaves as they are sharded, where that fits (else replicated)."""
-    batch = set(batch_leaves)
-    m = config.num_micro_batches
-    out = []
-    for i, leaf in enumerate(leaves):
-        shape = tuple(leaf.shape)
-        if i in batch:
-            out.append(batch_spec(sizes, (shape[0] // m, *shape[1:]), config.batch_axis))
-        else:
-            out.append(transplant_spec(spec_of(getattr(leaf, "sharding", None)), sizes, shape))
-    return out

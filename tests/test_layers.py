@@ -15,7 +15,17 @@ LAYERS = [
     {"pipeline"},
     {"frontend"},
     {"runtime"},
-    {"_parallelize", "_reshard", "_state", "bench", "checkpoint", "_elastic", "__init__"},
+    {
+        "_parallelize",
+        "_arguments",
+        "_plan",
+        "_reshard",
+        "_state",
+        "bench",
+        "checkpoint",
+        "_elastic",
+        "__init__",
+    },
     {"models", "profiler"},
     {"cli", "__main__"},
 ]

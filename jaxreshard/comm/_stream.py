@@ -56,26 +56,39 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import hmac
 import itertools
 import json
 import logging
-import math
 import secrets
 import socket
-import struct
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from jaxreshard.comm._emulate import sleep_until
-from jaxreshard.comm._layout import Index, format_index, index_size
+from jaxreshard.comm._layout import Index, format_index
 from jaxreshard.comm._local import BufferPool, relative_slices
 from jaxreshard.comm._order import Step
+from jaxreshard.comm._stream_sender import _Sender
+from jaxreshard.comm._stream_wire import (  # noqa: F401  (tests read the handshake's fields)
+    _CHALLENGE,
+    _HELLO,
+    _PREFIX,
+    _PROTOCOL,
+    _WELCOME,
+    CONNECT_TIMEOUT_S,
+    _BadMessage,
+    _not_whole_elements,
+    _parse_header,
+    _proof,
+    _recv_exactly,
+    _Refused,
+    _Truncated,
+    _unexpected,
+)
 from jaxreshard.comm._transport import (
     HostWork,
     Transport,
@@ -84,19 +97,9 @@ from jaxreshard.comm._transport import (
     take_arrived,
 )
 
-_PREFIX = struct.Struct("!IQ")  # header bytes, payload bytes
-# The handshake (see [Note: stream authentication]): the listener's challenge (protocol, nonce),
-# the connecting host's hello (its id, its nonce, its proof), the listener's proof.
-_PROTOCOL = b"jrs-tcp1"
-_CHALLENGE = struct.Struct("!8s32s")
-_HELLO = struct.Struct("!q32s32s")
-_WELCOME = struct.Struct("!32s")
-_HOSTS = struct.Struct("!qq")  # (connecting host, listening host), as the proofs cover them
 MIN_SECRET_BYTES = 16
-CONNECT_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a peer that connects and says nothing is dropped after this
 MAX_HEADER_BYTES = 64 * 2**10
-_ITEMSIZES = (1, 2, 4, 8, 16)  # the dtypes' sizes a payload can be a whole number of
 _EAGER_BYTES = 64 * 2**20  # larger payloads nobody waits for yet are read in pieces this size
 _log = logging.getLogger(__name__)
 _FORGOTTEN = 4096  # ids of finished works whose late messages are dropped
@@ -477,250 +480,3 @@ class StreamTransport(Transport):
             self._retired.clear()
         for sender in senders:
             sender.close()
-
-
-class _Sender:
-    """One peer's connection and the thread that writes to it, messages in FIFO order."""
-
-    def __init__(self, owner: StreamTransport, peer: int, address: tuple[str, int]):
-        self._owner, self.peer, self.address = owner, peer, address
-        self._queue: collections.deque[tuple[str, bytes, np.ndarray] | None] = collections.deque()
-        self._pending: dict[str, int] = {}  # work id -> messages not yet written
-        self._error: str | None = None
-        self._lost: set[str] = set()  # works with messages unwritten when the connection failed
-        self._cond = threading.Condition()
-        self._sock: socket.socket | None = None
-        threading.Thread(
-            target=self._run, daemon=True, name=f"tcp-send-h{owner._host}-to-h{peer}"
-        ).start()
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-
-    def lost(self, work_id: str) -> bool:
-        """Whether messages of `work_id` were lost when the connection failed."""
-        with self._cond:
-            return work_id in self._lost
-
-    def busy(self) -> bool:
-        with self._cond:
-            return bool(self._pending)
-
-    def forget(self, mine: Callable[[str], bool]) -> None:
-        """Drop the unwritten messages of the works `mine` selects (a failed sender)."""
-        with self._cond:
-            if self._error is not None:
-                for work_id in [w for w in self._pending if mine(w)]:
-                    del self._pending[work_id]
-
-    def put(self, work_id: str, head: bytes, payload: np.ndarray) -> None:
-        with self._cond:
-            if self._error is not None:
-                raise ConnectionError(self._error)
-            self._queue.append((work_id, head, payload))
-            self._pending[work_id] = self._pending.get(work_id, 0) + 1
-            self._cond.notify_all()
-
-    def wait(self, work: HostWork, deadline: float) -> None:
-        with self._cond:
-            while self._pending.get(work.work_id):
-                if self._error is not None:
-                    raise RuntimeError(f"host {work.host}: {work.describe}: {self._error}")
-                if self._owner.aborted(work.work_id) is not None:
-                    return  # aborted: the caller hears why from its own wait
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"host {work.host}: sending {work.describe or work.work_id} to host "
-                        f"{self.peer} ({self._pending[work.work_id]} messages left) did not "
-                        f"finish within {work.timeout_s:g} s"
-                    )
-                self._cond.wait(min(max(deadline - time.monotonic(), 0.001), 1.0))
-
-    def wake(self) -> None:
-        """Let waits re-check (a work was aborted: its queued messages are skipped)."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._queue.append(None)
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        try:
-            self._sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._introduce(self._sock)
-            self._sock.settimeout(None)
-        except OSError as e:  # (`_Refused`, `_Truncated`, a timeout, a reset)
-            if isinstance(e, _Truncated):
-                e = _Refused(
-                    f"it closed the connection during the handshake ({e.what}: expected "
-                    f"{e.expected} bytes, got {e.got}): it does not share this runtime's secret, "
-                    f"or does not know host {self._owner._host}"
-                )
-            self._fail(f"cannot connect to host {self.peer} at {self.address}: {e}")
-            return
-        with self._sock:
-            while True:
-                with self._cond:
-                    while not self._queue:
-                        self._cond.wait()
-                    item = self._queue.popleft()
-                if item is None:
-                    return
-                work_id, head, payload = item
-                if self._owner.aborted(work_id) is None:
-                    try:
-                        self._sock.sendall(head)
-                        self._sock.sendall(memoryview(payload))
-                    except OSError as e:
-                        self._fail(f"sending to host {self.peer} at {self.address} failed: {e}")
-                        return
-                with self._cond:
-                    left = self._pending[work_id] - 1
-                    if left:
-                        self._pending[work_id] = left
-                    else:
-                        del self._pending[work_id]
-                    self._cond.notify_all()
-
-    def _introduce(self, sock: socket.socket) -> None:
-        """Answer the listener's challenge and check its proof (see [Note: stream
-        authentication]); raises `_Refused` (or an `OSError`)."""
-        host, secret = self._owner._host, self._owner._secret
-        challenge = _recv_exactly(sock, _CHALLENGE.size, what="its challenge", eof=False)
-        protocol, nonce = _CHALLENGE.unpack(challenge)  # type: ignore[arg-type]
-        if protocol != _PROTOCOL:
-            raise _Refused(
-                f"it opened with {protocol!r}, not {_PROTOCOL!r}: it is no jaxreshard stream "
-                "listener (the address is stale, or taken by another program)"
-            )
-        mine = secrets.token_bytes(32)
-        sock.sendall(
-            _HELLO.pack(host, mine, _proof(secret, b"connect", nonce, mine, host, self.peer))
-        )
-        (welcome,) = _WELCOME.unpack(
-            _recv_exactly(sock, _WELCOME.size, what="its proof", eof=False)  # type: ignore[arg-type]
-        )
-        if not hmac.compare_digest(
-            welcome, _proof(secret, b"accept", nonce, mine, host, self.peer)
-        ):
-            raise _Refused(
-                f"its proof does not match this runtime's secret: whatever listens at "
-                f"{self.address} is not host {self.peer} of this runtime"
-            )
-
-    def _fail(self, error: str) -> None:
-        with self._cond:
-            self._error = f"{error} (the next work to host {self.peer} connects again)"
-            self._lost = set(self._pending)
-            # What is still queued never goes out: let its payloads go.
-            self._queue = collections.deque(item for item in self._queue if item is None)
-            self._cond.notify_all()
-
-
-def _proof(
-    secret: bytes, role: bytes, nonce: bytes, theirs: bytes, connecting: int, listening: int
-) -> bytes:
-    """HMAC-SHA256 of a handshake's two nonces and two hosts, for `role` (b"connect": the
-    connecting host's proof; b"accept": the listener's)."""
-    message = _PROTOCOL + role + nonce + theirs + _HOSTS.pack(connecting, listening)
-    return hmac.new(secret, message, hashlib.sha256).digest()
-
-
-def _parse_header(text: bytes, peer: int) -> tuple[str, int, Index, float]:
-    """(work, op, region, emulated arrival time) of a message's header from host `peer`;
-    `_BadMessage` saying what is wrong with it."""
-    try:
-        header = json.loads(text)
-    except ValueError as e:
-        raise _BadMessage(f"a header that is not JSON ({e}): {text[:80]!r}") from None
-    if not isinstance(header, dict) or not {"work", "op", "region", "src", "ready"} <= set(header):
-        raise _BadMessage(f"a header without work, op, region, src and ready: {text[:80]!r}")
-    work, op, src, ready, region = (header[k] for k in ("work", "op", "src", "ready", "region"))
-    if src != peer:
-        raise _BadMessage(f"a header from host {src!r}, on host {peer}'s connection")
-    if not isinstance(work, str) or not _is_count(op):
-        raise _BadMessage(f"work {work!r} and op {op!r}: a string and an int >= 0 expected")
-    if not isinstance(ready, int | float) or isinstance(ready, bool) or not math.isfinite(ready):
-        raise _BadMessage(f"arrival time {ready!r}: a finite number expected")
-    if not isinstance(region, list) or not all(
-        isinstance(r, list) and len(r) == 2 and _is_count(r[0]) and _is_count(r[1]) and r[0] <= r[1]
-        for r in region
-    ):
-        raise _BadMessage(f"region {region!r}: a list of [start, stop] with 0 <= start <= stop")
-    return work, op, tuple((a, b) for a, b in region), float(ready)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _unexpected(region: Index, nbytes: int, dtype: np.dtype, chunks: Any) -> str | None:
-    """Why a message of `region` with `nbytes` is not one of the `chunks` of `dtype` a receive
-    waits for; None if it is."""
-    if region not in chunks:
-        shown = ", ".join(format_index(c) for c in sorted(chunks)[:4])
-        more = ", ..." if len(chunks) > 4 else ""
-        return f"not a piece this receive waits for ({shown}{more}), or one it got already"
-    want = index_size(region) * dtype.itemsize
-    if nbytes != want:
-        return (
-            f"{nbytes} payload bytes, but the region holds {index_size(region)} x {dtype.name} "
-            f"= {want} bytes"
-        )
-    return None
-
-
-def _not_whole_elements(region: Index, nbytes: int) -> str | None:
-    """Why `nbytes` cannot be the region's elements of any dtype; None if it can."""
-    size = index_size(region)
-    if any(size * k == nbytes for k in _ITEMSIZES):
-        return None
-    sizes = "/".join(map(str, _ITEMSIZES))
-    return f"{nbytes} payload bytes for a region of {size} elements of {sizes} bytes each"
-
-
-class _Refused(ConnectionError):
-    """A connection failed the handshake (see [Note: stream authentication])."""
-
-
-class _BadMessage(ConnectionError):
-    """A message this host refuses to read; `work` is the work it named, if any."""
-
-    def __init__(self, why: str, work: str | None = None):
-        super().__init__(why)
-        self.work = work
-
-
-class _Truncated(ConnectionError):
-    """The peer closed its connection in the middle of a message."""
-
-    def __init__(self, what: str, expected: int, got: int):
-        super().__init__(f"{what}: expected {expected} bytes, got {got}")
-        self.what, self.expected, self.got = what, expected, got
-
-
-def _recv_exactly(
-    conn: socket.socket,
-    nbytes: int,
-    into: memoryview | None = None,
-    *,
-    what: str,
-    eof: bool = True,
-) -> bytes | memoryview | None:
-    """Read exactly `nbytes` (into `into` if given). A peer that closes before the first byte:
-    None where a message may end there (`eof`); a peer that closes after it, or where a message
-    may not end: `_Truncated` naming `what` and the bytes expected and got."""
-    view = into if into is not None else memoryview(bytearray(nbytes))
-    got = 0
-    while got < nbytes:
-        n = conn.recv_into(view[got:], nbytes - got)  # OSError: the connection failed
-        if n == 0:
-            if got == 0 and eof:
-                return None
-            raise _Truncated(what, nbytes, got)
-        got += n
-    return view if into is not None else bytes(view)

@@ -32,33 +32,17 @@ The step around the loss is split at the `pipeline_grad` equation (see [Note: ma
 depends on runs first, once per step ("pre"); the rest ("post", the optimizer) runs once per step
 after the micro-batches, each equation on the stage that holds its inputs (a parameter's update
 where the parameter lives), grouped into as few per-stage segments as the data dependencies allow.
-See [Note: where the optimizer runs].
+See [Note: where the optimizer runs] in `frontend/_post.py`.
 
 A step with stage boundaries and no gradient (evaluation, inference) is pipelined forward only:
 the whole function is cut as a loss would be, every floating-point argument is kept by the stage
 that first uses it (as a training step with the same boundaries keeps its parameters), other
 arguments (counters, keys) are per-step constants, and its outputs are combined from the
 micro-batches like aux outputs.
-
-[Note: where the optimizer runs]
-A post equation whose inputs live on several stages runs on the stage that holds most of their
-bytes (the latest such stage on a tie), so that only the smaller inputs move. This keeps an
-optimizer's state "sharded like the parameters": the moments of a parameter are computed from its
-gradient on its stage and stay there, while global reductions move only scalars. Clipping by the
-global norm, for instance, sums each gradient's squares where the gradient is, adds those scalars
-up on one stage (the latest), and sends the scale back: `g * scale` runs where `g` is, not where
-`scale` is. Placing by the latest input alone would run that product, and everything after it
-(the moments, the new parameters), on the last stage, moving every gradient there each step.
-Equations that read only the step's free inputs (a step counter, a learning-rate schedule, the
-batch) are copied into every stage that uses them instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import heapq
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,12 +52,28 @@ from jax.extend import core as jc
 from jaxreshard._jax_compat import for_stages, new_jaxpr, source_files, source_location
 from jaxreshard.frontend._batch import (
     REDUCE,
-    Combine,
     batch_dim,
     check_integer_statistics,
     combine_rules,
     find_statistics,
     warn_statistics,
+)
+from jaxreshard.frontend._graph import (  # noqa: F401  (the graph's names, as imported from here)
+    ACT,
+    BATCH,
+    CONST,
+    LOSS,
+    MB,
+    OUT,
+    PARAM,
+    Activation,
+    Feed,
+    LossSplit,
+    Ref,
+    Result,
+    Segment,
+    Stage,
+    StepGraph,
 )
 from jaxreshard.frontend._jaxprs import (
     CALLS,
@@ -86,170 +86,11 @@ from jaxreshard.frontend._jaxprs import (
     open_jaxpr,
 )
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
+from jaxreshard.frontend._post import _busiest, _held_bytes, _segments
 from jaxreshard.frontend._random import plan_draws, with_micro_batch_index
 from jaxreshard.frontend._source import gradient_call, user_location
 
 __all__ = ["PipelineSplitError"]
-
-PARAM, BATCH, CONST, ACT, LOSS, MB, OUT = "param", "batch", "const", "act", "loss", "mb", "out"
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """What a stage input or output is: a parameter (`index` into `StepGraph.params`), a batch
-    feed (into `StepGraph.feeds`), a per-step constant (into `StepGraph.consts`), the
-    micro-batch index, an activation (`index` = activation id), the loss, or an aux/forward
-    output (`index` into `StepGraph.results`)."""
-
-    kind: str
-    index: int = 0
-
-    def __str__(self) -> str:
-        return self.kind if self.kind in (LOSS, MB) else f"{self.kind}{self.index}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """A value of the loss produced by one stage and used by later ones (a boundary tensor)."""
-
-    id: int
-    aval: Any
-    home: int
-    consumers: tuple[int, ...]
-    where: str  # the source line that computed it
-
-    @property
-    def differentiable(self) -> bool:
-        return bool(jax.numpy.issubdtype(self.aval.dtype, jax.numpy.inexact))
-
-    def label(self) -> str:
-        return f"act{self.id}:{self.aval.str_short()}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """The forward of one stage: `jaxpr` maps `inputs` to `outputs` (in that order)."""
-
-    index: int
-    jaxpr: Any  # ClosedJaxpr
-    inputs: tuple[Ref, ...]
-    outputs: tuple[Ref, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSplit:
-    stages: tuple[Stage, ...]
-    activations: tuple[Activation, ...]
-    result_homes: tuple[int, ...] = ()  # per result, the stage that outputs it
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    def users(self, kind: str, index: int) -> tuple[int, ...]:
-        """The stages whose forward reads `Ref(kind, index)`, in order."""
-        return self._users.get(Ref(kind, index), ())
-
-    @functools.cached_property
-    def _users(self) -> dict[Ref, tuple[int, ...]]:  # asked per parameter in every step
-        users: dict[Ref, list[int]] = {}
-        for s in self.stages:
-            for ref in dict.fromkeys(s.inputs):
-                users.setdefault(ref, []).append(s.index)
-        return {ref: tuple(stages) for ref, stages in users.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Feed:
-    """A per-example input of the loss: an outer variable (a batch leaf, or a value the pre
-    part computes from the batch) split into micro-batches along `dim`."""
-
-    var: Any
-    dim: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Result:
-    """An output of the loss besides the loss (an aux leaf; every output of a forward-only
-    step), computed per micro-batch and combined by `combine`."""
-
-    name: str
-    aval: Any  # per micro-batch
-    combine: Combine
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Post-gradient equations that run together on one stage's mesh."""
-
-    stage: int
-    jaxpr: Any  # ClosedJaxpr over `inputs` -> `outputs`
-    inputs: tuple[Any, ...]  # outer Vars
-    outputs: tuple[Any, ...]  # outer Vars
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGraph:
-    """A train step cut for the pipeline (see [Note: two traces]).
-
-    Attributes:
-        outer: the step traced at the whole batch (its invars are the flattened array args).
-        params: for each parameter k, the outer invar index it is (differentiated leaves; in a
-            forward-only step, every non-batch argument).
-        batch: outer invar indices that are batch leaves.
-        loss_inputs: for each input of the loss jaxpr, a `Ref`.
-        feeds: the per-example inputs of the loss (`Ref(BATCH, j)`).
-        consts: the outer atoms (Vars, or Literals) that feed the loss as per-step constants.
-        loss: the loss cut into stages.
-        owner: for each parameter k, the stage that keeps it (its first user).
-        pre: equations the loss depends on, run once per step on the whole batch before the
-            pipeline (a ClosedJaxpr over `pre_inputs` -> `pre_outputs`), or None.
-        grad_outputs: the outer Vars of the loss and of one gradient per parameter (empty for
-            a forward-only step).
-        results: the loss's other outputs, combined over micro-batches.
-        result_outputs: the outer Var each result becomes.
-        segments: the post-gradient equations in run order.
-        placement: stage of each outer Var the post part reads or writes (None: free).
-        forward_only: the step has no gradient (see [Note: stage cutting]).
-        donated: outer invar indices whose buffers the step may reuse (`parallelize`'s
-            `donate_argnums`, as `jax.jit`'s): the post-gradient segment that reads one last
-            may overwrite it.
-    """
-
-    outer: Any
-    params: tuple[int, ...]
-    batch: tuple[int, ...]
-    loss_inputs: tuple[Ref, ...]
-    feeds: tuple[Feed, ...]
-    consts: tuple[Any, ...]
-    loss: LossSplit
-    owner: tuple[int, ...]
-    pre: Any
-    pre_inputs: tuple[Any, ...]
-    pre_outputs: tuple[Any, ...]
-    grad_outputs: tuple[Any, ...]
-    results: tuple[Result, ...]
-    result_outputs: tuple[Any, ...]
-    segments: tuple[Segment, ...]
-    placement: dict[Any, int | None]
-    forward_only: bool = False
-    donated: tuple[int, ...] = ()
-
-    @property
-    def num_stages(self) -> int:
-        return self.loss.num_stages
-
-    @property
-    def batch_vars(self) -> tuple[Any, ...]:
-        return tuple(self.outer.jaxpr.invars[i] for i in self.batch)
-
-    @property
-    def micro_batch_index(self) -> bool:
-        """Whether some stage reads the micro-batch index (random draws with a batch dim)."""
-        return Ref(MB) in self.loss_inputs
-
-
-# -- helpers ----------------------------------------------------------------------------------
 
 
 def _where(eqn: Any) -> str:
@@ -837,125 +678,3 @@ def _split_forward(
         placement=placement,
         forward_only=True,
     )
-
-
-def _nbytes(aval: Any) -> int:
-    shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", None)
-    return math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
-
-
-def _held_bytes(eqn: Any, placement: dict[Any, int | None]) -> dict[int, int]:
-    """Stage -> bytes of `eqn`'s inputs that the stage holds."""
-    held: dict[int, int] = {}
-    for v in dict.fromkeys(v for v in eqn.invars if is_var(v)):
-        stage = placement.get(v)
-        if stage is not None:
-            held[stage] = held.get(stage, 0) + _nbytes(v.aval)
-    return held
-
-
-def _busiest(held: dict[int, int]) -> int:
-    """The stage holding most bytes, the latest on a tie; see [Note: where the optimizer runs]."""
-    return max(held, key=lambda s: (held[s], s))
-
-
-def _segments(
-    eqns: Sequence[Any], placement: dict[Any, int | None], outvars: Sequence[Any]
-) -> list[Segment]:
-    """Place post-gradient equations on stages and group them into per-stage segments.
-
-    An equation reading values that live on stages runs on the one holding most of their bytes
-    (see [Note: where the optimizer runs]). An equation reading only the step's free inputs (a
-    step counter, a learning-rate schedule) is copied into every stage that uses its result, as
-    cheap scalar work is in data-parallel optimizers, so that no stage waits for another's."""
-    stages: dict[int, set[int]] = {}
-    for position, eqn in enumerate(eqns):
-        held = _held_bytes(eqn, placement)
-        if held:
-            stage = _busiest(held)
-            stages[position] = {stage}
-            for o in eqn.outvars:
-                placement[o] = stage
-    wanted: dict[Any, set[int]] = {}
-    for position in reversed(range(len(eqns))):
-        eqn = eqns[position]
-        if position not in stages:  # free: wherever its results are used
-            users = set().union(*(wanted.get(o, set()) for o in eqn.outvars))
-            stages[position] = users or {0}
-        for v in eqn.invars:
-            if is_var(v):
-                wanted.setdefault(v, set()).update(stages[position])
-    free = {o for p, e in enumerate(eqns) if placement.get(e.outvars[0]) is None for o in e.outvars}
-    defined_at = {o: p for p, e in enumerate(eqns) for o in e.outvars}
-
-    def key(v: Any, stage: int) -> tuple[Any, int | None]:
-        return (v, stage if v in free else None)
-
-    # Greedy topological grouping: keep running the current stage while any of its equations is
-    # ready, so that each stage gets few segments; else the first ready equation (in equation
-    # order, then stage). Each equation counts the values it still waits for (linear in the
-    # equations: a quadratic scan took 0.6 s of a tiny NNX LM's 5 s first step).
-    items = [(p, stage) for p in range(len(eqns)) for stage in sorted(stages[p])]
-    waiting: dict[tuple[Any, int | None], list[int]] = {}
-    missing = []
-    for i, (p, stage) in enumerate(items):
-        keys = {key(v, stage) for v in eqns[p].invars if is_var(v) and v in defined_at}
-        for k in keys:
-            waiting.setdefault(k, []).append(i)
-        missing.append(len(keys))
-    everywhere = [i for i, n in enumerate(missing) if n == 0]  # ready, by item order
-    by_stage: dict[int, list[int]] = {}
-    for i in everywhere:
-        by_stage.setdefault(items[i][1], []).append(i)
-    heapq.heapify(everywhere)
-    done = [False] * len(items)
-    groups: list[tuple[int, list[int]]] = []
-    current: int | None = None
-
-    def first(heap: list[int]) -> int | None:
-        while heap and done[heap[0]]:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    for _ in range(len(items)):
-        i = first(by_stage.get(current, [])) if current is not None else None
-        if i is None:
-            i = first(everywhere)
-        if i is None:
-            raise AssertionError("post-gradient equations wait for each other in a cycle")
-        done[i] = True
-        p, stage = items[i]
-        if stage != current or not groups:
-            current = stage
-            groups.append((current, []))
-        groups[-1][1].append(p)
-        for o in eqns[p].outvars:
-            for j in waiting.pop(key(o, stage), []):
-                missing[j] -= 1
-                if missing[j] == 0:
-                    heapq.heappush(everywhere, j)
-                    heapq.heappush(by_stage.setdefault(items[j][1], []), j)
-    out = []
-    for n, (stage, positions) in enumerate(groups):
-        seg_eqns = [eqns[p] for p in positions]
-        defined = {o for e in seg_eqns for o in e.outvars}
-        needed = {v for v in outvars if is_var(v)}
-        for m, (_, others) in enumerate(groups):
-            if m != n:
-                other_defined = {o for p in others for o in eqns[p].outvars}
-                needed.update(
-                    v
-                    for p in others
-                    for v in eqns[p].invars
-                    if is_var(v) and v not in other_defined
-                )
-        outputs = [
-            v
-            for v in dict.fromkeys(o for e in seg_eqns for o in e.outvars)
-            if v in needed and v in defined
-        ]
-        inputs = free_inputs(seg_eqns)
-        out.append(
-            Segment(stage, make_closed(inputs, outputs, seg_eqns), tuple(inputs), tuple(outputs))
-        )
-    return out

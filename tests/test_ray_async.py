@@ -218,3 +218,97 @@ def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, m
     for k, v in fetched(p).items():
         np.testing.assert_allclose(v, np.asarray(rp[k]), rtol=1e-5, atol=1e-6)
     assert driver_segments == []
+
+
+def test_outputs_of_running_steps_outlive_their_dropped_pipeline(ray_runtime, files):
+    """Dropping a parallelized step (its pipeline) while steps run lets them finish first: the
+    outputs already returned stay valid, as `jax.jit`'s do; then the hosts drop it."""
+    import gc
+
+    hold, fail = files
+    fun = file_step(str(hold), str(fail))
+    step = jr.parallelize(fun, config=ray_config(), batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    p = params
+    ref = params
+    for _ in range(4):
+        ref, _ = jax.jit(fun)(ref, batch)
+    for _ in range(2):
+        p, _ = step(p, batch)
+    hold.touch()
+    for _ in range(2):
+        p, loss = step(p, batch)  # running: held on the host
+    (entry,) = step._cache.values()
+    key, runtime = entry.pipeline.key, entry.pipeline.runtime
+    del step, entry
+    gc.collect()
+    hold.unlink()
+    for k, v in fetched(p).items():
+        np.testing.assert_allclose(v, np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(float(loss))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # and the hosts let the pipeline go
+        held = [ray.get(a.held.remote(), timeout=60) for a in runtime.actors]
+        if all(key not in h["pipelines"] for h in held):
+            break
+        time.sleep(0.2)
+    assert all(key not in h["pipelines"] for h in held)
+
+
+def test_another_pipeline_waits_for_the_running_step_that_makes_its_input(ray_runtime, files):
+    """An evaluation step called on a training step's fresh (still running) parameters: the
+    hosts order only one pipeline's steps, so the evaluation waits for the training step."""
+    hold, fail = files
+    fun = file_step(str(hold), str(fail))
+    step = jr.parallelize(fun, config=ray_config(), batch_argnums=(1,))
+
+    def evaluate(params, batch):
+        h = jnp.tanh(batch["x"] @ params["emb"])
+        h = jr.stage_boundary(h)
+        h = jnp.tanh(h @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["out"] - batch["y"]) ** 2)
+
+    ev = jr.parallelize(evaluate, config=ray_config(), batch_argnums=(1,))
+    params, batch = make_params(2), make_batch()
+    p, rp = params, params
+    for _ in range(3):
+        rp, _ = jax.jit(fun)(rp, batch)
+    for _ in range(2):
+        p, _ = step(p, batch)
+    ev(p, batch)  # (compiled)
+    hold.touch()
+    p, _ = step(p, batch)  # asynchronous, held on its host
+    threading_timer = __import__("threading").Timer(1.0, hold.unlink)
+    threading_timer.start()
+    try:
+        value = float(ev(p, batch))
+    finally:
+        threading_timer.join()
+    np.testing.assert_allclose(value, float(jax.jit(evaluate)(rp, batch)), rtol=1e-5)
+
+
+def test_donated_asynchronous_adam_steps_with_both_stages_on_one_host(ray_runtime):
+    """Steps in flight back to back with the parameters and Adam's state donated, both stages
+    on one host (its transfers never hold a dispatch back), so that the next step may donate a
+    small output (the count) before the last step's answer has read it (timing decides whether
+    it does here; `_small` gives such an output no value): nothing fails, and the steps equal
+    jax.jit's."""
+    import optax
+    from test_parallelize import adam_step, mlp_loss
+
+    fun = adam_step(mlp_loss, optax.adam(1e-2))
+    config = ray_config(stage_mesh_shape=(1, 1), steps_in_flight=4)
+    step = jr.parallelize(fun, config=config, batch_argnums=(2,), donate_argnums=(0, 1))
+    params, batch = make_params(2), make_batch()
+    rp, rs = params, optax.adam(1e-2).init(params)
+    p, s = params, optax.adam(1e-2).init(params)
+    losses, ref_losses = [], []
+    for _ in range(8):
+        p, s, loss = step(p, s, batch)
+        losses.append(loss)
+        rp, rs, ref_loss = jax.jit(fun)(rp, rs, batch)
+        ref_losses.append(float(ref_loss))
+    step.wait()
+    np.testing.assert_allclose([float(x) for x in losses], ref_losses, rtol=1e-5)
+    for k, v in fetched(p).items():
+        np.testing.assert_allclose(v, np.asarray(rp[k]), rtol=1e-5, atol=1e-6)

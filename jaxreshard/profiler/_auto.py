@@ -65,13 +65,17 @@ def auto_search(
     calibrated: list[dict[str, Any]] = []
     with runtime_for(pc) as runtime:
         hosts = getattr(runtime, "hosts", None)  # (Ray: each host's devices)
-        layouts = mesh_layouts(pc, len(hosts[0]) if hosts else None) if meshes else [{}]
+        sizes = {len(h) for h in hosts or ()}
+        per_host = sizes.pop() if len(sizes) == 1 else None  # (uneven hosts: the config's)
+        layouts = mesh_layouts(pc, per_host) if meshes else [{}]
         for layout in layouts:
             lpc = pc.replace_pipeline(**layout)
             entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": layout}
             try:
                 entry["measured"] = _calibrate(lpc, runtime, console, progress)
             except Exception as e:  # (a mesh the model does not shard on, say)
+                if type(e).__name__ == "RuntimeBroken":  # (a host died: nothing more can run)
+                    raise
                 entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 if console is not None:
                     console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
@@ -218,12 +222,19 @@ def _layout_text(pc: ProfileConfig) -> str:
 
 def _calibration_points(pc: ProfileConfig) -> list[int]:
     """The micro-batch counts to calibrate at: the configured one and a second (twice it, or
-    half) that divides the batch, so that each action's time fits `a + b * rows`."""
+    half, ...) that divides the batch into micro-batches the stages' batch axis splits evenly,
+    so that each action's time fits `a + b * rows` (the configured one alone if none does)."""
     m = pc.pipeline.num_micro_batches
-    for other in (2 * m, m // 2):
-        if other >= 1 and pc.run.batch_size % other == 0 and pc.run.batch_size // other >= 2:
-            return [m, other]
-    return [m]
+    split = _batch_split(pc)  # (a micro-batch's rows split evenly over the batch axis)
+    counts = [n for n in (m, 2 * m, m // 2, m // 4, m // 8) if n >= 1]
+    fits = [
+        n
+        for n in dict.fromkeys(counts)
+        if pc.run.batch_size % n == 0
+        and pc.run.batch_size // n >= 2
+        and (pc.run.batch_size // n) % split == 0
+    ]
+    return fits[:2] or [m]
 
 
 @dataclasses.dataclass

@@ -85,7 +85,7 @@ class PipelineConfig:
             next call waits for the oldest: a call returns once its step is dispatched, as
             `jax.jit`'s does, and the host runs ahead by up to this many steps (each holds its
             batch and activations meanwhile). Errors of a step surface at a later call or at
-            `train_step.wait()`.
+            `train_step.wait()`. On Ray, at most 8.
         fuse_optimizer: where the optimizer (the step's code after the gradients) runs inside
             each stage's last backward: `auto` (where it costs no extra executable: with one
             micro-batch, or in a one-stage pipeline, whose micro-batches run as one scan),

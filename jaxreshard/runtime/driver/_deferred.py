@@ -1,10 +1,12 @@
 """Values a step returns before they exist: the loss and aux outputs of an asynchronous step on
-hosts of other processes (see [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
+hosts of other processes (see [Note: asynchronous steps on Ray] in `ray/_hosts.py`).
 
 `jax.jit` returns arrays still being computed; a step on the Ray runtime returns `RemoteArray`
 handles for what its hosts keep, and for what comes back to the driver as host data (the loss,
 aux outputs) a `StepValue`: it reads like the numpy value it stands for (`np.asarray`, `float`,
-`.item()`, `jax.block_until_ready`) and waits for its step only when read.
+`.item()`, indexing, arithmetic, `jax.block_until_ready`) and waits for its step only when read.
+JAX functions take it once converted (`jnp.asarray(loss)`): JAX no longer converts foreign
+objects itself while tracing.
 """
 
 from __future__ import annotations
@@ -109,6 +111,15 @@ class StepValue:
         out = self.value()
         return out.astype(dtype) if dtype is not None else out
 
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __len__(self) -> int:
+        return len(self.value())
+
+    def __iter__(self) -> Any:
+        return iter(self.value())
+
     def __float__(self) -> float:
         return float(self.value())
 
@@ -132,7 +143,10 @@ class StepValue:
 
 def _delegate(name: str) -> Callable[..., Any]:
     def op(self: StepValue, *args: Any) -> Any:
-        return getattr(self.value(), name)(*args)
+        out = getattr(self.value(), name)(*args)
+        if out is NotImplemented:  # (numpy defers to a JAX array, which takes no StepValue)
+            out = getattr(self.value(), name)(*(np.asarray(a) for a in args))
+        return out
 
     op.__name__ = name
     return op

@@ -152,5 +152,7 @@ def anew(error: BaseException) -> BaseException:
         new = copy.copy(error)
     except Exception:  # (an exception type that cannot be copied)
         return error
+    if str(new) != str(error):  # (a constructor that does not take its own message back)
+        return error
     new.__traceback__ = None
     return new

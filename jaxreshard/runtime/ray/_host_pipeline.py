@@ -39,10 +39,17 @@ from jaxreshard.runtime.step._specs import place, spec_of, transplant_spec
 
 
 def _small(x: Any) -> Any:
-    """A kept array's value if it is small (it travels with the answer), else None."""
-    if x.size * np.dtype(x.dtype).itemsize <= SMALL_BYTES:
+    """A kept array's value if it is small (it travels with the answer), else None. None too
+    for one a later step donated before this answer read it (the caller gave it up: `jax.jit`
+    would not let it be read either)."""
+    if x.size * np.dtype(x.dtype).itemsize > SMALL_BYTES or x.is_deleted():
+        return None
+    try:
         return local_value(x, required=False)
-    return None
+    except RuntimeError:
+        if x.is_deleted():  # (donated while read)
+            return None
+        raise
 
 
 class _WatchedCompiler(StageCompiler):
@@ -161,7 +168,7 @@ class HostPipeline:
         self._running = 0  # step calls under way
         self.dropped = False
         # Step calls run in the driver's order (`StepCall.seq`), one dispatch at a time (see
-        # [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
+        # [Note: asynchronous steps on Ray] in `ray/_hosts.py`).
         self._turn = threading.Condition()
         self._next_seq = 0
         self._moved_at = time.monotonic()  # when a step last took or gave up its turn
@@ -341,8 +348,8 @@ class HostPipeline:
         channels = self.channels
         self._running += 1
         try:
-            self._await_turn(call)
             try:
+                self._await_turn(call)  # (if it gives up, the steps after it need not wait)
                 with self._turn:
                     why = self._cancelled.pop(call.step_id, None)
                 if why is not None:
@@ -398,7 +405,7 @@ class HostPipeline:
 
     def _dispatch(self, call: StepCall) -> tuple[Any, dict[str, Any]]:
         """Dispatch this host's part of step `call`; keep its outputs here under their ids
-        (those the driver builds its handles with: `RayHosts.predicted`); describe them
+        (those the driver builds its handles with: `_predicted` in `ray/_hosts.py`); describe them
         without values."""
         g, step_id = self.graph, call.step_id
         self._step_id = step_id

@@ -8,7 +8,7 @@ local runtime): once its calls are sent, with handles to what it will make.
   `{step}:seg{j}:{n}`. What the driver cannot know from the step alone (which gradients a host
   returns, each output's spec) it takes from the answers of the steps run before: the first
   steps of a pipeline run synchronously, until two answers in a row describe the same outputs;
-  from then on the driver builds the handles itself (`RayHosts.predicted`). A `RemoteArray` so
+  from then on the driver builds the handles itself (`_predicted`). A `RemoteArray` so
   made carries its step's watch: whatever reads it on the hosts (`fetch`, `reshard`, a
   checkpoint, an explicit `free`) waits for the step first; a dropped handle's batched free goes
   out once its step has finished.
@@ -25,13 +25,20 @@ local runtime): once its calls are sent, with handles to what it will make.
   their sends have been delivered (the channels are then free for the next step), and its
   answer waits for its values while the next step dispatches. The hosts of a stage that spans
   hosts so run its steps, and their collectives, in one order.
-- At most `PipelineConfig.steps_in_flight` steps are sent and not seen finished; a call beyond
-  that waits for the oldest. Recorded steps (`profile_call`), a step whose post-gradient segments
-  the driver runs, and the first steps run synchronously.
+- At most `PipelineConfig.steps_in_flight` steps (8 at most on Ray: a step in flight holds a
+  thread of each of its host actors, which have 16, and the hosts' progress reports keep the
+  last 16 steps) are sent and not seen finished; a call beyond that waits for the oldest.
+- Recorded steps (`profile_call`) and the first steps run synchronously. A step whose
+  post-gradient segments the driver runs is sent as the others, then waited for before those
+  segments run (their inputs sit on several stages' hosts): it returns once done, with its loss
+  a `StepValue` as ever.
+- An array that another pipeline's running step makes is waited for before a step names it
+  (`RayHosts._ordered`): only one pipeline's steps run in call order on the hosts.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -56,6 +63,7 @@ from jaxreshard.runtime.step._layout import PipelineLayout
 from jaxreshard.runtime.step._specs import spec_of
 
 STEP_GRACE_S = 10.0  # the driver's progress deadline over the hosts' own (see the Note)
+RAY_STEPS_IN_FLIGHT = 8  # `PipelineConfig.steps_in_flight`'s cap on Ray
 _Later = tuple[Future[Any], dict[str, Any], str]  # `RayHosts._results`'s `later`
 LATER = "later"  # a predicted answer's values: they come with the real one
 
@@ -86,13 +94,16 @@ class RayHosts(Hosts):
         self._stable = False  # the last two answers described the same outputs
         self._sent: list[str] = []  # steps sent asynchronously and not seen finished
         self._failures = 0  # steps seen failed (`StepCall.generation`)
+        self._lock = threading.Lock()  # `_seq`, `_sent`, `_failures`: driver and watch threads
 
     def sharding(self, s: int, spec: P) -> VirtualSharding:
         return VirtualSharding(self.meshes[s], spec)
 
     def begin(self, step_id: str) -> None:
         rt = self.runtime
-        self.watch.admit(self.config.steps_in_flight)  # an earlier step's failure raises here
+        # An earlier step's failure raises here. (At most RAY_STEPS_IN_FLIGHT on Ray: each
+        # step in flight holds a host actor thread, and the actors have 16.)
+        self.watch.admit(min(self.config.steps_in_flight, RAY_STEPS_IN_FLIGHT))
         rt.flush_frees()  # the handles the last step's outputs replaced
         if self.transport == "nccl":  # an abort (a failed step) ended them all: make them again
             assert self.layout is not None
@@ -112,6 +123,7 @@ class RayHosts(Hosts):
                 isinstance(value, RemoteArray) and value.sharding == sharding and not value.is_freed
             ):
                 value = self._put_param(k, np.asarray(value), sharding)
+            self._ordered(value)
             out[k] = value
         return out
 
@@ -133,6 +145,13 @@ class RayHosts(Hosts):
             )
             broken.host = e.host
             raise broken from None
+
+    def _ordered(self, value: RemoteArray) -> None:
+        """Before a step call names `value` by id: an array another pipeline's running step
+        makes may not exist on its hosts yet (only this pipeline's steps run in call order
+        there), so that step is waited for."""
+        if value.pending is not None and not value.step_id.startswith(f"{self.key}:"):
+            value.settle()
 
     def pre_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         return [x if isinstance(x, RemoteArray) or is_key(x) else np.asarray(x) for x in leaves]
@@ -156,6 +175,7 @@ class RayHosts(Hosts):
             return ("data", value.value)
         mesh = value.sharding.mesh
         if {d.process_index for d in mesh.devices.flat} == set(hosts):
+            self._ordered(value)
             grid = np.vectorize(lambda d: d.id)(mesh.devices).tolist()
             return ("id", (value.array_id, tuple(value.sharding.spec), grid))
         if value.source is not None and not value.is_ready():
@@ -167,7 +187,6 @@ class RayHosts(Hosts):
         return NOT_THERE
 
     def call(self, calls: Mapping[int, StepCall]) -> dict[int, HostResult]:
-        rt = self.runtime
         first = next(iter(calls.values()))
         step_id = first.step_id
         asynchronous = (
@@ -181,7 +200,43 @@ class RayHosts(Hosts):
         )
         if not asynchronous:
             self.watch.wait()  # the steps before it first (a recorded step's time is its own)
-        seq, self._seq = self._seq, self._seq + 1
+        with self._lock:  # (against the watch seeing a failure meanwhile: see `_finish`)
+            refs = self._send(calls, asynchronous)
+        if not asynchronous:
+            answers = self._wait_step(refs, step_id)
+            template = _template(answers)
+            self._stable, self._template = template == self._template, template
+            return self._results(answers)
+        assert self._template is not None
+        predicted = _predicted(self._template, step_id, self.config.num_micro_batches)
+        box: dict[str, Any] = {}
+        handles: weakref.WeakValueDictionary[str, RemoteArray] = weakref.WeakValueDictionary()
+        future = self.watch.track_call(
+            step_id, lambda: self._finish(refs, step_id, predicted, box, handles)
+        )
+        self.runtime.steps_sent[self.key] = weakref.ref(future)  # (frees of handles wait for it)
+        out = self._results(predicted, (future, box, step_id))
+        for h, result in out.items():
+            for x in [*result.grads.values(), *_flat(result.applied), *_flat(result.segments)]:
+                x.pending, x.step_id = future, step_id
+                handles[x.array_id] = x
+            # A small output of a stage on one host comes with that host's answer, where other
+            # hosts may read it (`ref`); a stage that spans hosts answers with no value.
+            made = [(s, xs) for s, xs in result.applied.items()] + [
+                (self.graph.segments[j].stage, xs) for j, xs in result.segments.items()
+            ]
+            for stage, xs in made:
+                if len(self.hosts_of_stage[stage]) == 1:
+                    for x in xs:
+                        if x.nbytes <= SMALL_BYTES:
+                            x.source = refs[h]
+        return out
+
+    def _send(self, calls: Mapping[int, StepCall], asynchronous: bool) -> dict[int, Any]:
+        """Send every host its call (numbered `seq`, of this failure generation); an
+        asynchronous step joins the steps sent and not seen finished."""
+        rt = self.runtime
+        seq = self._seq  # (taken once the calls are made: a failure before leaves no gap)
         wire = {
             h: StepCall(
                 c.step_id,
@@ -198,28 +253,10 @@ class RayHosts(Hosts):
             for h, c in calls.items()
         }
         refs = {h: rt.actors[h].pipeline_step.remote(self.key, c) for h, c in wire.items()}
-        if not asynchronous:
-            answers = self._wait_step(refs, step_id)
-            template = _template(answers)
-            self._stable, self._template = template == self._template, template
-            return self._results(answers)
-        assert self._template is not None
-        predicted = _predicted(self._template, step_id, self.config.num_micro_batches)
-        box: dict[str, Any] = {}
-        handles: weakref.WeakValueDictionary[str, RemoteArray] = weakref.WeakValueDictionary()
-        self._sent.append(step_id)
-        future = self.watch.track_call(
-            step_id, lambda: self._finish(refs, step_id, predicted, box, handles)
-        )
-        self.runtime.steps_sent[self.key] = weakref.ref(future)  # (frees of handles wait for it)
-        out = self._results(predicted, (future, box, step_id))
-        for h, result in out.items():
-            for x in [*result.grads.values(), *_flat(result.applied), *_flat(result.segments)]:
-                x.pending, x.step_id = future, step_id
-                handles[x.array_id] = x
-                if x.nbytes <= SMALL_BYTES:  # (its value comes with the answer)
-                    x.source = refs[h]
-        return out
+        self._seq += 1
+        if asynchronous:
+            self._sent.append(next(iter(calls.values())).step_id)
+        return refs
 
     def _wait_step(self, refs: dict[int, Any], step_id: str) -> dict[int, Any]:
         """The hosts' answers to step `step_id`, under the progress deadline."""
@@ -247,14 +284,15 @@ class RayHosts(Hosts):
         try:
             answers = self._wait_step(refs, step_id)
         except BaseException as e:
-            self._failures += 1  # (calls sent from now on are not cancelled on its account)
-            later = self._sent[self._sent.index(step_id) + 1 :] if step_id in self._sent else []
+            with self._lock:
+                self._failures += 1  # (calls sent from now on are not cancelled on its account)
+                at = self._sent.index(step_id) if step_id in self._sent else len(self._sent)
+                later, self._sent[at:] = self._sent[at + 1 :], []
+                self._stable = False
             for sid in later:
                 self.runtime._abort(sid, f"step {step_id}, called before it, failed")
-            self._sent = []
-            self._stable = False
             raise e
-        finally:
+        with self._lock:
             if step_id in self._sent:
                 self._sent.remove(step_id)
         box["answers"] = answers

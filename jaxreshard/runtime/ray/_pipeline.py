@@ -203,12 +203,13 @@ class RayPipeline(PipelineDriver):
 
     def close(self) -> None:
         """Have the host actors drop the pipeline now (its threads end; its executables and
-        buffers go), waiting a few seconds at most for them (see [Note: pipeline lifetime]).
-        Dropping the pipeline, or `jaxreshard.shutdown()`, does it too; a closed pipeline runs
-        no more steps. Idempotent; never raises."""
+        buffers go), once the steps still running have finished (each within its progress
+        deadline: their outputs stay valid), waiting a few seconds at most for the hosts (see
+        [Note: pipeline lifetime]). Dropping the pipeline, or `jaxreshard.shutdown()`, does it
+        too; a closed pipeline runs no more steps. Idempotent; never raises."""
         processes = getattr(self, "processes", None)
-        if processes is not None:  # steps still running finish first (a few seconds at most)
-            processes.watch.drain(DROP_WAIT_S)
+        if processes is not None:
+            processes.watch.drain(None)
         detached = self._finalizer.detach()
         if detached is not None:
             runtime_ref, key, hosts, watch = detached[2]
@@ -247,16 +248,19 @@ def _drop_on_hosts(
     watch: StepWatch,
     wait_s: float | None = None,
 ) -> None:
-    """A `RayPipeline`'s finalizer (and `close`): the driver's watch thread ends, and the hosts
-    drop pipeline `key`. From the finalizer (`wait_s` None) only messages are queued: it may
-    run at any point of any thread."""
-    watch.close(join_s=wait_s)
+    """A `RayPipeline`'s finalizer (and `close`, after the steps in flight finished): the
+    driver's watch thread ends, and the hosts drop pipeline `key`. From the finalizer (`wait_s`
+    None) only a message is queued (it may run at any point of any thread): the runtime's drop
+    thread lets the steps still running finish first, so that their outputs stay valid."""
     runtime = runtime_ref()
     if runtime is None:
+        watch.close(join_s=wait_s)
         return
     runtime.steps_sent.pop(key, None)
+    if wait_s is not None:
+        watch.close(join_s=wait_s)
     with contextlib.suppress(Exception):  # nothing may raise from a finalizer
-        runtime.drop_pipeline(key, hosts, wait_s)
+        runtime.drop_pipeline(key, hosts, wait_s, watch=None if wait_s is not None else watch)
 
 
 _INSTALLED = ("jaxreshard", "jax", "jaxlib", "numpy")  # the hosts import these packages themselves

@@ -16,7 +16,7 @@ class StepProgress:
     (see [Note: progress deadline]): a step's outputs may still be computed while the next step
     is dispatched. Thread-safe; it holds only weak references to outputs."""
 
-    KEEP = 8  # steps remembered
+    KEEP = 16  # steps remembered (at most 8 are in flight: `RAY_STEPS_IN_FLIGHT`)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Future
 from typing import Any
@@ -39,7 +40,7 @@ class RemoteArray:
         self.value = value
         self._freed = False
         # An asynchronous step's output: the step's watch, until it has finished (see
-        # [Note: asynchronous steps on Ray] in `ray/_pipeline.py`).
+        # [Note: asynchronous steps on Ray] in `ray/_hosts.py`).
         self.pending: Future[Any] | None = None
         self.step_id = ""
         self.source: Any = None  # (small) the ObjectRef of the answer that will carry its value
@@ -93,7 +94,10 @@ class RemoteArray:
         """Drop the shards on every host (idempotent)."""
         if not self._freed:
             self._freed = True
-            self.settle()
+            # Its step makes it first; if that step failed, what a host kept of it goes all the
+            # same.
+            with contextlib.suppress(Exception):
+                self.settle()
             self.runtime.free(self)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

@@ -322,16 +322,22 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
                 )
                 self._dropper.start()
 
-    def drop_pipeline(self, key: str, hosts: Sequence[int], wait_s: float | None = None) -> None:
+    def drop_pipeline(
+        self, key: str, hosts: Sequence[int], wait_s: float | None = None, watch: Any = None
+    ) -> None:
         """Have `hosts` drop pipeline `key` (`HostActor.pipeline_drop`: its threads end, its
         executables and buffers go). Without `wait_s`, return at once: the messages go from the
-        drop thread (`start_dropper`), so this is safe in a finalizer. With it, send them now and
-        wait at most `wait_s` for the hosts to have dropped it. Never raises; nothing to do once
-        the runtime is shut down (the actors are gone with their pipelines)."""
+        drop thread (`start_dropper`), so this is safe in a finalizer; that thread first waits
+        for the steps `watch` (the pipeline's `StepWatch`) still watches, then ends it. With
+        `wait_s`, send them now and wait at most `wait_s` for the hosts to have dropped it.
+        Never raises; nothing to do once the runtime is shut down (the actors are gone with
+        their pipelines)."""
         if self._closed:
+            if watch is not None:
+                watch.close(join_s=None)
             return
         if wait_s is None:
-            self._drops.put((key, tuple(hosts)))  # (SimpleQueue.put: safe in a finalizer)
+            self._drops.put((key, tuple(hosts), watch))  # (SimpleQueue.put: finalizer-safe)
             return
         refs = _tell_drop(self, key, hosts)
         if not refs:
@@ -457,9 +463,14 @@ def _send_drops(runtime_ref: Any, drops: queue.SimpleQueue[Any]) -> None:
     them; ends when the runtime shuts down (or is dropped)."""
     while True:
         item = drops.get()
-        runtime = runtime_ref()
-        if item is None or runtime is None or runtime._closed:
+        if item is None:
             return
-        key, hosts = item
+        key, hosts, watch = item
+        if watch is not None:  # its steps in flight finish first (each has its deadline)
+            watch.drain(None)
+            watch.close(join_s=None)
+        runtime = runtime_ref()
+        if runtime is None or runtime._closed:
+            return
         refs = _tell_drop(runtime, key, hosts)
-        del runtime, refs
+        del runtime, refs, watch, item

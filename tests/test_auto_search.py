@@ -44,3 +44,15 @@ def test_auto_refuses_what_it_does_not_go_with(capsys):
     assert "--auto searches layouts on its own" in capsys.readouterr().err
     assert main([*BASE, "--auto-toml", "x.toml"]) == 2
     assert "--auto-toml FILE writes the winner of --auto; add --auto" in capsys.readouterr().err
+
+
+def test_the_cost_fit_predicts_its_calibration_points_as_measured():
+    """Two calibration points give a line where its fixed and per-row parts are >= 0; where
+    noise makes one negative, the fit still predicts each point as measured (it once put a
+    2-row point at 2.4x its measurement, from a clamped line through a 4-row point)."""
+    from jaxreshard.profiler._auto import _fit
+
+    assert _fit(2, 10.0, 4, 14.0, 1) == 8.0  # a line: 6 ms fixed + 2 ms a row
+    assert _fit(2, 11.0, 4, 37.5, 2) == 11.0 and _fit(2, 11.0, 4, 37.5, 4) == 37.5
+    assert _fit(2, 11.0, 4, 37.5, 1) == 5.5 and _fit(2, 11.0, 4, 37.5, 8) == 75.0
+    assert _fit(2, 10.0, 4, 8.0, 3) == 9.0 and _fit(2, 10.0, 4, 8.0, 1) == 10.0

@@ -256,18 +256,29 @@ class CostModel:
                 ((r0, c0),) = self.points
                 return tuple(v * rows / r0 for v in get(c0))
             (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
-            out = []
-            for v0, v1 in zip(get(c0), get(c1)):
-                slope = max((v1 - v0) / (r1 - r0), 0.0)
-                fixed = max(v0 - slope * r0, 0.0)
-                out.append(fixed + slope * rows)
-            return tuple(out)
+            return tuple(_fit(r0, v0, r1, v1, rows) for v0, v1 in zip(get(c0), get(c1)))
 
         forward = line(lambda c: c.forward)
         backward = line(lambda c: c.backward)
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
                      comm=line(lambda c: c.comm), apply=self.points[0][1].apply)  # fmt: skip
+
+
+def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:
+    """A time at `rows` from two calibration points (r0 < r1): on the line through them where
+    it has a fixed cost and a cost per row that are both >= 0; else (noise: more rows took
+    less time, or more than proportionally more) between the points linearly, and outside them
+    proportionally to the nearer point's rows (or flat, where more rows took less). Either way
+    a calibration point is predicted as measured."""
+    slope = (v1 - v0) / (r1 - r0)
+    fixed = v0 - slope * r0
+    if slope >= 0 and fixed >= 0:
+        return fixed + slope * rows
+    if r0 <= rows <= r1:
+        return v0 + slope * (rows - r0)
+    r, v = (r0, v0) if rows < r0 else (r1, v1)
+    return v if slope < 0 else v * rows / r
 
 
 def _predict(costs: Costs, changes: dict[str, Any], m: int) -> float:

@@ -36,7 +36,7 @@ stage_boundary_p = jex_core.Primitive("stage_boundary")
 stage_boundary_p.multiple_results = True
 # `transposed`: a marker that JAX's reverse-mode AD made from a user's marker (the matching
 # backward boundary). `parallelize` finds a step differentiated by `jax.grad`, Equinox's or Flax
-# NNX's grad by these (see `frontend._split.check_gradient_api`).
+# NNX's grad by these (see `frontend._marked.check_gradient_api`).
 stage_boundary_p.def_impl(lambda *xs, transposed: list(xs))
 stage_boundary_p.def_abstract_eval(lambda *avals, transposed: list(avals))
 mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, transposed: list(xs))

@@ -22,7 +22,37 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxreshard.frontend._graph import Segment
-from jaxreshard.frontend._jaxprs import free_inputs, is_var, make_closed
+from jaxreshard.frontend._jaxprs import PipelineSplitError, free_inputs, is_var, make_closed
+from jaxreshard.frontend._marked import _where
+
+
+def _check_post(
+    jaxpr: Any,
+    post_eqns: Sequence[Any],
+    batch: set[int],
+    params: Sequence[int],
+    grad_outputs: Sequence[Any],
+) -> None:
+    """Refuse a forward pass over the batch after the gradient (an equation reading per-example
+    data together with the model: it would run unpipelined, on one stage, with every parameter
+    it needs moved there), pointing to `has_aux`."""
+    data = {jaxpr.invars[i] for i in batch}
+    model = {jaxpr.invars[i] for i in params} | set(grad_outputs[1:])
+    for eqn in post_eqns:
+        reads = [v for v in eqn.invars if is_var(v)]
+        uses_model = any(v in model for v in reads)
+        uses_data = any(v in data and v.aval.shape for v in reads)
+        if uses_model and uses_data:
+            raise PipelineSplitError(
+                f"the step computes with the batch and the model at {_where(eqn)}, after "
+                "jr.value_and_grad: only the loss runs pipelined over micro-batches. Compute "
+                "metrics (accuracy, logits) inside the loss and return them with "
+                "jr.value_and_grad(loss_fn, has_aux=True), which gives (loss, aux), grads"
+            )
+        if uses_model:
+            model.update(eqn.outvars)
+        if any(v in data for v in reads):
+            data.update(eqn.outvars)
 
 
 def _nbytes(aval: Any) -> int:

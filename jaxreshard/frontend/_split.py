@@ -49,7 +49,7 @@ from typing import Any
 import jax
 from jax.extend import core as jc
 
-from jaxreshard._jax_compat import for_stages, new_jaxpr, source_files, source_location
+from jaxreshard._jax_compat import for_stages, new_jaxpr
 from jaxreshard.frontend._batch import (
     REDUCE,
     batch_dim,
@@ -83,101 +83,18 @@ from jaxreshard.frontend._jaxprs import (
     is_var,
     make_closed,
     needed_positions,
-    open_jaxpr,
+)
+from jaxreshard.frontend._marked import (
+    _markers,
+    _where,
+    check_gradient_api,
+    inline_marked_calls,
 )
 from jaxreshard.frontend._markers import pipeline_grad_p, stage_boundary_p
-from jaxreshard.frontend._post import _busiest, _held_bytes, _segments
+from jaxreshard.frontend._post import _busiest, _check_post, _held_bytes, _segments
 from jaxreshard.frontend._random import plan_draws, with_micro_batch_index
-from jaxreshard.frontend._source import gradient_call, user_location
 
 __all__ = ["PipelineSplitError"]
-
-
-def _where(eqn: Any) -> str:
-    """The user's line that made `eqn` (not jaxreshard's, Flax's or Equinox's; see
-    `frontend._source`)."""
-    return user_location(eqn) or source_location(eqn)
-
-
-def _contains_marker(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is stage_boundary_p:
-            return True
-        if any(_contains_marker(open_jaxpr(j)) for j in jc.jaxprs_in_params(eqn.params)):
-            return True
-    return False
-
-
-def _markers(jaxpr: Any) -> list[Any]:
-    """Every `stage_boundary` equation of `jaxpr`, nested ones included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is stage_boundary_p:
-            out.append(eqn)
-        for j in jc.jaxprs_in_params(eqn.params):
-            out.extend(_markers(open_jaxpr(j)))
-    return out
-
-
-def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """Inline `jit` calls that contain a `stage_boundary`, so markers sit at the top level.
-
-    Returns the new jaxpr and its consts. Markers inside control flow (scan, cond, while) or
-    custom derivatives cannot be cut and raise `PipelineSplitError`.
-    """
-
-    def marked(eqn: Any) -> bool:
-        if not any(_contains_marker(open_jaxpr(j)) for j in jc.jaxprs_in_params(eqn.params)):
-            return False
-        if eqn.primitive.name not in CALLS:
-            raise PipelineSplitError(
-                f"jr.stage_boundary is called inside `{eqn.primitive.name}` at {_where(eqn)}: a "
-                "boundary inside lax.scan/cond/while_loop or a custom derivative cannot be cut; "
-                "call jr.stage_boundary at the top level of the loss function"
-            )
-        return True
-
-    return inline_calls(jaxpr, consts, marked)
-
-
-def check_gradient_api(jaxpr: Any) -> None:
-    """Raise, naming the replacement, if the step differentiates through stage boundaries with
-    something other than `jr.value_and_grad` (the transposed markers JAX's AD leaves)."""
-    transposed = [e for e in _markers(jaxpr) if e.params.get("transposed")]
-    if not transposed:
-        return
-    files = " ".join(source_files(transposed[0]))
-    where = _where(transposed[0])
-    call = gradient_call(transposed[0])
-    if "equinox" in files:
-        fix = (
-            "replace eqx.filter_value_and_grad(loss_fn) with jr.filter_value_and_grad(loss_fn) "
-            "(and eqx.filter_grad with jr.filter_grad): same signature and results"
-        )
-    elif "flax" in files:
-        fix = (
-            "replace nnx.value_and_grad(loss_fn)(model) by the functional form: "
-            "graphdef, params, rest = nnx.split(model, nnx.Param, ...) outside the step, and "
-            "inside it jr.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest)))(params) "
-            "(see 'Bring your model' in the README for the whole recipe, with dropout)"
-        )
-    else:
-        fix = (
-            "replace jax.value_and_grad / jax.grad with jr.value_and_grad / jr.grad (same "
-            "signature)"
-        )
-    if call is None:
-        what = f"the step differentiates through jr.stage_boundary (at {where}) with a gradient "
-    else:
-        name, at = call
-        what = (
-            f"{at}: the step differentiates with {name} through jr.stage_boundary (at {where}), "
-            "a gradient "
-        )
-    raise PipelineSplitError(
-        f"{what}transform that parallelize cannot pipeline (only jr.value_and_grad / jr.grad "
-        f"mark where the pipelined loss ends); {fix}"
-    )
 
 
 # -- the loss --------------------------------------------------------------------------------
@@ -573,35 +490,6 @@ def split_step(
         segments=tuple(segments),
         placement=placement,
     )
-
-
-def _check_post(
-    jaxpr: Any,
-    post_eqns: Sequence[Any],
-    batch: set[int],
-    params: Sequence[int],
-    grad_outputs: Sequence[Any],
-) -> None:
-    """Refuse a forward pass over the batch after the gradient (an equation reading per-example
-    data together with the model: it would run unpipelined, on one stage, with every parameter
-    it needs moved there), pointing to `has_aux`."""
-    data = {jaxpr.invars[i] for i in batch}
-    model = {jaxpr.invars[i] for i in params} | set(grad_outputs[1:])
-    for eqn in post_eqns:
-        reads = [v for v in eqn.invars if is_var(v)]
-        uses_model = any(v in model for v in reads)
-        uses_data = any(v in data and v.aval.shape for v in reads)
-        if uses_model and uses_data:
-            raise PipelineSplitError(
-                f"the step computes with the batch and the model at {_where(eqn)}, after "
-                "jr.value_and_grad: only the loss runs pipelined over micro-batches. Compute "
-                "metrics (accuracy, logits) inside the loss and return them with "
-                "jr.value_and_grad(loss_fn, has_aux=True), which gives (loss, aux), grads"
-            )
-        if uses_model:
-            model.update(eqn.outvars)
-        if any(v in data for v in reads):
-            data.update(eqn.outvars)
 
 
 def _split_forward(

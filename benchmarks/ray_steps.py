@@ -2,8 +2,8 @@
 time goes.
 
 The tiny GPT of `examples/configs/gpt_tiny.toml` (2 stages on 1x2 meshes, eager-1F1B with
-weight delay, 4 micro-batches, Adam) runs in one process on the local runtime (this process's
-fake CPU devices) and on a local Ray cluster of 2 hosts (one host actor per stage,
+weight delay, 4 micro-batches, Adam; or `--model`, `--config`, `--schedule`, `--optimizer`)
+runs in one process on the local runtime (this process's fake CPU devices) and on a local Ray cluster of 2 hosts (one host actor per stage,
 `distributed=False`: no stage spans hosts), the two taking turns round by round so that the
 machine's noise hits both alike. Per backend:
 - **async step**: `--chain` plain calls back to back, each feeding the next its parameters and
@@ -48,8 +48,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "gpt_tin
 class Runner:
     """One backend's session, stepped plainly (not profiled)."""
 
-    def __init__(self, backend: str, runtime=None):
-        pc = load_profile_config("gpt", CONFIG).replace_pipeline(backend=backend)
+    def __init__(self, backend: str, runtime=None, model="gpt", config=CONFIG, overrides=None):
+        pc = load_profile_config(model, config, overrides).replace_pipeline(backend=backend)
         self.session = Session(pc, backend, runtime=runtime)
         self.state = (self.session.params, self.session.opt)
         self.losses: list[float] = []
@@ -144,13 +144,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--chain", type=int, default=10)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--model", default="gpt", help="gpt or utransformer")
+    parser.add_argument("--config", type=Path, default=CONFIG, help="a profile TOML")
+    parser.add_argument("--schedule", default=None, help="override the config's schedule")
+    parser.add_argument("--optimizer", default=None, help="override the config's optimizer")
     args = parser.parse_args()
+    overrides: dict = {"pipeline": {}, "run": {}}
+    if args.schedule:
+        overrides["pipeline"].update(schedule=args.schedule, weight_delay=False)
+    if args.optimizer:
+        overrides["run"]["optimizer"] = args.optimizer
+    setup = dict(model=args.model, config=args.config, overrides=overrides)
 
     runtime = jr.init(backend="ray", num_hosts=2, devices_per_host=2, distributed=False)
     import ray
 
     try:
-        runners = {"local": Runner("local"), "ray": Runner("ray", runtime)}
+        runners = {"local": Runner("local", **setup), "ray": Runner("ray", runtime, **setup)}
         for r in runners.values():  # compile, and the synchronous first steps
             for _ in range(3):
                 r.wait(r.call())
@@ -176,7 +186,10 @@ def main() -> None:
         jr.shutdown()
 
     med = {b: {k: statistics.median(v) * 1e3 for k, v in row.items()} for b, row in rows.items()}
-    print(f"tiny GPT ({CONFIG.name}), {args.rounds} rounds, chains of {args.chain}; medians (ms)")
+    what = f"{args.model} ({args.config.name}"
+    what += f", schedule {args.schedule}" if args.schedule else ""
+    what += f", {args.optimizer}" if args.optimizer else ""
+    print(f"{what}), {args.rounds} rounds, chains of {args.chain}; medians (ms)")
     print(f"{'backend':8} {'async step':>11} {'sync step':>10} {'returns after':>14}")
     for b, m in med.items():
         print(f"{b:8} {m['async']:11.1f} {m['sync']:10.1f} {m['returns']:14.2f}")
@@ -204,6 +217,9 @@ def main() -> None:
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "jax": jax.__version__,
                     "ray": ray.__version__,
+                    "model": args.model,
+                    "config": str(args.config),
+                    "overrides": overrides,
                     "rounds": args.rounds,
                     "chain": args.chain,
                     "median_ms": med,

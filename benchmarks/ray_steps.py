@@ -3,9 +3,9 @@ time goes.
 
 The tiny GPT of `examples/configs/gpt_tiny.toml` (2 stages on 1x2 meshes, eager-1F1B with
 weight delay, 4 micro-batches, Adam; or `--model`, `--config`, `--schedule`, `--optimizer`)
-runs in one process on the local runtime (this process's fake CPU devices) and on a local Ray cluster of 2 hosts (one host actor per stage,
-`distributed=False`: no stage spans hosts), the two taking turns round by round so that the
-machine's noise hits both alike. Per backend:
+runs in one process on the local runtime (this process's fake CPU devices) and on a local
+Ray cluster of 2 hosts (one host actor per stage, `distributed=False`: no stage spans hosts),
+the two taking turns round by round so that the machine's noise hits both alike. Per backend:
 - **async step**: `--chain` plain calls back to back, each feeding the next its parameters and
   optimizer state, waited for at the end (`wait()`), divided by the chain's length: the
   steady training step when the host does not wait for the device;

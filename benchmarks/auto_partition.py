@@ -93,7 +93,7 @@ def main() -> None:
         jr.init(backend="ray", address=cluster.address, timeout_s=300, distributed=False)
         auto_s, plan = measure(jr.PipelineConfig(partition="auto", **base), args.steps)
         report = plan.partition
-        predicted = dict(report.tried)
+        predicted = {c.cuts: c.step for c in report.tried}
         for c in range(len(WIDTHS) - 1):
             measured, _ = measure(jr.PipelineConfig(cuts=(c,), **base), args.steps)
             rows.append({"cut_after_layer": c, "width": WIDTHS[c], "measured_s": measured,

@@ -351,7 +351,7 @@ class Parallelized:
             )
 
         if config.partition == "auto" and config.cuts is None:
-            partition = self._partition(trace, on_ray)
+            partition = self._partition(trace, on_ray, leaves)
             config = dataclasses.replace(config, cuts=partition.chosen)
         graph, outputs = trace(config.cuts, config.num_stages)
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
@@ -397,10 +397,12 @@ class Parallelized:
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         return meshes, cluster
 
-    def _partition(self, trace: Callable[..., Any], on_ray: bool) -> Any:
+    def _partition(self, trace: Callable[..., Any], on_ray: bool, leaves: list[Any]) -> Any:
         """Choose the `stage_candidate` cuts (see [Note: automatic partitioning])."""
         from jaxreshard.runtime.step._partition import choose_cuts
+        from jaxreshard.runtime.step._specs import spec_of
 
+        specs = [spec_of(getattr(x, "sharding", None)) for x in leaves]
         found: list[Any] = []
         graph_all, _ = trace("all", None, found)
         assert self.config.num_stages is not None
@@ -409,8 +411,9 @@ class Parallelized:
             from jaxreshard.runtime.ray._placement import stage_placement
 
             runtime = current_runtime()
-            meshes = stage_placement(runtime, self.config, self.config.num_stages)[0]
-            return choose_cuts(graph_all, found[1], self.config, meshes, runtime.cluster)
+            num_meshes = self.config.num_meshes(self.config.num_stages)
+            meshes = stage_placement(runtime, self.config, num_meshes)[0]
+            return choose_cuts(graph_all, found[1], self.config, meshes, runtime.cluster, specs)
         meshes, cluster = self._local_meshes(self.config.num_stages)
         gbps = self.config.emulate_network_gbps
         if gbps is not None:  # the links the steps will see
@@ -419,7 +422,7 @@ class Parallelized:
                 devices, devices_per_host=self.config.devices_per_host,
                 inter_host_gbytes_per_s=gbps,
             )  # fmt: skip
-        return choose_cuts(graph_all, found[1], self.config, meshes, cluster)
+        return choose_cuts(graph_all, found[1], self.config, meshes, cluster, specs)
 
     def _trace_mesh(
         self, leaves: list[Any], batch_leaves: list[int], on_ray: bool

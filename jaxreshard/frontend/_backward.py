@@ -232,6 +232,25 @@ def _forward(
     return list(outputs), list(leaves), treedef
 
 
+def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
+    """Each residual of the stage's forward (see [Note: backward split]): its aval, and the
+    stage input it is (a parameter the backward reads is kept as itself, not copied), or None
+    for a value the forward computes."""
+    in_avals = stage.jaxpr.in_avals
+    diff = tuple(
+        i
+        for i, (ref, aval) in enumerate(zip(stage.inputs, in_avals))
+        if ref.kind in (PARAM, ACT) and _is_float(aval)
+    )
+    closed = jax.make_jaxpr(lambda *inputs: _forward(stage, diff, inputs)[1])(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    )
+    position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    return [
+        (v.aval, position.get(v) if isinstance(v, jc.Var) else None) for v in closed.jaxpr.outvars
+    ]
+
+
 def derive_forward(stage: Stage) -> StageBackward:
     """A forward-only stage: its forward returns its outputs and no residuals."""
     return StageBackward(stage, (), (), (), None, None, None, (), (), 0)

@@ -98,6 +98,10 @@ class PipelineConfig:
         cuts: the `jr.stage_candidate` markers that are stage boundaries, by number (from 0,
             in the order the loss reaches them); None: none (`manual`), or the partitioner's
             choice (`auto`).
+        memory_cap_gib: with `partition="auto"`, the GiB each device may hold: cuts whose
+            estimated peak (parameters, gradients, optimizer state, the activations the
+            schedule keeps alive, XLA scratch) is over it are not chosen. None: the device's
+            own limit where JAX reports one (GPUs), else no cap.
         reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
             its parameter gradients over that axis: `once` a step, after its last backward
             (the gradients of the micro-batches stay per device until then), where JAX can
@@ -129,6 +133,7 @@ class PipelineConfig:
     reduce_gradients: str = "once"
     partition: str = "manual"
     cuts: tuple[int, ...] | None = None
+    memory_cap_gib: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_mesh_shape", _shape_or_shapes(self.stage_mesh_shape))
@@ -157,6 +162,12 @@ class PipelineConfig:
                     f"PipelineConfig(cuts={cuts!r}): distinct candidate numbers (ints >= 0)"
                 )
             object.__setattr__(self, "cuts", tuple(sorted(int(c) for c in cuts)))
+        cap = self.memory_cap_gib
+        if cap is not None and not (_finite_number(cap) and cap > 0):
+            raise ValueError(
+                f"PipelineConfig(memory_cap_gib={cap!r}): must be a number of GiB per device "
+                "> 0, or None for the device's own limit"
+            )
         if self.partition == "auto" and (self.num_stages is None or self.num_stages < 2):
             raise ValueError(
                 f"PipelineConfig(partition='auto', num_stages={self.num_stages!r}): say how many "

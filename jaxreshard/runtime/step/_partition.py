@@ -10,15 +10,20 @@ For each segment:
   the batch (`batch_axis`) divides the times by that axis's size;
 - for each candidate, the tensors that cross it (made at or before it, used after it) get a
   transfer time from the resharding planner under the cluster model, for each pair of adjacent
-  stage meshes it could sit between (stage k's mesh to stage k + 1's, batch-sharded as the
-  pipeline lays micro-batches out).
+  chunks it could sit between: chunk k's mesh to chunk k + 1's, where the configured schedule
+  places them (with virtual stages, several chunks share a mesh: round robin, or a V), the
+  tensors batch-sharded as the pipeline lays micro-batches out;
+- its memory per device on each mesh ([Note: stage memory estimate] in `_memory.py`).
 Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Costs` (each
-stage the sum of its segments, each boundary its crossing tensors' time) for the configured
-schedule, and `pipeline._simulate` predicts its step; the fastest wins. The choice and every
-tried one's prediction are in `train_step.plan(...)`. Choices are enumerated (up to
-`MAX_CHOICES`); one mesh per stage (no virtual stages) so far. On Ray the meshes and links are
-the hosts' (`stage_placement`, the runtime's cluster model), and the segments are timed on the
-driver's first device: like the hosts' on a CPU cluster, not on a GPU one.
+chunk the sum of its segments, each boundary its crossing tensors' time) for the configured
+schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its chunks' state,
+plus their residuals times the micro-batches the schedule keeps alive there, plus scratch. The
+fastest choice under the memory cap (`memory_cap_gib`, else the device's own limit where JAX
+reports one) wins; if none fits, the error says what the least needs and what to change. The
+choice, every tried one's prediction and memory are in `train_step.plan(...)`. Choices are
+enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
+(`stage_placement`, the runtime's cluster model), and the segments are timed on the driver's
+first device: like the hosts' on a CPU cluster, not on a GPU one.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,7 +43,17 @@ from jax.sharding import NamedSharding
 from jaxreshard.comm import VirtualSharding, plan_reshard
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._simulate import peak_activations
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._memory import (
+    GIB,
+    SegmentMemory,
+    device_limit,
+    scratch_bytes,
+    segment_memory,
+    size,
+    stage_bytes,
+)
 from jaxreshard.runtime.step._specs import batch_spec
 
 MAX_CHOICES = 20_000
@@ -54,23 +69,36 @@ class SegmentCost:
     weight_grad: float  # W
 
 
+class Choice(NamedTuple):
+    """One way to cut the step: its candidate cuts, predicted step and memory per device."""
+
+    cuts: tuple[int, ...]
+    step: float  # predicted seconds
+    memory: tuple[int, ...]  # estimated peak bytes per device, per mesh
+    fits: bool  # under the memory cap (or no cap)
+
+
 @dataclasses.dataclass
 class PartitionReport:
     """What the partitioner measured and chose (see [Note: automatic partitioning])."""
 
     markers: list[Any]  # per boundary of the all-candidates trace: "forced" or a candidate
     segments: list[SegmentCost]
-    crossing: dict[int, list[float]]  # boundary position -> seconds, per adjacent mesh pair
-    tried: list[tuple[tuple[int, ...], float]]  # (candidate cuts, predicted step s), fastest first
+    crossing: dict[int, list[float]]  # boundary position -> seconds, per adjacent chunk pair
+    tried: list[Choice]  # those under the cap fastest first, then those over it
     chosen: tuple[int, ...]
     seconds: float  # spent measuring and choosing
+    memory: list[list[SegmentMemory]] = dataclasses.field(default_factory=list)  # [seg][mesh]
+    cap: int | None = None  # bytes per device; None: no cap
 
     def summary(self) -> str:
+        cap = f"memory cap {size(self.cap)} per device" if self.cap else "no memory cap"
         lines = [
             f"automatic partition: {len(self.segments)} segments between "
             f"{len(self.markers)} markers ({sum(m != 'forced' for m in self.markers)} "
-            f"candidates); chose candidates {list(self.chosen)} in {self.seconds:.1f} s",
-            "  segment   forward    backward   (W)       crossing after it (per mesh pair)",
+            f"candidates); chose candidates {list(self.chosen)} in {self.seconds:.1f} s; {cap}",
+            "  segment   forward    backward   (W)       state      residuals/mb  "
+            "crossing after it (per chunk pair)",
         ]
         for i, seg in enumerate(self.segments):
             after = ""
@@ -79,18 +107,30 @@ class PartitionReport:
                 label = "forced" if kind == "forced" else f"candidate {kind}"
                 times = ", ".join(f"{t * 1e3:.2f} ms" for t in self.crossing.get(i, []))
                 after = f"{label}: {times}"
+            mem = self.memory[i][0] if self.memory else SegmentMemory(0, 0, 0)
             lines.append(
                 f"  {i:7d} {seg.forward * 1e3:8.2f} ms {seg.backward * 1e3:8.2f} ms "
-                f"{seg.weight_grad * 1e3:7.2f} ms  {after}"
+                f"{seg.weight_grad * 1e3:7.2f} ms  {size(mem.state):>9} {size(mem.residuals):>9}"
+                f"     {after}"
             )
-        lines.append("  fastest choices (predicted step):")
-        for cuts, step in self.tried[:5]:
-            lines.append(f"    candidates {list(cuts)}: {step * 1e3:.2f} ms")
-        if len(self.tried) > 5:
-            slowest = self.tried[-1]
+        fitting = [c for c in self.tried if c.fits]
+        lines.append("  fastest choices (predicted step, peak memory per device):")
+        for c in fitting[:5]:
             lines.append(
-                f"    ... {len(self.tried) - 5} more; slowest {list(slowest[0])}: "
-                f"{slowest[1] * 1e3:.2f} ms"
+                f"    candidates {list(c.cuts)}: {c.step * 1e3:.2f} ms, {size(max(c.memory))}"
+            )
+        if len(fitting) > 5:
+            slowest = fitting[-1]
+            lines.append(
+                f"    ... {len(fitting) - 5} more; slowest {list(slowest.cuts)}: "
+                f"{slowest.step * 1e3:.2f} ms"
+            )
+        over = [c for c in self.tried if not c.fits]
+        if over:
+            best = min(over, key=lambda c: c.step)
+            lines.append(
+                f"  over the memory cap: {len(over)} choices; the fastest of them, candidates "
+                f"{list(best.cuts)}, {best.step * 1e3:.2f} ms, needs {size(max(best.memory))}"
             )
         return "\n".join(lines)
 
@@ -101,18 +141,14 @@ def choose_cuts(
     config: PipelineConfig,
     meshes: Sequence[Any],
     cluster: Any,
+    specs: Sequence[Any] | None = None,
 ) -> PartitionReport:
     """Choose `config.num_stages - 1` boundaries among `markers` for `graph` (traced with every
-    candidate a boundary); see [Note: automatic partitioning]."""
+    candidate a boundary) on `meshes` (one per rank); `specs`: each step argument's
+    PartitionSpec (None: replicated); see [Note: automatic partitioning]."""
     start = time.perf_counter()
     num_stages = config.num_stages
     assert num_stages is not None
-    if config.chunks_per_mesh != 1:
-        raise ValueError(
-            f"PipelineConfig(partition='auto', schedule={config.schedule!r}): the automatic "
-            "partitioner places one stage per mesh so far; use a schedule without virtual "
-            "stages, or choose the cuts yourself with cuts=(...)"
-        )
     candidates = [m for m in markers if m != "forced"]
     forced = sum(m == "forced" for m in markers)
     if not candidates:
@@ -141,16 +177,31 @@ def choose_cuts(
             f"{len(candidates)} candidates, over the {MAX_CHOICES} the partitioner tries; mark "
             "fewer candidates (e.g. every other layer), or fewer stages"
         )
+    probe = _schedule(config, None)  # (where each chunk runs does not depend on costs)
+    mesh_of = [probe.rank_of(c) for c in range(num_stages)]
     mesh0 = meshes[0]
     split = _batch_split(config, dict(mesh0.shape))
     device = mesh0.devices.flat[0]
+    cap = _cap(config, device if isinstance(mesh0, jax.sharding.Mesh) else None)
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
         device = jax.devices()[0]
-    segments = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
+    timed = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
+    segments = [cost for cost, _ in timed]
+    if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
+        specs = [None] * len(graph.outer.jaxpr.invars)
+    memory = [
+        [
+            segment_memory(graph, s, dict(mesh.shape), specs, config.batch_axis, scratch)
+            for mesh in meshes
+        ]
+        for s, (_, scratch) in enumerate(timed)
+    ]
     crossing = {
         i: [
-            _crossing_seconds(graph, i, meshes[k], meshes[k + 1], config, cluster)
-            for k in range(num_stages - 1)
+            _crossing_seconds(graph, i, meshes[a], meshes[b], config, cluster)
+            if a != b
+            else 0.0  # two chunks on one mesh (a V's turn): nothing moves
+            for a, b in itertools.pairwise(mesh_of)
         ]
         for i in range(len(markers))
     }
@@ -159,11 +210,80 @@ def choose_cuts(
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
-        tried.append((tuple(cuts), _predict(config, segments, crossing, bounds)))
-    tried.sort(key=lambda t: t[1])
+        step, peaks = _predict(config, segments, crossing, bounds)
+        need = _memory_per_mesh(memory, bounds, peaks, mesh_of, len(meshes))
+        tried.append(Choice(tuple(cuts), step, need, cap is None or max(need) <= cap))
+    tried.sort(key=lambda c: (not c.fits, c.step))
+    if not tried[0].fits:
+        raise ValueError(_over_cap_message(config, tried, cap, memory, mesh_of))
     return PartitionReport(
-        list(markers), segments, crossing, tried, tried[0][0], time.perf_counter() - start
+        list(markers), segments, crossing, tried, tried[0].cuts, time.perf_counter() - start,
+        memory, cap,
+    )  # fmt: skip
+
+
+def _schedule(config: PipelineConfig, costs: Costs | None) -> Any:
+    assert config.num_stages is not None
+    return build_schedule(
+        config.schedule,
+        config.num_meshes(config.num_stages),
+        config.num_micro_batches,
+        virtual_stages=config.chunks_per_mesh,
+        weight_delay=config.weight_delay,
+        costs=costs,
     )
+
+
+def _cap(config: PipelineConfig, device: Any) -> int | None:
+    """Bytes per device the stages must fit in: `memory_cap_gib`, else the device's own
+    limit where JAX reports one, else none."""
+    if config.memory_cap_gib is not None:
+        return int(config.memory_cap_gib * GIB)
+    return device_limit(device) if device is not None else None
+
+
+def _memory_per_mesh(
+    memory: Sequence[Sequence[SegmentMemory]],
+    bounds: Sequence[int],
+    peaks: Sequence[int],
+    mesh_of: Sequence[int],
+    num_meshes: int,
+) -> tuple[int, ...]:
+    """Each mesh's estimated bytes per device: its chunks' segments, each chunk's residuals
+    times the micro-batches its mesh keeps alive (see [Note: stage memory estimate])."""
+    need = [0] * num_meshes
+    for k, r in enumerate(_chunks(bounds, len(memory))):
+        mesh = mesh_of[k]
+        need[mesh] += stage_bytes([memory[s][mesh] for s in r], peaks[mesh])
+    return tuple(need)
+
+
+def _over_cap_message(
+    config: PipelineConfig,
+    tried: Sequence[Choice],
+    cap: int | None,
+    memory: Sequence[Sequence[SegmentMemory]],
+    mesh_of: Sequence[int],
+) -> str:
+    least = min(tried, key=lambda c: max(c.memory))
+    mesh = int(np.argmax(least.memory))
+    state = sum(memory[s][mesh].state for s in range(len(memory)))
+    where = "memory_cap_gib" if config.memory_cap_gib is not None else "the device's limit"
+    assert cap is not None
+    return (
+        f"PipelineConfig(partition='auto', num_stages={config.num_stages}): no choice of cuts "
+        f"fits in {size(cap)} per device ({where}): the least needs {size(max(least.memory))} on "
+        f"mesh {mesh} (candidates {list(least.cuts)}; estimated as [Note: stage memory "
+        f"estimate] says; the whole model's state alone is {size(state)} per device of such a "
+        "mesh). Use more stages (num_stages), more micro-batches (each keeps less), a schedule "
+        "that keeps fewer micro-batches alive (1f1b), bigger stage meshes that shard the batch "
+        "or the parameters, or raise memory_cap_gib"
+    )
+
+
+def _chunks(bounds: Sequence[int], num_segments: int) -> list[range]:
+    edges = [-1, *bounds, num_segments - 1]
+    return [range(a + 1, b + 1) for a, b in itertools.pairwise(edges)]
 
 
 def _predict(
@@ -171,10 +291,10 @@ def _predict(
     segments: Sequence[SegmentCost],
     crossing: dict[int, list[float]],
     bounds: Sequence[int],
-) -> float:
-    """The simulated step of the stages that `bounds` (boundary positions) make."""
-    edges = [-1, *bounds, len(segments) - 1]
-    stages = [range(a + 1, b + 1) for a, b in itertools.pairwise(edges)]
+) -> tuple[float, tuple[int, ...]]:
+    """The simulated step of the chunks that `bounds` (boundary positions) make, and the most
+    micro-batches each mesh keeps alive."""
+    stages = _chunks(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
     weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
@@ -187,22 +307,17 @@ def _predict(
         comm=comm,
         apply=(0.0,) * len(stages),
     )
-    schedule = build_schedule(
-        config.schedule,
-        len(stages),
-        config.num_micro_batches,
-        weight_delay=config.weight_delay,
-        costs=costs,
-    )
-    return simulate(schedule, costs).makespan
+    schedule = _schedule(config, costs)
+    return simulate(schedule, costs).makespan, peak_activations(schedule)
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
     return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
 
 
-def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> SegmentCost:
-    """Forward, whole backward and weight-gradient seconds of segment `s` (see the Note)."""
+def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[SegmentCost, int]:
+    """Forward, whole backward and weight-gradient seconds of segment `s` (see the Note), and
+    the XLA scratch bytes of its larger executable on one device."""
     stage = graph.loss.stages[s]
     closed = stage.jaxpr
     fun = jc.jaxpr_as_fun(closed)
@@ -210,9 +325,10 @@ def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> SegmentC
         jax.device_put(np.zeros(a.shape, a.dtype) if hasattr(a, "shape") else a, device)
         for a in closed.in_avals
     ]
-    forward = _best(jax.jit(fun), args)
+    compiled = jax.jit(fun).lower(*args).compile()
+    forward, scratch = _best(compiled, args), scratch_bytes(compiled)
     if graph.forward_only:
-        return SegmentCost(forward / split, 0.0, 0.0)
+        return SegmentCost(forward / split, 0.0, 0.0), scratch
     inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.in_avals]
     acts = [i for i, r in enumerate(stage.inputs) if r.kind == ACT and inexact[i]]
     params = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and inexact[i]]
@@ -221,9 +337,11 @@ def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> SegmentC
         if not wrt:
             times.append(0.0)
             continue
-        times.append(max(_best(jax.jit(_vjp_of(fun, wrt, closed)), args) - forward, 0.0))
+        compiled = jax.jit(_vjp_of(fun, wrt, closed)).lower(*args).compile()
+        scratch = max(scratch, scratch_bytes(compiled))
+        times.append(max(_best(compiled, args) - forward, 0.0))
     b, w = times
-    return SegmentCost(forward / split, (b + w) / split, w / split)
+    return SegmentCost(forward / split, (b + w) / split, w / split), scratch
 
 
 def _vjp_of(fun: Any, wrt: Sequence[int], closed: Any) -> Any:

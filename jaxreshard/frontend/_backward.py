@@ -49,6 +49,9 @@ class StageBackward:
             are cast to `reduced` over before differentiating (see [Note: gradients reduced
             once] in `runtime/step/_reduction.py`): their gradients then come out `unreduced`
             over those axes. Empty: plain gradients.
+        forwarded: per residual, the position in `stage.inputs` of the input it is unchanged
+            (a weight the backward reads, a received activation), else None (see
+            [Note: residuals kept by reference]).
     """
 
     stage: Stage
@@ -64,6 +67,7 @@ class StageBackward:
     _treedef: Any = dataclasses.field(repr=False, compare=False, default=None)
     reduced: tuple[str, ...] = ()
     reduced_inputs: tuple[int, ...] = ()
+    forwarded: tuple[int | None, ...] = ()
 
     def forward(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
         """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
@@ -232,23 +236,40 @@ def _forward(
     return list(outputs), list(leaves), treedef
 
 
+def forwarded_positions(fn: Any, structs: Sequence[Any], num_outputs: int) -> tuple[Any, ...]:
+    """Per residual of `fn` (which returns (outputs, residuals)), the position among its
+    arguments of the one it returns unchanged, else None (see [Note: residuals kept by
+    reference])."""
+    closed = jax.make_jaxpr(fn)(*structs)
+    position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    return tuple(
+        position.get(v) if isinstance(v, jc.Var) else None
+        for v in closed.jaxpr.outvars[num_outputs:]
+    )
+
+
 def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
-    """Each residual of the stage's forward (see [Note: backward split]): its aval, and the
-    stage input it is (a parameter the backward reads is kept as itself, not copied), or None
-    for a value the forward computes."""
-    in_avals = stage.jaxpr.in_avals
-    diff = tuple(
+    """Each residual of the stage's forward: its aval, and the stage input it is (kept by
+    reference, see [Note: residuals kept by reference]), or None for a value the forward
+    computes."""
+    diff = _diff(stage)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stage.jaxpr.in_avals]
+
+    def fn(*inputs: Any) -> tuple[list[Any], list[Any]]:
+        outputs, leaves, _ = _forward(stage, diff, inputs)
+        return outputs, leaves
+
+    outs, residuals = jax.eval_shape(fn, *structs)
+    return list(zip(residuals, forwarded_positions(fn, structs, len(outs))))
+
+
+def _diff(stage: Stage) -> tuple[int, ...]:
+    """Positions of the inputs a stage's backward differentiates (float params, activations)."""
+    return tuple(
         i
-        for i, (ref, aval) in enumerate(zip(stage.inputs, in_avals))
+        for i, (ref, aval) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
         if ref.kind in (PARAM, ACT) and _is_float(aval)
     )
-    closed = jax.make_jaxpr(lambda *inputs: _forward(stage, diff, inputs)[1])(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    )
-    position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
-    return [
-        (v.aval, position.get(v) if isinstance(v, jc.Var) else None) for v in closed.jaxpr.outvars
-    ]
 
 
 def derive_forward(stage: Stage) -> StageBackward:
@@ -271,11 +292,7 @@ def derive_backward(
     come out `unreduced` over the `reduced` axes."""
     in_avals = stage.jaxpr.in_avals
     out_avals = stage.jaxpr.out_avals
-    diff = tuple(
-        i
-        for i, (ref, aval) in enumerate(zip(stage.inputs, in_avals))
-        if ref.kind in (PARAM, ACT) and _is_float(aval)
-    )
+    diff = _diff(stage)
     kept = _differentiated(stage)
     float_outputs = tuple(i for i in kept if _is_float(out_avals[i]))
     holder: dict[str, Any] = {}
@@ -291,6 +308,7 @@ def derive_backward(
     ]
     out_structs, residual_structs = jax.eval_shape(traced_forward, *structs)
     residuals = tuple(residual_structs)
+    forwarded = forwarded_positions(traced_forward, structs, len(out_structs))
     treedef = holder["treedef"]
 
     def backward(*args: Any) -> list[Any]:
@@ -330,6 +348,7 @@ def derive_backward(
         treedef,
         tuple(reduced),
         tuple(reduced_inputs),
+        forwarded,
     )
 
 

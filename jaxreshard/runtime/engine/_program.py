@@ -335,8 +335,10 @@ class StageProgram:
             keep_outputs(ch, mb, outs)
             ch.early[mb] = act_grads
             done = (outs, act_grads, result)
-        elif base == "forward":
-            outs, ch.residuals[mb] = comp.call(name, *forward_inputs(ch, mb))
+        elif base == "forward":  # (see [Note: residuals kept by reference])
+            inputs = forward_inputs(ch, mb)
+            outs, computed = comp.call(name, *inputs)
+            ch.residuals[mb] = comp.residuals_of(inputs, computed)
             keep_outputs(ch, mb, outs)
             done = outs
         elif base == "b_part":

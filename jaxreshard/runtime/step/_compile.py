@@ -57,6 +57,19 @@ _MISMATCH = "Computation was compiled for input shardings that disagree"
 # a one-stage pipeline's step is one program, as a hand-written scan under `jax.jit` is.
 # A fused variant that runs the forward takes a parameter the caller donated once, as the
 # optimizer's input, and gives it to the forward from there (`set_apply`).
+#
+# [Note: residuals kept by reference]
+# Many residuals are the stage's own inputs, unchanged: the weights a matmul's input gradient
+# reads, a received activation, a batch feed. An executable's outputs are new buffers, so a
+# forward that returned them would copy every such weight once per micro-batch, and each
+# micro-batch alive would hold its own copy (measured on CPU: returning four 1024x1024 f32
+# weights made their forward 2.4x slower). So `forward` returns only the residuals it computes,
+# and `residuals_of` puts the inputs themselves (the same arrays) where the others go
+# (`StageBackward.forwarded` says which). A fused optimizer that overwrites a donated weight
+# (`apply`) must not also read it as a residual argument, which XLA refuses: it takes those
+# residuals from its donated inputs inside the program (`_res_taken`), as `fb_apply` does
+# the forward's inputs.
+#
 # Accumulators start at zero rather than from the first micro-batch's gradients, so every
 # backward has one variant (0 + g is g exactly). `used_variants` (`_executor.py`) reads from a
 # rank's program which of them a step calls; those compile before the first step, in parallel
@@ -89,6 +102,8 @@ class StageCompiler(StageFunctions):
         self._given: dict[str, list[bool]] = {}
         # Stage input position -> its place among a fused variant's donated inputs (`set_apply`).
         self._taken: dict[int, int] = {}
+        # Stage input position -> its place among `apply`'s donated inputs (`set_apply`).
+        self._res_place: dict[int, int] = {}
         self.fans = fan_in(graph, self.s)
         # Where the executables are traced: the stage's mesh, or its all-Explicit copy when the
         # accumulators stay unreduced over `reduced` (see [Note: gradients reduced once]).
@@ -213,8 +228,30 @@ class StageCompiler(StageFunctions):
         if self.reduced:  # typed residuals (a `reduced` parameter among them) keep their type
             self.residual_specs = [plain(r.sharding.spec) for r in self.bw.residuals]
         else:
-            self.residual_specs = [self._spec_of(x, a) for x, a in zip(res, self.bw.residuals)]
+            computed = iter(res)
+            self.residual_specs = [
+                spec_of(self.input_shardings[i])
+                if i is not None
+                else self._spec_of(next(computed), a)
+                for a, i in zip(self.bw.residuals, self._forwarded)
+            ]
         return list(self._output_specs), list(self.residual_specs)
+
+    @property
+    def _forwarded(self) -> tuple[int | None, ...]:
+        return self.bw.forwarded or (None,) * len(self.bw.residuals)
+
+    def _forward_computed(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
+        """The forward, returning only the residuals it computes (see [Note: residuals kept by
+        reference])."""
+        outs, res = self.bw.forward(*inputs)
+        return outs, [r for r, i in zip(res, self._forwarded) if i is None]
+
+    def residuals_of(self, inputs: Sequence[Any], computed: Sequence[Any]) -> list[Any]:
+        """A micro-batch's residuals: what `forward` computed, and its own `inputs` where the
+        residual is one of them."""
+        rest = iter(computed)
+        return [inputs[i] if i is not None else next(rest) for i in self._forwarded]
 
     def _spec_of(self, sharding: Any, aval: Any) -> P:
         """An output's spec on the stage mesh (XLA may give a GSPMD sharding)."""
@@ -317,7 +354,7 @@ class StageCompiler(StageFunctions):
             structs = self._sharded(
                 self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
             )
-            return self.bw.forward, tuple(structs), None, ()
+            return self._forward_computed, tuple(structs), None, ()
         if name == "reduce":
             params = [self.input_shardings[self.bw.diff[k]] for k in self.bw.param_grads]
 
@@ -344,10 +381,11 @@ class StageCompiler(StageFunctions):
             return fns["w"], args, acc_out, (0,)
         if name == "apply":
             extras = self._split(self._extra_structs(extra), name)
+            res = self.res_untaken(self._residuals())
             if self.bw.w is None:
-                args = (self._accumulators(), self._residuals(), self._cotangents(), *extras)
+                args = (self._accumulators(), res, self._cotangents(), *extras)
                 return self._apply_full, args, (act_out, None), self._donated(args, name)
-            args = (self._accumulators(), self._residuals(), self._cotangents(),
+            args = (self._accumulators(), res, self._cotangents(),
                     self._export_structs(), *extras)  # fmt: skip
             return self._apply_w, args, None, self._donated(args, name)
         inputs = self._sharded(
@@ -444,7 +482,10 @@ class StageCompiler(StageFunctions):
         if base in ("apply", "fb_apply", "fb_scan_apply"):
             shardings = tuple(x.sharding for x in args[-1])
             given, args = args[-1], list(args[:-1])
-            if base == "fb_apply":  # (acc, inputs): the forward's donated inputs go once
+            if base == "apply":  # ([acc,] res, ...): a donated weight among res goes once
+                at = 0 if starts_from_zero(name) else 1
+                args[at] = self.res_untaken(args[at])
+            elif base == "fb_apply":  # (acc, inputs): the forward's donated inputs go once
                 args[-1] = self._untaken(range(len(args[-1])), args[-1])
             elif base == "fb_scan_apply":  # (acc, shared, pieces)
                 varying = self.varying()

@@ -31,6 +31,7 @@ class StageFunctions:
     acc_params: list[int]
     _given: dict[str, list[bool]]
     _taken: dict[int, int]
+    _res_place: dict[int, int]
     _extra_avals: list[Any]
     _extra_specs: list[P]
 
@@ -71,6 +72,10 @@ class StageFunctions:
         # Stage input position -> its place among the donated extra inputs.
         donated = [i for i, g in zip(read, forward) if g]
         self._taken = {i: j for j, i in enumerate(donated) if i is not None}
+        # Stage input position -> its place among `apply`'s donated inputs: such an input
+        # kept as a residual is taken from them (see [Note: residuals kept by reference]).
+        given_read = (i for i, g in zip(read, given) if g)
+        self._res_place = {i: j for j, i in enumerate(given_read) if i is not None}
 
         typed = inlined_eval(segment)
 
@@ -134,11 +139,29 @@ class StageFunctions:
         whose donation flags split its other inputs into `kept` and `given`."""
         return self._update(self._reduced(grads), self._merge(kept, given, name))
 
+    @property
+    def _res_taken(self) -> dict[int, int]:
+        """Residual position -> its place among `apply`'s donated inputs, for a residual that
+        is a donated input (of the stage's backward as it is now: plain or typed)."""
+        forwarded = self.bw.forwarded or (None,) * len(self.bw.residuals)
+        return {r: self._res_place[i] for r, i in enumerate(forwarded) if i in self._res_place}
+
+    def res_untaken(self, res: Sequence[Any]) -> list[Any]:
+        """`res` without the residuals `apply` takes from its donated inputs (`set_apply`)."""
+        return [x for r, x in enumerate(res) if r not in self._res_taken]
+
+    def _res_retaken(self, res: Sequence[Any], given: Sequence[Any]) -> list[Any]:
+        """The inverse of `res_untaken`, inside the executable."""
+        n = len(res) + len(self._res_taken)
+        rest = iter(res)
+        return [given[self._res_taken[r]] if r in self._res_taken else next(rest) for r in range(n)]
+
     def _apply_full(self, acc, res, cts, kept, given):
-        acts, grads = self.fns["full"](acc, res, cts)
+        acts, grads = self.fns["full"](acc, self._res_retaken(res, given), cts)
         return acts, self._apply(grads, kept, given)
 
     def _apply_w(self, acc, res, cts, exports, kept, given):
+        res = self._res_retaken(res, given)
         return self._apply(self.fns["w"](acc, res, cts, exports), kept, given)
 
     def _forward_backward(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:

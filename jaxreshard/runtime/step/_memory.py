@@ -11,8 +11,9 @@ markers of the all-candidates trace) on the stage's mesh, as:
   own spec, as the runtime transplants it (`transplant_spec`); an output takes the spec of an
   input of its shape and dtype on the same stage, else it counts whole;
 - **residuals**: what the segment's forward keeps for its backward (the VJP's residuals, traced
-  with `jax.vjp`, less the parameters it keeps as they are), per micro-batch, divided by the
-  stage mesh's batch axis where a residual's leading dim is the micro-batch's rows;
+  with `jax.vjp`, less the parameters and per-step constants it keeps as they are, see [Note:
+  residuals kept by reference] in `_compile.py`), per micro-batch, divided by the stage
+  mesh's batch axis where a residual's leading dim is the micro-batch's rows;
 - **scratch**: XLA's temporary bytes of the segment's forward and backward executables
   (`memory_analysis()` of the ones the partitioner compiles to time them), the larger of the
   two, divided by the batch axis.
@@ -35,7 +36,7 @@ import numpy as np
 
 from jaxreshard.comm._layout import spec_axes
 from jaxreshard.frontend._backward import residual_inputs
-from jaxreshard.frontend._graph import BATCH, PARAM
+from jaxreshard.frontend._graph import BATCH, CONST, MB, PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.runtime.step._specs import transplant_spec
 
@@ -75,13 +76,15 @@ def per_device(aval: Any, spec: Any, mesh_shape: dict[str, int]) -> int:
 
 
 def residual_avals(graph: StepGraph, s: int) -> list[Any]:
-    """What segment `s`'s forward keeps for its backward, less the parameters it keeps as they
-    are (those count once, as state)."""
+    """What segment `s`'s forward keeps for its backward, less the parameters and per-step
+    constants it keeps as they are (see [Note: residuals kept by reference]; a parameter counts
+    once, as state)."""
     if graph.forward_only:
         return []
     stage = graph.loss.stages[s]
+    once = (PARAM, CONST, MB)  # held once a step, whatever the micro-batches
     return [
-        aval for aval, i in residual_inputs(stage) if i is None or stage.inputs[i].kind != PARAM
+        aval for aval, i in residual_inputs(stage) if i is None or stage.inputs[i].kind not in once
     ]
 
 

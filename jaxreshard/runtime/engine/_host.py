@@ -325,10 +325,11 @@ class HostEngine:
         applied = {s: [as_named(x, self.meshes[s]) for x in xs] for s, xs in applied.items()}
         if watched:
             assert watch is not None
+            log, runner.last_log = runner.last_log, []  # the watch's now, until the step is done
             watch.track(
                 inputs.step_id,
                 (losses, grads, applied, produced, results),
-                runner.last_log,
+                log,
                 self.config.timeout_s,
                 runner.fail,
             )

@@ -129,7 +129,11 @@ class RankRunner:
         for accs, out in done.values():
             accumulators.update(accs)
             applied.update(out)
-        self.last_log = log  # (what the step dispatched, for a watch: `HostEngine.step`)
+        # What the step dispatched (every action's outputs), for a watch to name a hung action
+        # (`HostEngine.step` hands it over). It holds every activation and residual of the step,
+        # so nothing keeps it once the step is seen done: kept between steps, it made each step
+        # hold the last one's intermediates too.
+        self.last_log = log if not wait and record is None else []
         if wait and record is None:  # a recorded step has waited for every action already
             try:
                 self._completion.wait((losses, accumulators, applied, results), log,

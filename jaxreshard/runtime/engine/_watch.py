@@ -66,6 +66,7 @@ class StepWatch:
             except PipelineError as e:
                 on_failure(e)
                 raise
+            log.clear()  # (every action's outputs: see `RankRunner.run`)
 
         self.track_call(step_id, watch)
 

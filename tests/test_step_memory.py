@@ -1,7 +1,12 @@
-"""Residuals kept by reference (see [Note: residuals kept by reference] in
-`runtime/step/_compile.py`): a stage's forward returns only the residuals it computes; the
-weights and inputs its backward reads are the arrays themselves, not a copy per micro-batch. The
-fused optimizer that overwrites a donated weight takes that residual from its donated input."""
+"""What a pipelined step keeps in device memory.
+
+- Residuals kept by reference (see [Note: residuals kept by reference] in
+  `runtime/step/_compile.py`): a stage's forward returns only the residuals it computes; the
+  weights and inputs its backward reads are the arrays themselves, not a copy per micro-batch.
+  The fused optimizer that overwrites a donated weight takes that residual from its donated
+  input.
+- Nothing of a finished step stays alive but its outputs (its activations, residuals and
+  gradients are released), so a step never holds the last one's too."""
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +85,38 @@ def test_forward_returns_only_what_it_computes(
     kept = compiler.residuals_of(inputs, ["computed"] * len(computed))
     by_reference = [x is inputs[i] for x, i in zip(kept, forwarded) if i is not None]
     assert by_reference == [True] * len(kinds)
+
+
+def live_activations():
+    """Live arrays of an activation's shape (a micro-batch of the hidden layer), per device."""
+    found = {}
+    for a in jax.live_arrays():
+        if a.shape == (ROWS // 4, WIDTH):
+            for shard in a.addressable_shards:
+                found[shard.device.id] = found.get(shard.device.id, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_a_finished_step_keeps_only_its_outputs(cpu_devices, steps_in_flight):
+    """Before, the runner kept every action's outputs of the last step (for the hung-action
+    watch) until the next step ended: 12 activation-sized arrays here, the last step's
+    residuals, exports and gradients."""
+    import gc
+
+    opt = optax.sgd(1e-2)
+    config = jr.PipelineConfig(
+        backend="local", stage_mesh_shape=(1,), num_micro_batches=4, schedule="eager_1f1b",
+        weight_delay=True, steps_in_flight=steps_in_flight,
+    )  # fmt: skip
+    step = jr.parallelize(make_step(opt), config=config, batch_argnums=2, donate_argnums=(0, 1))
+    state = (jax.tree.map(jnp.array, init_params()), opt.init(init_params()))
+    for seed in range(3):
+        *state, loss = step(*state, batch(seed))
+    step.wait()
+    float(loss)
+    gc.collect()
+    assert live_activations() == {}
+    (*state, loss), _ = step.profile_call(*state, batch(3))
+    gc.collect()
+    assert live_activations() == {}

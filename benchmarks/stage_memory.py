@@ -103,13 +103,14 @@ def run(name: str, args, opt) -> dict:
     }
     base = dict(partition="auto", num_stages=2, num_micro_batches=4, stage_mesh_shape=(1,),
                 backend="local", devices_per_host=1)  # fmt: skip
+    fixed = args.fixed.get(name)
+    if fixed is not None:  # by hand: no partitioner, so no estimate
+        base = {**base, "partition": "manual", "cuts": fixed}
     config = jr.PipelineConfig(**{**base, **SCHEDULES[name]})
     step = jr.parallelize(make(args.layers, args.width, opt), config=config, batch_argnums=2,
                           donate_argnums=(0, 1))  # fmt: skip
     state = opt.init(params)
-    plan = step.plan(params, state, batch)
-    report = plan.partition
-    chosen = next(c for c in report.tried if c.cuts == report.chosen)
+    report = step.plan(params, state, batch).partition
     for _ in range(2):  # compile and settle the layouts
         params, state, loss = step(params, state, batch)
     float(loss)
@@ -121,19 +122,20 @@ def run(name: str, args, opt) -> dict:
         times.append(time.perf_counter() - start)
     with Sampler() as sampler:
         (params, state, loss), _ = step.profile_call(params, state, batch)
-    scratch = [
-        max((report.memory[s][k].scratch for s in range(len(report.memory))), default=0)
-        for k in range(len(chosen.memory))
-    ]
     devices = sorted(sampler.peak)
-    return {
+    row = {
         "schedule": name,
-        "cuts": list(report.chosen),
-        "estimated_bytes": [int(n) for n in chosen.memory],
-        "estimated_without_scratch_bytes": [int(n - s) for n, s in zip(chosen.memory, scratch)],
+        "cuts": list(fixed if fixed is not None else report.chosen),
         "measured_live_bytes": {str(d): sampler.peak[d] for d in devices},
         "step_ms": statistics.median(times) * 1e3,
     }
+    if report is not None:
+        chosen = next(c for c in report.tried if c.cuts == report.chosen)
+        row["estimated_bytes"] = [int(n) for n in chosen.memory]
+        row["estimated_without_scratch_bytes"] = [
+            int(n - s) for n, s in zip(chosen.memory, chosen.scratch)
+        ]
+    return row
 
 
 def main() -> None:
@@ -143,8 +145,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument(
+        "--cuts",
+        default="",
+        help="fixed cuts instead of partition='auto', per schedule: '1f1b=2;zbv=1,3,4'",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    args.fixed = {
+        name: tuple(int(c) for c in cuts.split(","))
+        for name, cuts in (item.split("=") for item in args.cuts.split(";") if item)
+    }
     opt = optax.adam(1e-3)
     rows = [run(name, args, opt) for name in args.schedules.split(",")]
     mib = 1 << 20
@@ -152,14 +163,15 @@ def main() -> None:
     print(f"{'schedule':>14} {'cuts':>10} {'estimate/mesh (no scratch)':>30} "
           f"{'measured live/device':>24} {'step':>9}")  # fmt: skip
     for r in rows:
-        est = ", ".join(f"{n / mib:.1f}" for n in r["estimated_without_scratch_bytes"])
+        est = ", ".join(f"{n / mib:.1f}" for n in r.get("estimated_without_scratch_bytes", []))
+        est = est + " MiB" if est else "-"
         live = ", ".join(f"{n / mib:.1f}" for n in r["measured_live_bytes"].values())
-        print(f"{r['schedule']:>14} {r['cuts']!s:>10} {est + ' MiB':>30} {live + ' MiB':>24} "
+        print(f"{r['schedule']:>14} {r['cuts']!s:>10} {est:>30} {live + ' MiB':>24} "
               f"{r['step_ms']:7.1f} ms")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": platform.node(), "jax": jax.__version__, "args": vars(args),
-                       "rows": rows}, f, indent=2)  # fmt: skip
+                       "rows": rows}, f, indent=2, default=list)  # fmt: skip
 
 
 if __name__ == "__main__":

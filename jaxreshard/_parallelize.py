@@ -352,7 +352,9 @@ class Parallelized:
 
         if config.partition == "auto" and config.cuts is None:
             partition = self._partition(trace, on_ray, leaves)
-            config = dataclasses.replace(config, cuts=partition.chosen)
+            config = dataclasses.replace(
+                config, cuts=partition.chosen, **partition.placement_costs(config)
+            )
         graph, outputs = trace(config.cuts, config.num_stages)
         if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
             raise RuntimeError(

@@ -223,3 +223,20 @@ def test_auto_with_virtual_stages(schedule):
     else:
         assert min(turn) > 0
     assert_equal_to_jit(step)
+
+
+def test_auto_places_weight_gradients_as_it_predicted():
+    """With a split backward and the cost fields left alone, the chosen cut's measured costs
+    (ms per micro-batch) become the config's, which place the delayed Ws as the prediction
+    did; costs the user gave stay, and a backward that is not split places nothing."""
+    cfg = dict(schedule="eager_1f1b", weight_delay=True)
+    _, report = auto_report(**cfg)
+    chosen = next(c for c in report.tried if c.cuts == report.chosen)
+    costs = report.placement_costs(config(partition="auto", num_stages=2, **cfg))
+    assert costs["cost_forward"] == tuple(f * 1e3 for f in chosen.costs.forward)
+    assert len(costs["cost_comm"]) == 1 and set(costs) == {
+        "cost_forward", "cost_backward", "cost_weight_grad", "cost_comm"
+    }  # fmt: skip
+    mine = config(partition="auto", num_stages=2, cost_backward=3.0, **cfg)
+    assert report.placement_costs(mine) == {}
+    assert report.placement_costs(config(partition="auto", num_stages=2)) == {}

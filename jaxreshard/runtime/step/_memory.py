@@ -14,14 +14,18 @@ markers of the all-candidates trace) on the stage's mesh, as:
   with `jax.vjp`, less the parameters and per-step constants it keeps as they are, see [Note:
   residuals kept by reference] in `_compile.py`), per micro-batch, divided by the stage
   mesh's batch axis where a residual's leading dim is the micro-batch's rows;
+- **pending** (a split backward): what its B hands its W (B's exports), per micro-batch, the
+  cotangents of a stage's outputs, which its W reads too, and the gradients of its inputs,
+  which the runtime releases with the micro-batch's whole backward;
 - **scratch**: XLA's temporary bytes of the segment's forward and backward executables
   (`memory_analysis()` of the ones the partitioner compiles to time them), the larger of the
   two, divided by the batch axis.
-A stage then needs its segments' state, plus its residuals times the most micro-batches the
-configured schedule keeps alive on its mesh at once (`peak_activations`, per mesh, summed over
-the chunks a mesh holds), plus its largest scratch. Not counted: received activations waiting
-for their forward, the runtime's transfer buffers, compiled code. So it is a floor: a cut it
-rejects does not fit; one it accepts may still not, by those terms.
+A mesh then needs its chunks' state, plus the most bytes their micro-batches keep at once as
+the configured schedule runs them (`live_peak`: a micro-batch's residuals from its F to its
+last backward part, its pending bytes from its B to its W), plus its largest scratch. Not
+counted: received activations before their forward, the micro-batches of the batch, the
+runtime's transfer buffers, compiled code. So it is a floor: a cut it rejects does not fit;
+one it accepts may still not, by those terms (`benchmarks/stage_memory.py` measures them).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from jaxreshard.comm._layout import spec_axes
 from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._graph import BATCH, CONST, MB, PARAM
 from jaxreshard.frontend._split import StepGraph
+from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
+from jaxreshard.pipeline._schedule import Schedule
 from jaxreshard.runtime.step._specs import transplant_spec
 
 GIB = 1 << 30
@@ -48,17 +54,39 @@ class SegmentMemory:
     """Bytes per device of one segment on one stage mesh (see [Note: stage memory estimate])."""
 
     state: int  # parameters, gradients, optimizer state, the step's outputs
-    residuals: int  # kept from a micro-batch's forward to its backward
+    residuals: int  # per micro-batch, kept from its forward to its last backward part
+    pending: int  # per micro-batch, B's exports for W, from B to W (a split backward)
     scratch: int  # XLA temporaries of its largest executable
 
 
-def stage_bytes(parts: Sequence[SegmentMemory], live: int) -> int:
-    """A stage of segments `parts` with `live` micro-batches alive at once (see the Note)."""
-    return (
-        sum(p.state for p in parts)
-        + live * sum(p.residuals for p in parts)
-        + max((p.scratch for p in parts), default=0)
-    )
+def live_peak(schedule: Schedule, held: Sequence[int], pending: Sequence[int]) -> tuple[int, ...]:
+    """Per rank of `schedule`, the most bytes its micro-batches keep at once: chunk c's
+    `held[c]` from a micro-batch's F to its last backward part, and (a split backward)
+    `pending[c]` from its B to its W."""
+    peaks = []
+    for actions in schedule.actions:
+        live = peak = 0
+        for a in actions:
+            c = a.stage_index
+            if a.kind == FORWARD:
+                live += held[c]
+            elif a.kind == BACKWARD:
+                live += pending[c] if schedule.split_backward else -held[c]
+            elif a.kind == WEIGHT:
+                live -= held[c] + pending[c]
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def per_micro_batch(avals: Sequence[Any], rows: int, split: int) -> int:
+    """Bytes per device of per-micro-batch values: those whose leading dim is the
+    micro-batch's `rows` are split over the batch axis (`split` ways), the others whole."""
+    return sum(
+        nbytes(a) // split if rows and a.shape and a.shape[0] == rows and rows % split == 0
+        else nbytes(a)
+        for a in avals
+    )  # fmt: skip
 
 
 def nbytes(aval: Any) -> int:
@@ -129,10 +157,12 @@ def segment_memory(
     specs: Sequence[Any],
     batch_axis: str | None,
     scratch: int,
+    exports: Sequence[Any] = (),
 ) -> SegmentMemory:
     """Segment `s`'s bytes per device on a mesh of `mesh_shape`; `specs`: each outer invar's
     PartitionSpec (its argument's sharding); `scratch`: its executables' XLA temporaries on one
-    device, for the whole micro-batch (see [Note: stage memory estimate])."""
+    device, for the whole micro-batch; `exports`: the avals B hands W, when the backward is
+    split (see [Note: stage memory estimate])."""
     outer = graph.outer.jaxpr
     split = mesh_shape.get(batch_axis, 1) if batch_axis else 1
     held, grads, written = state_parts(graph, s)
@@ -151,13 +181,10 @@ def segment_memory(
             continue
         spec = specs[alike[0]] if alike else None
         state += per_device(v.aval, spec, mesh_shape)
-    residuals, rows = residual_avals(graph, s), micro_batch_rows(graph)
-    kept = sum(
-        nbytes(r) // split if rows and r.shape and r.shape[0] == rows and rows % split == 0
-        else nbytes(r)
-        for r in residuals
-    )  # fmt: skip
-    return SegmentMemory(int(state), int(kept), int(scratch) // split)
+    rows = micro_batch_rows(graph)
+    kept = per_micro_batch(residual_avals(graph, s), rows, split)
+    pending = per_micro_batch(exports, rows, split)
+    return SegmentMemory(int(state), int(kept), int(pending), int(scratch) // split)
 
 
 def _same_type(a: Any, b: Any) -> bool:

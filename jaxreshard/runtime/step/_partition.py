@@ -41,18 +41,20 @@ from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
+from jaxreshard.frontend._backward import derive_backward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
-from jaxreshard.pipeline._simulate import peak_activations
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._memory import (
     GIB,
     SegmentMemory,
     device_limit,
+    live_peak,
+    micro_batch_rows,
+    per_micro_batch,
     scratch_bytes,
     segment_memory,
     size,
-    stage_bytes,
 )
 from jaxreshard.runtime.step._specs import batch_spec
 
@@ -76,6 +78,8 @@ class Choice(NamedTuple):
     step: float  # predicted seconds
     memory: tuple[int, ...]  # estimated peak bytes per device, per mesh
     fits: bool  # under the memory cap (or no cap)
+    costs: Costs | None = None  # per chunk, seconds per micro-batch: what it was simulated with
+    scratch: tuple[int, ...] = ()  # of `memory`, per mesh: XLA scratch (no array shows it)
 
 
 @dataclasses.dataclass
@@ -90,6 +94,21 @@ class PartitionReport:
     seconds: float  # spent measuring and choosing
     memory: list[list[SegmentMemory]] = dataclasses.field(default_factory=list)  # [seg][mesh]
     cap: int | None = None  # bytes per device; None: no cap
+
+    def placement_costs(self, config: PipelineConfig) -> dict[str, Any]:
+        """The `PipelineConfig` cost fields that make the runtime place delayed weight
+        gradients as the chosen prediction did (its measured per-chunk costs, in ms), when the
+        config splits the backward and leaves those fields at their defaults; else none."""
+        chosen = next(c for c in self.tried if c.cuts == self.chosen)
+        defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
+        names = ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
+        if not config.split_backward or chosen.costs is None:
+            return {}
+        if any(getattr(config, n) != defaults[n] for n in names):
+            return {}  # the user's own
+        c = chosen.costs
+        ms = [tuple(x * 1e3 for x in v) for v in (c.forward, c.backward, c.weight_grad, c.comm)]
+        return dict(zip(names, ms))
 
     def summary(self) -> str:
         cap = f"memory cap {size(self.cap)} per device" if self.cap else "no memory cap"
@@ -107,7 +126,7 @@ class PartitionReport:
                 label = "forced" if kind == "forced" else f"candidate {kind}"
                 times = ", ".join(f"{t * 1e3:.2f} ms" for t in self.crossing.get(i, []))
                 after = f"{label}: {times}"
-            mem = self.memory[i][0] if self.memory else SegmentMemory(0, 0, 0)
+            mem = self.memory[i][0] if self.memory else SegmentMemory(0, 0, 0, 0)
             lines.append(
                 f"  {i:7d} {seg.forward * 1e3:8.2f} ms {seg.backward * 1e3:8.2f} ms "
                 f"{seg.weight_grad * 1e3:7.2f} ms  {size(mem.state):>9} {size(mem.residuals):>9}"
@@ -186,16 +205,22 @@ def choose_cuts(
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
         device = jax.devices()[0]
     timed = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
+    exports = [_exports(graph, s, config) for s in range(graph.loss.num_stages)]
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
     memory = [
         [
-            segment_memory(graph, s, dict(mesh.shape), specs, config.batch_axis, scratch)
+            segment_memory(
+                graph, s, dict(mesh.shape), specs, config.batch_axis, scratch, exports[s]
+            )
             for mesh in meshes
         ]
         for s, (_, scratch) in enumerate(timed)
     ]
+    cotangents = {  # the output cotangents a chunk ending at i keeps from its B to its W
+        i: [_crossing_bytes(graph, i, mesh, config) for mesh in meshes] for i in range(len(markers))
+    }
     crossing = {
         i: [
             _crossing_seconds(graph, i, meshes[a], meshes[b], config, cluster)
@@ -210,9 +235,10 @@ def choose_cuts(
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
-        step, peaks = _predict(config, segments, crossing, bounds)
-        need = _memory_per_mesh(memory, bounds, peaks, mesh_of, len(meshes))
-        tried.append(Choice(tuple(cuts), step, need, cap is None or max(need) <= cap))
+        step, schedule, costs = _predict(config, segments, crossing, bounds)
+        need, scratch = _memory_per_mesh(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
+        fits = cap is None or max(need) <= cap
+        tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
     tried.sort(key=lambda c: (not c.fits, c.step))
     if not tried[0].fits:
         raise ValueError(_over_cap_message(config, tried, cap, memory, mesh_of))
@@ -244,18 +270,31 @@ def _cap(config: PipelineConfig, device: Any) -> int | None:
 
 def _memory_per_mesh(
     memory: Sequence[Sequence[SegmentMemory]],
+    cotangents: dict[int, list[int]],
     bounds: Sequence[int],
-    peaks: Sequence[int],
+    schedule: Any,
     mesh_of: Sequence[int],
     num_meshes: int,
-) -> tuple[int, ...]:
-    """Each mesh's estimated bytes per device: its chunks' segments, each chunk's residuals
-    times the micro-batches its mesh keeps alive (see [Note: stage memory estimate])."""
-    need = [0] * num_meshes
-    for k, r in enumerate(_chunks(bounds, len(memory))):
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each mesh's estimated bytes per device: its chunks' state, what their micro-batches keep
+    alive as the schedule runs them, and its largest scratch (see [Note: stage memory
+    estimate]); and of those, the scratch."""
+    chunks = _chunks(bounds, len(memory))
+    held, pending = [], []
+    state, scratch = [0] * num_meshes, [0] * num_meshes
+    for k, r in enumerate(chunks):
         mesh = mesh_of[k]
-        need[mesh] += stage_bytes([memory[s][mesh] for s in r], peaks[mesh])
-    return tuple(need)
+        parts = [memory[s][mesh] for s in r]
+        held.append(sum(p.residuals for p in parts))
+        # Its output cotangents (W reads them) and its input gradients (sent at B, released
+        # with the micro-batch's backward) are kept from B to W too.
+        ends = cotangents[bounds[k]][mesh] if k < len(bounds) else 0
+        starts = cotangents[bounds[k - 1]][mesh] if k > 0 else 0
+        pending.append(sum(p.pending for p in parts) + ends + starts)
+        state[mesh] += sum(p.state for p in parts)
+        scratch[mesh] = max([scratch[mesh], *(p.scratch for p in parts)])
+    live = live_peak(schedule, held, pending)
+    return tuple(state[m] + live[m] + scratch[m] for m in range(num_meshes)), tuple(scratch)
 
 
 def _over_cap_message(
@@ -291,9 +330,9 @@ def _predict(
     segments: Sequence[SegmentCost],
     crossing: dict[int, list[float]],
     bounds: Sequence[int],
-) -> tuple[float, tuple[int, ...]]:
-    """The simulated step of the chunks that `bounds` (boundary positions) make, and the most
-    micro-batches each mesh keeps alive."""
+) -> tuple[float, Any, Costs]:
+    """The simulated step of the chunks that `bounds` (boundary positions) make, their
+    schedule, and the costs it was built and simulated with."""
     stages = _chunks(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
@@ -308,7 +347,7 @@ def _predict(
         apply=(0.0,) * len(stages),
     )
     schedule = _schedule(config, costs)
-    return simulate(schedule, costs).makespan, peak_activations(schedule)
+    return simulate(schedule, costs).makespan, schedule, costs
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
@@ -400,3 +439,20 @@ def _crossing_seconds(
             )
             total += plan.seconds  # (the simulator charges it again for the gradient back)
     return total
+
+
+def _exports(graph: StepGraph, s: int, config: PipelineConfig) -> list[Any]:
+    """The avals segment `s`'s B hands its W (a split backward; none otherwise)."""
+    if graph.forward_only or not config.split_backward:
+        return []
+    bw = derive_backward(graph.loss.stages[s], split=True)
+    return list(bw.b.out_avals[len(bw.act_grads) :])
+
+
+def _crossing_bytes(graph: StepGraph, position: int, mesh: Any, config: PipelineConfig) -> int:
+    """Bytes per device on `mesh` of one micro-batch of what crosses boundary `position` (a
+    chunk ending there keeps their cotangents from its B to its W)."""
+    avals = [
+        act.aval for act in graph.loss.activations if act.home <= position < max(act.consumers)
+    ]
+    return per_micro_batch(avals, micro_batch_rows(graph), _batch_split(config, dict(mesh.shape)))

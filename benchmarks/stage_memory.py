@@ -1,8 +1,9 @@
 """Per-device memory of a pipelined step: the partitioner's estimate against the arrays alive.
 
-An MLP (``--layers`` layers of ``--width``, a ``jr.stage_candidate`` after each, Adam, the
-parameters and optimizer state donated) is cut by ``partition="auto"`` into 2 stages on 1x1
-meshes of fake CPU devices, with each schedule of ``--schedules`` and 4 micro-batches. For each:
+An MLP (``--layers`` layers of ``--width``, a ``jr.stage_candidate`` after each, Adam or
+SGD (``--optimizer``), the parameters and optimizer state donated) is cut by
+``partition="auto"`` (or by hand: ``--cuts``) into 2 stages on 1x1 meshes of fake CPU devices,
+with each schedule of ``--schedules`` and 4 micro-batches. For each:
 - **estimated**: the partitioner's peak per device of the chosen cuts, per mesh, without XLA's
   scratch (which no array shows): parameters, gradients, optimizer state, the new ones, the
   residuals times the micro-batches the schedule keeps alive ([Note: stage memory estimate]);
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument(
         "--cuts",
         default="",
@@ -156,10 +158,11 @@ def main() -> None:
         name: tuple(int(c) for c in cuts.split(","))
         for name, cuts in (item.split("=") for item in args.cuts.split(";") if item)
     }
-    opt = optax.adam(1e-3)
+    opt = optax.adam(1e-3) if args.optimizer == "adam" else optax.sgd(1e-3)
     rows = [run(name, args, opt) for name in args.schedules.split(",")]
     mib = 1 << 20
-    print(f"MLP {args.layers}x{args.width}, batch {args.batch}, 4 micro-batches, Adam, donated")
+    print(f"MLP {args.layers}x{args.width}, batch {args.batch}, 4 micro-batches, "
+          f"{args.optimizer}, donated")  # fmt: skip
     print(f"{'schedule':>14} {'cuts':>10} {'estimate/mesh (no scratch)':>30} "
           f"{'measured live/device':>24} {'step':>9}")  # fmt: skip
     for r in rows:

@@ -37,6 +37,25 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages", "stage_mesh_shape"):
         assert json.loads(json.dumps(written[key])) == record["winner_pipeline"][key], key
     assert "winner:" in capsys.readouterr().out
+    # Every prediction has a memory estimate; the measured rows carry theirs (data parallelism,
+    # not calibrated, has none).
+    peaks = [p["estimated_peak_bytes"] for p in configured]
+    assert all(isinstance(b, int) and b > 0 for b in peaks)
+    assert all(r["estimated_peak_bytes"] for r in record["measured"][:-1])
+    assert record["measured"][-1]["estimated_peak_bytes"] is None and not record["over_memory_cap"]
+
+    # Under a cap between the configured layout's least and most, the search measures only
+    # what fits, and lists the others.
+    cap = (min(peaks) + max(peaks)) / 2
+    config = tmp_path / "capped.toml"
+    config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
+    flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out)]
+    assert main([*BASE, "--config", str(config), *flags]) == 0
+    capped = json.loads(out.read_text())
+    assert capped["over_memory_cap"] and capped["predicted"]
+    assert all(p["estimated_peak_bytes"] <= cap for p in capped["predicted"])
+    assert all(o["estimated_peak_bytes"] > cap for o in capped["over_memory_cap"])
+    assert "predictions over memory_cap_gib=" in capsys.readouterr().out
 
 
 def test_auto_refuses_what_it_does_not_go_with(capsys):

@@ -16,7 +16,11 @@ calibrated simulator, measure the best few beside plain data parallelism, keep t
    does not build (a model axis the model's shapes do not divide) is reported and skipped.
 3. Predict: per layout, every schedule of `schedule_variants` with every micro-batch count
    that divides the batch into micro-batches its stages' batch axis splits evenly (1 to 32 of
-   them) is simulated with the fitted costs at its micro-batch size.
+   them) is simulated with the fitted costs at its micro-batch size. Its peak memory per
+   device is estimated too (`_auto_memory.py`: each stage's state, residuals and what B keeps
+   for W, at each calibration point, fitted in the rows and walked along the schedule), and
+   one over `memory_cap_gib` is not measured (JSON `over_memory_cap`; none fitting is an
+   error). XLA's scratch is not in this estimate (the stages compile where they run).
 4. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
    layout's devices, the batch split over the batch axis, one micro-batch: what a user would
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.profiler._auto_memory import LayoutMemory, memory_point
 from jaxreshard.profiler._compare import compare, schedule_variants
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
@@ -72,7 +77,7 @@ def auto_search(
             lpc = pc.replace_pipeline(**layout)
             entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": layout}
             try:
-                entry["measured"] = _calibrate(lpc, runtime, console, progress)
+                entry["measured"], entry["memory"] = _calibrate(lpc, runtime, console, progress)
             except Exception as e:  # (a mesh the model does not shard on, say)
                 if type(e).__name__ == "RuntimeBroken":  # (a host died: nothing more can run)
                     raise
@@ -83,6 +88,10 @@ def auto_search(
                     raise
             calibrated.append(entry)
     predictions = []
+    memory: dict[str, int | None] = {}  # label -> estimated peak bytes per device
+    cap = pc.pipeline.memory_cap_gib
+    cap_bytes = int(cap * (1 << 30)) if cap is not None else None
+    over_cap: list[dict[str, Any]] = []
     for entry in calibrated:
         if "measured" not in entry:
             continue
@@ -96,10 +105,26 @@ def auto_search(
             for m in MICRO_BATCHES:
                 if pc.run.batch_size % m or (pc.run.batch_size // m) % _batch_split(lpc):
                     continue  # (a micro-batch must split evenly over the stages' batch axis)
-                seconds = _predict(model.at(pc.run.batch_size // m), changes, m) + model.overhead
-                predictions.append((seconds, f"{label}, {m} micro-batches{where}",
-                                    {**entry["changes"], **changes,
-                                     "num_micro_batches": m}))  # fmt: skip
+                rows = pc.run.batch_size // m
+                seconds, schedule = _predict(model.at(rows), changes, m)
+                seconds += model.overhead
+                text = f"{label}, {m} micro-batches{where}"
+                peak = max(entry["memory"].peak(schedule, rows)) if entry["memory"] else None
+                memory[text] = peak
+                if cap_bytes is not None and peak is not None and peak > cap_bytes:
+                    over_cap.append({"label": text, "predicted_seconds": seconds,
+                                     "estimated_peak_bytes": peak})  # fmt: skip
+                    continue
+                predictions.append((seconds, text, {**entry["changes"], **changes,
+                                                    "num_micro_batches": m}))  # fmt: skip
+    if not predictions and over_cap:
+        least = min(over_cap, key=lambda o: o["estimated_peak_bytes"])
+        raise ValueError(
+            f"profile --auto: no configuration fits in memory_cap_gib={cap} per device: the "
+            f"least ({least['label']}) needs {least['estimated_peak_bytes'] / (1 << 30):.3f} "
+            "GiB by the estimate. Raise memory_cap_gib, or give the stages more devices (a "
+            "bigger layout) so that they shard the batch or the parameters"
+        )
     predictions.sort(key=lambda p: p[0])
     chosen = predictions[:top]
     variants = [(label, changes) for _, label, changes in chosen]
@@ -112,6 +137,7 @@ def auto_search(
     predicted = {label: seconds for seconds, label, _ in chosen}
     for row in rows:
         row["search_predicted_seconds"] = predicted.get(row["label"])
+        row["estimated_peak_bytes"] = memory.get(row["label"])
     best = min(rows, key=lambda r: r["step_seconds"])
     dp_row = next((r for r in rows if r["label"] == DATA_PARALLEL), None)
     changes = dict(variants)[best["label"]]
@@ -124,8 +150,16 @@ def auto_search(
         "calibration": _calibration_json(first),
         "layouts": [_calibration_json(entry) for entry in calibrated],
         "predicted": [
-            {"label": label, "predicted_seconds": s, "changes": c} for s, label, c in predictions
+            {
+                "label": label,
+                "predicted_seconds": s,
+                "changes": c,
+                "estimated_peak_bytes": memory.get(label),
+            }
+            for s, label, c in predictions
         ],
+        "memory_cap_gib": cap,
+        "over_memory_cap": over_cap,
         "measured": rows,
         "winner": best["label"],
         "winner_pipeline": winner.pipeline.to_dict(),
@@ -145,10 +179,11 @@ def auto_search(
 
 def _calibrate(
     pc: ProfileConfig, runtime: Any, console: Any, progress: bool
-) -> list[tuple[int, Costs, float]]:
+) -> tuple[list[tuple[int, Costs, float]], LayoutMemory | None]:
     """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
-    overhead) per point."""
-    measured = []
+    overhead) per point, and the stages' memory estimate (None if it could not be made)."""
+    measured: list[tuple[int, Costs, float]] = []
+    points: list[Any] | None = []
     for m in _calibration_points(pc):
         cpc = pc.replace_pipeline(num_micro_batches=m)
         text = f"calibrating meshes {_layout_text(cpc)} at {m} micro-batches"
@@ -160,8 +195,16 @@ def _calibrate(
         rows = session.layout.micro_batch_rows
         measured.append((rows, measured_costs(session.steps, session.layout),
                          step_overhead(session.steps)))  # fmt: skip
+        if points is not None:
+            try:
+                points.append(memory_point(session))
+            except Exception as e:  # (a model the estimate cannot trace): no memory check
+                points = None
+                if console is not None:
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    console.print(f"no memory estimate for meshes {_layout_text(cpc)}: {why}")
         del session
-    return measured
+    return measured, LayoutMemory(points) if points else None
 
 
 def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
@@ -281,8 +324,9 @@ def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:
     return v if slope < 0 else v * rows / r
 
 
-def _predict(costs: Costs, changes: dict[str, Any], m: int) -> float:
-    """The simulated step of `changes`' schedule at `m` micro-batches of these costs."""
+def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]:
+    """The simulated step of `changes`' schedule at `m` micro-batches of these costs, and the
+    schedule."""
     schedule = build_schedule(
         changes["schedule"],
         len(costs.forward),
@@ -290,7 +334,7 @@ def _predict(costs: Costs, changes: dict[str, Any], m: int) -> float:
         weight_delay=changes.get("weight_delay", False),
         costs=costs,
     )
-    return simulate(schedule.with_apply(), costs).makespan
+    return simulate(schedule.with_apply(), costs).makespan, schedule
 
 
 def _batch_split(pc: ProfileConfig) -> int:
@@ -327,12 +371,20 @@ def _size(shape: tuple[int, ...]) -> int:
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
     rows = record["measured"]
-    lines = ["search: predicted (calibrated simulator) beside measured"]
+    lines = ["search: predicted (calibrated simulator) beside measured, and the estimated "
+             "peak memory per device"]  # fmt: skip
     for row in rows:
         predicted = row.get("search_predicted_seconds")
         text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "
+        peak = row.get("estimated_peak_bytes")
+        mem = f"{peak / (1 << 20):9.1f} MiB" if peak is not None else "        -    "
         lines.append(f"  {row['label']:<48} predicted {text}  measured "
-                     f"{row['step_seconds'] * 1e3:9.1f} ms")  # fmt: skip
+                     f"{row['step_seconds'] * 1e3:9.1f} ms  memory {mem}")  # fmt: skip
+    over = record.get("over_memory_cap") or []
+    if over:
+        lines.append(f"not measured: {len(over)} predictions over memory_cap_gib="
+                     f"{record['memory_cap_gib']} (the fastest of them "
+                     f"{min(over, key=lambda o: o['predicted_seconds'])['label']})")  # fmt: skip
     speedup = record["speedup_over_data_parallel"]
     if record["winner"] == DATA_PARALLEL:
         lines.append("winner: plain data parallelism; no pipeline layout tried beats it here")

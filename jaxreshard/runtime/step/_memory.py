@@ -31,6 +31,7 @@ one it accepts may still not, by those terms (`benchmarks/stage_memory.py` measu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard.comm._layout import spec_axes
-from jaxreshard.frontend._backward import residual_inputs
+from jaxreshard.frontend._backward import derive_backward, residual_inputs
 from jaxreshard.frontend._graph import BATCH, CONST, MB, PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
@@ -213,3 +214,58 @@ def device_limit(device: Any) -> int | None:
 def size(n: int) -> str:
     """Bytes as MiB under a GiB, else GiB."""
     return f"{n / (1 << 20):.2f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
+
+
+def exports_of(graph: StepGraph, s: int, split_backward: bool) -> list[Any]:
+    """The avals segment `s`'s B hands its W (a split backward; none otherwise)."""
+    if graph.forward_only or not split_backward:
+        return []
+    bw = derive_backward(graph.loss.stages[s], split=True)
+    return list(bw.b.out_avals[len(bw.act_grads) :])
+
+
+def crossing_bytes(
+    graph: StepGraph, position: int, mesh_shape: dict[str, int], batch_axis: str | None
+) -> int:
+    """Bytes per device, on a mesh of `mesh_shape`, of one micro-batch of what crosses boundary
+    `position` (a chunk ending there keeps their cotangents from its B to its W)."""
+    avals = [
+        act.aval for act in graph.loss.activations if act.home <= position < max(act.consumers)
+    ]
+    split = mesh_shape.get(batch_axis, 1) if batch_axis else 1
+    return per_micro_batch(avals, micro_batch_rows(graph), split)
+
+
+def chunks_of(bounds: Sequence[int], num_segments: int) -> list[range]:
+    """The segments of each chunk that boundary positions `bounds` make."""
+    edges = [-1, *bounds, num_segments - 1]
+    return [range(a + 1, b + 1) for a, b in itertools.pairwise(edges)]
+
+
+def mesh_bytes(
+    memory: Sequence[Sequence[SegmentMemory]],
+    cotangents: dict[int, list[int]],
+    bounds: Sequence[int],
+    schedule: Any,
+    mesh_of: Sequence[int],
+    num_meshes: int,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each mesh's estimated bytes per device: its chunks' state, what their micro-batches keep
+    alive as the schedule runs them, and its largest scratch (see [Note: stage memory
+    estimate]); and of those, the scratch."""
+    chunks = chunks_of(bounds, len(memory))
+    held, pending = [], []
+    state, scratch = [0] * num_meshes, [0] * num_meshes
+    for k, r in enumerate(chunks):
+        mesh = mesh_of[k]
+        parts = [memory[s][mesh] for s in r]
+        held.append(sum(p.residuals for p in parts))
+        # Its output cotangents (W reads them) and its input gradients (sent at B, released
+        # with the micro-batch's backward) are kept from B to W too.
+        ends = cotangents[bounds[k]][mesh] if k < len(bounds) else 0
+        starts = cotangents[bounds[k - 1]][mesh] if k > 0 else 0
+        pending.append(sum(p.pending for p in parts) + ends + starts)
+        state[mesh] += sum(p.state for p in parts)
+        scratch[mesh] = max([scratch[mesh], *(p.scratch for p in parts)])
+    live = live_peak(schedule, held, pending)
+    return tuple(state[m] + live[m] + scratch[m] for m in range(num_meshes)), tuple(scratch)

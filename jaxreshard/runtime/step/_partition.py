@@ -41,17 +41,17 @@ from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
-from jaxreshard.frontend._backward import derive_backward
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._memory import (
     GIB,
     SegmentMemory,
+    chunks_of,
+    crossing_bytes,
     device_limit,
-    live_peak,
-    micro_batch_rows,
-    per_micro_batch,
+    exports_of,
+    mesh_bytes,
     scratch_bytes,
     segment_memory,
     size,
@@ -205,7 +205,7 @@ def choose_cuts(
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
         device = jax.devices()[0]
     timed = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
-    exports = [_exports(graph, s, config) for s in range(graph.loss.num_stages)]
+    exports = [exports_of(graph, s, config.split_backward) for s in range(graph.loss.num_stages)]
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
@@ -219,7 +219,8 @@ def choose_cuts(
         for s, (_, scratch) in enumerate(timed)
     ]
     cotangents = {  # the output cotangents a chunk ending at i keeps from its B to its W
-        i: [_crossing_bytes(graph, i, mesh, config) for mesh in meshes] for i in range(len(markers))
+        i: [crossing_bytes(graph, i, dict(mesh.shape), config.batch_axis) for mesh in meshes]
+        for i in range(len(markers))
     }
     crossing = {
         i: [
@@ -236,7 +237,7 @@ def choose_cuts(
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
         step, schedule, costs = _predict(config, segments, crossing, bounds)
-        need, scratch = _memory_per_mesh(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
+        need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
         fits = cap is None or max(need) <= cap
         tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
     tried.sort(key=lambda c: (not c.fits, c.step))
@@ -268,35 +269,6 @@ def _cap(config: PipelineConfig, device: Any) -> int | None:
     return device_limit(device) if device is not None else None
 
 
-def _memory_per_mesh(
-    memory: Sequence[Sequence[SegmentMemory]],
-    cotangents: dict[int, list[int]],
-    bounds: Sequence[int],
-    schedule: Any,
-    mesh_of: Sequence[int],
-    num_meshes: int,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each mesh's estimated bytes per device: its chunks' state, what their micro-batches keep
-    alive as the schedule runs them, and its largest scratch (see [Note: stage memory
-    estimate]); and of those, the scratch."""
-    chunks = _chunks(bounds, len(memory))
-    held, pending = [], []
-    state, scratch = [0] * num_meshes, [0] * num_meshes
-    for k, r in enumerate(chunks):
-        mesh = mesh_of[k]
-        parts = [memory[s][mesh] for s in r]
-        held.append(sum(p.residuals for p in parts))
-        # Its output cotangents (W reads them) and its input gradients (sent at B, released
-        # with the micro-batch's backward) are kept from B to W too.
-        ends = cotangents[bounds[k]][mesh] if k < len(bounds) else 0
-        starts = cotangents[bounds[k - 1]][mesh] if k > 0 else 0
-        pending.append(sum(p.pending for p in parts) + ends + starts)
-        state[mesh] += sum(p.state for p in parts)
-        scratch[mesh] = max([scratch[mesh], *(p.scratch for p in parts)])
-    live = live_peak(schedule, held, pending)
-    return tuple(state[m] + live[m] + scratch[m] for m in range(num_meshes)), tuple(scratch)
-
-
 def _over_cap_message(
     config: PipelineConfig,
     tried: Sequence[Choice],
@@ -320,11 +292,6 @@ def _over_cap_message(
     )
 
 
-def _chunks(bounds: Sequence[int], num_segments: int) -> list[range]:
-    edges = [-1, *bounds, num_segments - 1]
-    return [range(a + 1, b + 1) for a, b in itertools.pairwise(edges)]
-
-
 def _predict(
     config: PipelineConfig,
     segments: Sequence[SegmentCost],
@@ -333,7 +300,7 @@ def _predict(
 ) -> tuple[float, Any, Costs]:
     """The simulated step of the chunks that `bounds` (boundary positions) make, their
     schedule, and the costs it was built and simulated with."""
-    stages = _chunks(bounds, len(segments))
+    stages = chunks_of(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
     weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
@@ -439,20 +406,3 @@ def _crossing_seconds(
             )
             total += plan.seconds  # (the simulator charges it again for the gradient back)
     return total
-
-
-def _exports(graph: StepGraph, s: int, config: PipelineConfig) -> list[Any]:
-    """The avals segment `s`'s B hands its W (a split backward; none otherwise)."""
-    if graph.forward_only or not config.split_backward:
-        return []
-    bw = derive_backward(graph.loss.stages[s], split=True)
-    return list(bw.b.out_avals[len(bw.act_grads) :])
-
-
-def _crossing_bytes(graph: StepGraph, position: int, mesh: Any, config: PipelineConfig) -> int:
-    """Bytes per device on `mesh` of one micro-batch of what crosses boundary `position` (a
-    chunk ending there keeps their cotangents from its B to its W)."""
-    avals = [
-        act.aval for act in graph.loss.activations if act.home <= position < max(act.consumers)
-    ]
-    return per_micro_batch(avals, micro_batch_rows(graph), _batch_split(config, dict(mesh.shape)))

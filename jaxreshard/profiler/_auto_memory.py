@@ -1,0 +1,88 @@
+"""The memory per device of `--auto`'s candidate configurations (see [Note: configuration
+search], step 3): the partitioner's estimate ([Note: stage memory estimate] in
+`runtime/step/_memory.py`) of each stage of a calibrated layout, at each calibration point,
+fitted linearly in the micro-batch's rows, then walked along each candidate schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxreshard.runtime.step._memory import (
+    SegmentMemory,
+    crossing_bytes,
+    exports_of,
+    mesh_bytes,
+    segment_memory,
+)
+from jaxreshard.runtime.step._specs import spec_of
+
+Point = tuple[int, list[SegmentMemory], list[int]]  # rows; per stage; per boundary
+
+
+def memory_point(session: Any) -> Point:
+    """The estimate of `session`'s stages at its micro-batch size: each stage's memory on its
+    mesh (XLA's scratch left out: the stages compile where they run), and each boundary's
+    bytes per micro-batch (its cotangents, kept from B to W)."""
+    batch = session._peek_batch()
+    graph = session.pstep.plan(session.params, session.opt, batch).graph
+    p = session.pc.pipeline
+    shapes = p.mesh_shapes(p.num_meshes(graph.num_stages))
+    meshes = [dict(zip(p.mesh_axis_names, shape)) for shape in shapes]
+    leaves = jax.tree.leaves((session.params, session.opt, batch))
+    specs: list[Any] = [spec_of(getattr(x, "sharding", None)) for x in leaves]
+    if len(specs) != len(graph.outer.jaxpr.invars):
+        specs = [None] * len(graph.outer.jaxpr.invars)
+    stages = [
+        segment_memory(graph, s, meshes[s], specs, p.batch_axis, 0, exports_of(graph, s, True))
+        for s in range(graph.num_stages)
+    ]
+    boundaries = [
+        crossing_bytes(graph, k, meshes[k], p.batch_axis) for k in range(graph.num_stages - 1)
+    ]
+    return session.layout.micro_batch_rows, stages, boundaries
+
+
+@dataclasses.dataclass
+class LayoutMemory:
+    """A layout's stage memory as a function of the micro-batch's rows."""
+
+    points: list[Point]
+
+    def at(self, rows: int) -> tuple[list[SegmentMemory], list[int]]:
+        """Each stage's memory and each boundary's bytes at `rows` rows per micro-batch: on
+        the line through the calibration points (the state does not change with the rows),
+        proportional to the rows with one point."""
+        (r0, m0, b0), *rest = sorted(self.points, key=lambda p: p[0])
+        if not rest:
+            scale = rows / r0
+            stages = [
+                dataclasses.replace(
+                    m, residuals=round(m.residuals * scale), pending=round(m.pending * scale)
+                )
+                for m in m0
+            ]
+            return stages, [round(b * scale) for b in b0]
+        r1, m1, b1 = rest[0]
+
+        def line(v0: int, v1: int) -> int:
+            return max(0, round(v0 + (v1 - v0) * (rows - r0) / (r1 - r0)))
+
+        stages = [
+            SegmentMemory(a.state, line(a.residuals, b.residuals), line(a.pending, b.pending), 0)
+            for a, b in zip(m0, m1)
+        ]
+        return stages, [line(x, y) for x, y in zip(b0, b1)]
+
+    def peak(self, schedule: Any, rows: int) -> tuple[int, ...]:
+        """Each mesh's estimated bytes per device when `schedule` (one stage per mesh) runs at
+        `rows` rows per micro-batch."""
+        stages, boundaries = self.at(rows)
+        n = len(stages)
+        memory = [[m] * n for m in stages]  # (stage s runs on mesh s)
+        cotangents = {k: [b] * n for k, b in enumerate(boundaries)}
+        mesh_of = [schedule.rank_of(c) for c in range(n)]
+        need, _ = mesh_bytes(memory, cotangents, list(range(n - 1)), schedule, mesh_of, n)
+        return need

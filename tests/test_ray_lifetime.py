@@ -213,3 +213,28 @@ def test_a_pipeline_dropped_by_the_driver_is_an_error_on_its_hosts(ray_runtime):
     )
     with pytest.raises(ray.exceptions.RayTaskError, match="closed by the driver"):
         ray.get(actor.pipeline_segment.remote(key, 0, f"{key}:1", []), timeout=60)
+
+
+def test_a_cluster_reconnected_by_a_late_thread_still_shuts_down():
+    """A thread of ours that calls Ray after `ray.shutdown()` connects this process to the local
+    cluster again (Ray's auto-init), and Ray then refuses to remove the head; the shutdown
+    disconnects and tries again (a CI run once failed there). Other errors are raised."""
+    from jaxreshard.runtime.ray._runtime import _shutdown_cluster
+
+    class Cluster:
+        def __init__(self, errors):
+            self.errors, self.calls = list(errors), 0
+
+        def shutdown(self):
+            self.calls += 1
+            if self.errors:
+                raise self.errors.pop(0)
+
+    refused = ValueError("Removing a node that is connected to this Ray client is not allowed")
+    cluster = Cluster([refused, refused])
+    _shutdown_cluster(cluster)
+    assert cluster.calls == 3
+    with pytest.raises(ValueError, match="connected to this Ray client"):
+        _shutdown_cluster(Cluster([refused] * 3))
+    with pytest.raises(ValueError, match="something else"):
+        _shutdown_cluster(Cluster([ValueError("something else")]))

@@ -427,13 +427,31 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
         self._kill_all()
         ray.shutdown()
         if self._local_cluster is not None:
-            self._local_cluster.shutdown()
+            _shutdown_cluster(self._local_cluster)
         if self._token is not None:
             self._token.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "running")
         return f"RayRuntime({state}, {self.cluster.describe() if hasattr(self, 'cluster') else ''})"
+
+
+def _shutdown_cluster(cluster: Any, tries: int = 3) -> None:
+    """Stop the local cluster this runtime started. A thread of ours still finishing (a step's
+    watch reading its answer, a drop) may call Ray after `ray.shutdown()`, and Ray's auto-init
+    then connects this process to the cluster again; Ray refuses to remove a head this process
+    is connected to (it disconnects it first, then raises). So disconnect and try again (the
+    nodes already removed stay removed)."""
+    import ray
+
+    for attempt in range(tries):
+        try:
+            cluster.shutdown()
+            return
+        except ValueError as e:
+            if "connected to this Ray client" not in str(e) or attempt == tries - 1:
+                raise
+            ray.shutdown()
 
 
 class _AllDone:

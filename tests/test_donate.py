@@ -177,3 +177,49 @@ def test_a_donated_constant_read_by_the_loss_and_the_optimizer(cpu_devices, m, m
         got = pstep(jax.tree.map(jnp.array, params), batch, jnp.array(lr))
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule, uses", [("interleaved_1f1b", (0, 2)), ("zbv", (0, 3))])
+def test_a_donated_constant_two_chunks_on_one_mesh_read(cpu_devices, schedule, uses):
+    """Chunks `uses` run on one mesh and both read a per-step constant, which the later one's
+    fused optimizer updates (donated). The earlier chunk's backward, after that, still needs
+    the constant: it keeps its own copy as a residual, not the placed array that the optimizer
+    overwrites (a review found `Array has been deleted` when residuals kept it by reference)."""
+    import jax.numpy as jnp
+
+    width = 8
+
+    def make(pipelined):
+        def step(params, batch, scale):
+            def loss_fn(p):
+                h = batch["x"]
+                for i, w in enumerate(p):
+                    h = jnp.tanh(h @ w)
+                    if i in uses:
+                        h = h @ scale
+                    if pipelined and i < 3:
+                        h = jr.stage_boundary(h)
+                return jnp.mean((h - batch["y"]) ** 2)
+
+            grad = jr.value_and_grad if pipelined else jax.value_and_grad
+            loss, grads = grad(loss_fn)(params)
+            new = [w - 0.1 * g for w, g in zip(params, grads)]
+            return new, scale * 0.99 + 1e-3 * new[uses[1]], loss
+
+        return step
+
+    rng = np.random.default_rng(0)
+    params = [(rng.normal(size=(width, width)) / 3).astype(np.float32) for _ in range(4)]
+    batch = {k: rng.normal(size=(8, width)).astype(np.float32) for k in "xy"}
+    scale = (np.eye(width) + rng.normal(size=(width, width)) / 10).astype(np.float32)
+    config = jr.PipelineConfig(backend="local", num_stages=4, schedule=schedule,
+                               virtual_stages=2, num_micro_batches=1,
+                               stage_mesh_shape=(1,))  # fmt: skip
+    step = jr.parallelize(make(True), config=config, batch_argnums=(1,), donate_argnums=(0, 2))
+    ours, ref = (params, scale), (params, scale)
+    for _ in range(2):
+        *ours, loss = step([jnp.array(p) for p in ours[0]], batch, jnp.array(ours[1]))
+        *ref, want = jax.jit(make(False))(*ref[:1], batch, ref[1])
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)

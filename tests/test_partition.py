@@ -202,12 +202,16 @@ def test_memory_estimate_counts_optimizer_state_and_donation(donate):
 
 def test_memory_estimate_splits_residuals_over_the_batch_axis():
     """On a mesh whose `data` axis splits each micro-batch in two, a segment keeps half the
-    residuals per device, and the same parameters."""
+    residuals per device, and the same parameters. Summing the gradients once a step (the
+    default there) keeps each micro-batch's `reduced` casts of the weights too."""
     _, one = auto_report()
-    _, two = auto_report(stage_mesh_shape=(2,))
-    for a, b in zip(one.memory, two.memory):
+    _, every = auto_report(stage_mesh_shape=(2,), reduce_gradients="every_micro_batch")
+    for a, b in zip(one.memory, every.memory):
         assert b[0].residuals * 2 == a[0].residuals > 0
         assert b[0].state == a[0].state
+    _, once = auto_report(stage_mesh_shape=(2,))
+    weights = [c[0].residuals - b[0].residuals for c, b in zip(once.memory, every.memory)]
+    assert min(weights) >= 0 and max(weights) > 0
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])

@@ -120,3 +120,32 @@ def test_a_finished_step_keeps_only_its_outputs(cpu_devices, steps_in_flight):
     (*state, loss), _ = step.profile_call(*state, batch(3))
     gc.collect()
     assert live_activations() == {}
+
+
+def test_a_step_run_as_a_ray_host_runs_it_keeps_only_its_outputs(cpu_devices, monkeypatch):
+    """A Ray host calls `HostEngine.step` with `wait=False` and no watch (its answer waits for
+    the values): nothing may keep the step's log of action outputs then either (a review found
+    16 activation-sized arrays kept that way)."""
+    import gc
+
+    from jaxreshard.runtime.engine._host import HostEngine
+
+    step_of = HostEngine.step
+
+    def as_a_ray_host(self, inputs, *, wait=True, watch=None, on_segment=None):
+        return step_of(self, inputs, wait=False, watch=None, on_segment=on_segment)
+
+    monkeypatch.setattr(HostEngine, "step", as_a_ray_host)
+    opt = optax.sgd(1e-2)
+    config = jr.PipelineConfig(
+        backend="local", stage_mesh_shape=(1,), num_micro_batches=4, schedule="eager_1f1b",
+        weight_delay=True,
+    )  # fmt: skip
+    step = jr.parallelize(make_step(opt), config=config, batch_argnums=2, donate_argnums=(0, 1))
+    state = (jax.tree.map(jnp.array, init_params()), opt.init(init_params()))
+    for seed in range(3):
+        *state, loss = step(*state, batch(seed))
+    jax.block_until_ready(state)
+    float(loss)
+    gc.collect()
+    assert live_activations() == {}

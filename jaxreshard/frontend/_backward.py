@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend import core as jc
 
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
-from jaxreshard.frontend._split import ACT, OUT, PARAM, Stage
+from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +260,19 @@ def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
         return outputs, leaves
 
     outs, residuals = jax.eval_shape(fn, *structs)
-    return list(zip(residuals, forwarded_positions(fn, structs, len(outs))))
+    return list(zip(residuals, _by_reference(stage, forwarded_positions(fn, structs, len(outs)))))
+
+
+# The inputs a residual may be kept as: each is this chunk's until its backward is done. A per-step
+# constant is not (one placed array serves every chunk on a mesh, and one chunk's fused optimizer
+# may donate it while another chunk's backward still needs it), nor the micro-batch index.
+BY_REFERENCE = (PARAM, ACT, BATCH)
+
+
+def _by_reference(stage: Stage, positions: Sequence[Any]) -> tuple[Any, ...]:
+    """`positions` without the inputs that are not kept by reference (`BY_REFERENCE`)."""
+    kinds = [r.kind for r in stage.inputs]
+    return tuple(i if i is not None and kinds[i] in BY_REFERENCE else None for i in positions)
 
 
 def _diff(stage: Stage) -> tuple[int, ...]:
@@ -308,7 +320,7 @@ def derive_backward(
     ]
     out_structs, residual_structs = jax.eval_shape(traced_forward, *structs)
     residuals = tuple(residual_structs)
-    forwarded = forwarded_positions(traced_forward, structs, len(out_structs))
+    forwarded = _by_reference(stage, forwarded_positions(traced_forward, structs, len(out_structs)))
     treedef = holder["treedef"]
 
     def backward(*args: Any) -> list[Any]:

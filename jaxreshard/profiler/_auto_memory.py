@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from jaxreshard.runtime.step._layout import pipeline_schedule
 from jaxreshard.runtime.step._memory import (
     SegmentMemory,
     crossing_bytes,
@@ -23,24 +24,28 @@ Point = tuple[int, list[SegmentMemory], list[int]]  # rows; per stage; per bound
 
 
 def memory_point(session: Any) -> Point:
-    """The estimate of `session`'s stages at its micro-batch size: each stage's memory on its
-    mesh (XLA's scratch left out: the stages compile where they run), and each boundary's
-    bytes per micro-batch (its cotangents, kept from B to W)."""
+    """The estimate of `session`'s stages at its micro-batch size: each stage's memory on the
+    mesh the configured schedule places it on (XLA's scratch left out: the stages compile where
+    they run), and each boundary's bytes per micro-batch (its cotangents, kept from B to W)."""
     batch = session._peek_batch()
     graph = session.pstep.plan(session.params, session.opt, batch).graph
     p = session.pc.pipeline
     shapes = p.mesh_shapes(p.num_meshes(graph.num_stages))
     meshes = [dict(zip(p.mesh_axis_names, shape)) for shape in shapes]
+    placement = pipeline_schedule(p, graph.num_stages)
+    on = [meshes[placement.rank_of(s)] for s in range(graph.num_stages)]
     leaves = jax.tree.leaves((session.params, session.opt, batch))
     specs: list[Any] = [spec_of(getattr(x, "sharding", None)) for x in leaves]
     if len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
     stages = [
-        segment_memory(graph, s, meshes[s], specs, p.batch_axis, 0, exports_of(graph, s, True))
+        segment_memory(
+            graph, s, on[s], specs, p.batch_axis, 0, exports_of(graph, s, True), p.reduce_gradients
+        )
         for s in range(graph.num_stages)
     ]
     boundaries = [
-        crossing_bytes(graph, k, meshes[k], p.batch_axis) for k in range(graph.num_stages - 1)
+        crossing_bytes(graph, k, on[k], p.batch_axis) for k in range(graph.num_stages - 1)
     ]
     return session.layout.micro_batch_rows, stages, boundaries
 
@@ -77,12 +82,13 @@ class LayoutMemory:
         return stages, [line(x, y) for x, y in zip(b0, b1)]
 
     def peak(self, schedule: Any, rows: int) -> tuple[int, ...]:
-        """Each mesh's estimated bytes per device when `schedule` (one stage per mesh) runs at
-        `rows` rows per micro-batch."""
+        """Each mesh's estimated bytes per device when `schedule` runs the layout's stages
+        (chunks) at `rows` rows per micro-batch."""
         stages, boundaries = self.at(rows)
         n = len(stages)
-        memory = [[m] * n for m in stages]  # (stage s runs on mesh s)
-        cotangents = {k: [b] * n for k, b in enumerate(boundaries)}
         mesh_of = [schedule.rank_of(c) for c in range(n)]
-        need, _ = mesh_bytes(memory, cotangents, list(range(n - 1)), schedule, mesh_of, n)
+        meshes = schedule.num_stages  # (its ranks)
+        memory = [[m] * meshes for m in stages]  # (the layout's meshes are all alike)
+        cotangents = {k: [b] * meshes for k, b in enumerate(boundaries)}
+        need, _ = mesh_bytes(memory, cotangents, list(range(n - 1)), schedule, mesh_of, meshes)
         return need

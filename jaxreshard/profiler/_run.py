@@ -196,7 +196,7 @@ class Session:
             if compilers is not None:
                 try:
                     analysis = compilers[s].executable("forward").memory_analysis()
-                    per_mb = int(analysis.output_size_in_bytes)
+                    per_mb = int(analysis.output_size_in_bytes) + _kept_inputs(compilers[s])
                 except Exception:
                     per_mb = None
                 stats = [d.memory_stats() for d in compilers[s].mesh.devices.flat]
@@ -210,6 +210,23 @@ class Session:
                 }
             )
         return out
+
+
+def _kept_inputs(compiler: Any) -> int:
+    """Bytes per device of the inputs a stage keeps as residuals of every micro-batch (received
+    activations, batch feeds: see [Note: residuals kept by reference]), which its forward does
+    not write out; its weights, kept once a step, are not counted."""
+    from jaxreshard.frontend._split import PARAM
+    from jaxreshard.runtime.step._memory import per_device
+
+    bw, specs = compiler.bw, compiler.residual_specs or []
+    mesh = dict(compiler.mesh.shape)
+    inputs = bw.stage.inputs
+    return sum(
+        per_device(aval, spec, mesh)
+        for aval, i, spec in zip(bw.residuals, bw.forwarded, specs)
+        if i is not None and inputs[i].kind != PARAM
+    )
 
 
 def _place_params(pc: ProfileConfig, params: Any) -> Any:

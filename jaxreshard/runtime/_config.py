@@ -101,7 +101,7 @@ class PipelineConfig:
         memory_cap_gib: with `partition="auto"`, the GiB each device may hold: cuts whose
             estimated peak (parameters, gradients, optimizer state, the activations the
             schedule keeps alive, XLA scratch) is over it are not chosen. None: the device's
-            own limit where JAX reports one (GPUs), else no cap.
+            own limit where JAX reports one (the local runtime's GPUs), else no cap.
         reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
             its parameter gradients over that axis: `once` a step, after its last backward
             (the gradients of the micro-batches stay per device until then), where JAX can

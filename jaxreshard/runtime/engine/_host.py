@@ -323,9 +323,11 @@ class HostEngine:
         grads = {k: v for k, v in grads.items() if not _deleted(v)}
         last = self.layout.num_stages - 1 if self.layout is not None else -1
         applied = {s: [as_named(x, self.meshes[s]) for x in xs] for s, xs in applied.items()}
+        # The step's log of action outputs: the watch's until the step is done, if there is
+        # one; else nobody's (a Ray host's step is watched by its answer, not by the log).
+        log, runner.last_log = runner.last_log, []
         if watched:
             assert watch is not None
-            log, runner.last_log = runner.last_log, []  # the watch's now, until the step is done
             watch.track(
                 inputs.step_id,
                 (losses, grads, applied, produced, results),

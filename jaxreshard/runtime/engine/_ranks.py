@@ -130,9 +130,9 @@ class RankRunner:
             accumulators.update(accs)
             applied.update(out)
         # What the step dispatched (every action's outputs), for a watch to name a hung action
-        # (`HostEngine.step` hands it over). It holds every activation and residual of the step,
-        # so nothing keeps it once the step is seen done: kept between steps, it made each step
-        # hold the last one's intermediates too.
+        # (`HostEngine.step` takes it at once, for its watch or for nobody). It holds every
+        # activation and residual of the step, so nothing keeps it once the step is seen done:
+        # kept between steps, it made each step hold the last one's intermediates too.
         self.last_log = log if not wait and record is None else []
         if wait and record is None:  # a recorded step has waited for every action already
             try:

@@ -11,9 +11,10 @@ markers of the all-candidates trace) on the stage's mesh, as:
   own spec, as the runtime transplants it (`transplant_spec`); an output takes the spec of an
   input of its shape and dtype on the same stage, else it counts whole;
 - **residuals**: what the segment's forward keeps for its backward (the VJP's residuals, traced
-  with `jax.vjp`, less the parameters and per-step constants it keeps as they are, see [Note:
-  residuals kept by reference] in `_compile.py`), per micro-batch, divided by the stage
-  mesh's batch axis where a residual's leading dim is the micro-batch's rows;
+  with `jax.vjp`, less the parameters it keeps as they are, see [Note: residuals kept by
+  reference] in `_compile.py`; on a mesh that splits the batch with `reduce_gradients="once"`,
+  the parameters too, as the forward keeps their `reduced` casts), per micro-batch, divided by
+  the stage mesh's batch axis where a residual's leading dim is the micro-batch's rows;
 - **pending** (a split backward): what its B hands its W (B's exports), per micro-batch, the
   cotangents of a stage's outputs, which its W reads too, and the gradients of its inputs,
   which the runtime releases with the micro-batch's whole backward;
@@ -24,8 +25,9 @@ A mesh then needs its chunks' state, plus the most bytes their micro-batches kee
 the configured schedule runs them (`live_peak`: a micro-batch's residuals from its F to its
 last backward part, its pending bytes from its B to its W), plus its largest scratch. Not
 counted: received activations before their forward, the micro-batches of the batch, the
-runtime's transfer buffers, compiled code. So it is a floor: a cut it rejects does not fit;
-one it accepts may still not, by those terms (`benchmarks/stage_memory.py` measures them).
+runtime's transfer buffers, compiled code; and XLA's scratch is its own estimate. So it is an
+estimate, not a bound: measured within 13% of the live arrays either way
+(`benchmarks/stage_memory.py`), so a cap a little below the device's memory leaves room.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 
 from jaxreshard.comm._layout import spec_axes
 from jaxreshard.frontend._backward import derive_backward, residual_inputs
-from jaxreshard.frontend._graph import BATCH, CONST, MB, PARAM
+from jaxreshard.frontend._graph import BATCH, PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT
 from jaxreshard.pipeline._schedule import Schedule
@@ -104,16 +106,19 @@ def per_device(aval: Any, spec: Any, mesh_shape: dict[str, int]) -> int:
     return nbytes(aval) // ways
 
 
-def residual_avals(graph: StepGraph, s: int) -> list[Any]:
-    """What segment `s`'s forward keeps for its backward, less the parameters and per-step
-    constants it keeps as they are (see [Note: residuals kept by reference]; a parameter counts
-    once, as state)."""
+def residual_avals(graph: StepGraph, s: int, copies_weights: bool = False) -> list[Any]:
+    """What segment `s`'s forward keeps for its backward, less the parameters it keeps as they
+    are (see [Note: residuals kept by reference]; a parameter counts once, as state). With
+    `copies_weights` (a stage that reduces its gradients once a step: it casts its parameters
+    to `reduced` before the VJP, so the residuals are the casts, written out per micro-batch),
+    the parameters count per micro-batch too."""
     if graph.forward_only:
         return []
     stage = graph.loss.stages[s]
-    once = (PARAM, CONST, MB)  # held once a step, whatever the micro-batches
     return [
-        aval for aval, i in residual_inputs(stage) if i is None or stage.inputs[i].kind not in once
+        aval
+        for aval, i in residual_inputs(stage)
+        if i is None or stage.inputs[i].kind != PARAM or copies_weights
     ]
 
 
@@ -159,11 +164,12 @@ def segment_memory(
     batch_axis: str | None,
     scratch: int,
     exports: Sequence[Any] = (),
+    reduce_gradients: str = "once",
 ) -> SegmentMemory:
     """Segment `s`'s bytes per device on a mesh of `mesh_shape`; `specs`: each outer invar's
     PartitionSpec (its argument's sharding); `scratch`: its executables' XLA temporaries on one
     device, for the whole micro-batch; `exports`: the avals B hands W, when the backward is
-    split (see [Note: stage memory estimate])."""
+    split; `reduce_gradients`: the config's (see [Note: stage memory estimate])."""
     outer = graph.outer.jaxpr
     split = mesh_shape.get(batch_axis, 1) if batch_axis else 1
     held, grads, written = state_parts(graph, s)
@@ -183,7 +189,10 @@ def segment_memory(
         spec = specs[alike[0]] if alike else None
         state += per_device(v.aval, spec, mesh_shape)
     rows = micro_batch_rows(graph)
-    kept = per_micro_batch(residual_avals(graph, s), rows, split)
+    # A stage whose mesh splits the batch sums its gradients once a step where JAX can type
+    # it so; counted as if it did (its weights are then residuals of every micro-batch).
+    copies = reduce_gradients == "once" and split > 1
+    kept = per_micro_batch(residual_avals(graph, s, copies), rows, split)
     pending = per_micro_batch(exports, rows, split)
     return SegmentMemory(int(state), int(kept), int(pending), int(scratch) // split)
 

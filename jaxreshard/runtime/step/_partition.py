@@ -18,8 +18,8 @@ Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Co
 chunk the sum of its segments, each boundary its crossing tensors' time) for the configured
 schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its chunks' state,
 plus their residuals times the micro-batches the schedule keeps alive there, plus scratch. The
-fastest choice under the memory cap (`memory_cap_gib`, else the device's own limit where JAX
-reports one) wins; if none fits, the error says what the least needs and what to change. The
+fastest choice under the memory cap (`memory_cap_gib`, else the local device's own limit where
+JAX reports one) wins; if none fits, the error says what the least needs and what to change. The
 choice, every tried one's prediction and memory are in `train_step.plan(...)`. Choices are
 enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
 (`stage_placement`, the runtime's cluster model), and the segments are timed on the driver's
@@ -212,7 +212,14 @@ def choose_cuts(
     memory = [
         [
             segment_memory(
-                graph, s, dict(mesh.shape), specs, config.batch_axis, scratch, exports[s]
+                graph,
+                s,
+                dict(mesh.shape),
+                specs,
+                config.batch_axis,
+                scratch,
+                exports[s],
+                config.reduce_gradients,
             )
             for mesh in meshes
         ]

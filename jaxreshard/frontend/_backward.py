@@ -236,16 +236,17 @@ def _forward(
     return list(outputs), list(leaves), treedef
 
 
-def forwarded_positions(fn: Any, structs: Sequence[Any], num_outputs: int) -> tuple[Any, ...]:
-    """Per residual of `fn` (which returns (outputs, residuals)), the position among its
-    arguments of the one it returns unchanged, else None (see [Note: residuals kept by
-    reference])."""
-    closed = jax.make_jaxpr(fn)(*structs)
+def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
+    """`fn`'s (outputs, residuals) shapes, and per residual the position among its arguments of
+    the one it returns unchanged, else None (see [Note: residuals kept by reference]): one
+    trace."""
+    closed, (outs, residuals) = jax.make_jaxpr(fn, return_shape=True)(*structs)
     position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
-    return tuple(
+    forwarded = tuple(
         position.get(v) if isinstance(v, jc.Var) else None
-        for v in closed.jaxpr.outvars[num_outputs:]
+        for v in closed.jaxpr.outvars[len(outs) :]
     )
+    return (outs, residuals), forwarded
 
 
 def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
@@ -259,8 +260,8 @@ def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
         outputs, leaves, _ = _forward(stage, diff, inputs)
         return outputs, leaves
 
-    outs, residuals = jax.eval_shape(fn, *structs)
-    return list(zip(residuals, _by_reference(stage, forwarded_positions(fn, structs, len(outs)))))
+    (_, residuals), forwarded = traced_with_forwarding(fn, structs)
+    return list(zip(residuals, _by_reference(stage, forwarded)))
 
 
 # The inputs a residual may be kept as: each is this chunk's until its backward is done. A per-step
@@ -318,9 +319,9 @@ def derive_backward(
     structs = [
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(in_avals, shardings)
     ]
-    out_structs, residual_structs = jax.eval_shape(traced_forward, *structs)
+    (out_structs, residual_structs), forwarded = traced_with_forwarding(traced_forward, structs)
     residuals = tuple(residual_structs)
-    forwarded = _by_reference(stage, forwarded_positions(traced_forward, structs, len(out_structs)))
+    forwarded = _by_reference(stage, forwarded)
     treedef = holder["treedef"]
 
     def backward(*args: Any) -> list[Any]:

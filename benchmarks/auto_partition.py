@@ -1,13 +1,19 @@
 """Automatic partitioning against every hand-placed cut, predicted beside measured.
 
-A 6-layer MLP with equal compute per layer whose layer outputs alternate 1024 and 256 wide
-(the input is 256 wide), trained by SGD as 2 stages, 4 micro-batches, 1F1B, on an emulated
-cluster (`jaxreshard.cluster.emulated`: 2 hosts, one pinned core and one device each, 0.01 GB/s
-NICs; root only). A `jr.stage_candidate` after each of the first 5 layers; for each candidate as
-the hand-placed cut, and for `partition="auto"`, the steady step is measured (median of
-`--steps` after 2 warm-up steps), beside the partitioner's prediction for that cut.
+The default model (`--model mlp`): a 6-layer MLP with equal compute per layer whose layer
+outputs alternate 1024 and 256 wide (the input is 256 wide), trained by SGD. `--model gpt` or
+`--model utransformer` take a shipped model (`--preset`, `--set FIELD=VALUE` to change its
+sizes; Adam) with a `jr.stage_candidate` after every layer (`train_step(candidates=True)`).
+Each is trained as 2 stages, `--micro-batches` micro-batches, `--schedule`, on an emulated
+cluster (`jaxreshard.cluster.emulated`: 2 hosts, one pinned core and one device each,
+`--nic-gbps` NICs; root only). For each candidate as the hand-placed cut, and for
+`partition="auto"`, the steady step is measured (median of `--steps` after 2 warm-up steps),
+beside the partitioner's prediction for that cut. The table marks the equal-layer-count cut and
+the compute-balanced one (the partitioner's measured segment times: the cut whose slower side
+computes least).
 
     sudo python benchmarks/auto_partition.py --out benchmarks/results/auto_partition.json
+    sudo python benchmarks/auto_partition.py --model utransformer --preset tiny --batch 8
 """
 
 from __future__ import annotations
@@ -58,13 +64,40 @@ def step(params, state, batch):
     return optax.apply_updates(params, updates), state, loss
 
 
-def measure(config, steps):
-    train = jr.parallelize(step, config=config, batch_argnums=2)
+def mlp_problem():
+    """The MLP: its step, parameters, optimizer state, batch and layer count."""
     rng = np.random.default_rng(1)
     batch = {"x": rng.normal(size=(ROWS, IN)).astype(np.float32),
              "y": rng.normal(size=(ROWS, WIDTHS[-1])).astype(np.float32)}  # fmt: skip
     params = init_params()
-    state = OPT.init(params)
+    return step, params, OPT.init(params), batch, len(WIDTHS)
+
+
+def model_problem(name, preset, sets, batch_size):
+    """A shipped model with a candidate after every layer: step, parameters, state, batch,
+    layer count."""
+    import dataclasses
+
+    from jaxreshard.models import get_model
+
+    spec = get_model(name)
+    cfg = spec.presets[preset]
+    types = {f.name: f.type for f in dataclasses.fields(cfg)}
+    changes = {}
+    for item in sets:
+        key, value = item.split("=", 1)
+        changes[key] = type(getattr(cfg, key))(value) if key in types else value
+    cfg = dataclasses.replace(cfg, **changes)
+    opt = optax.adam(1e-3)
+    params = spec.module.init_params(cfg, 0)
+    batch = spec.module.synthetic_batch(cfg, batch_size, 0)
+    fn = spec.module.train_step(cfg, 2, opt, candidates=True)
+    return fn, params, opt.init(params), batch, spec.num_units(cfg)
+
+
+def measure(problem, config, steps):
+    fn, params, state, batch, _ = problem
+    train = jr.parallelize(fn, config=config, batch_argnums=2)
     plan = train.plan(params, state, batch)
     times = []
     for i in range(steps + 2):
@@ -79,40 +112,70 @@ def measure(config, steps):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt", "utransformer"))
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="change a field of the model's config")  # fmt: skip
+    parser.add_argument("--batch", type=int, default=16, help="shipped models' batch")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--nic-gbps", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--name", default="apart")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    base = dict(stage_mesh_shape=(1,), num_micro_batches=4, schedule="1f1b", backend="ray",
-                num_stages=2)  # fmt: skip
+    from jaxreshard.models._common import split_evenly
+
+    base = dict(stage_mesh_shape=(1,), num_micro_batches=args.micro_batches,
+                schedule=args.schedule, backend="ray", num_stages=2)  # fmt: skip
+    if args.model == "mlp":
+        problem = mlp_problem()
+    else:
+        problem = model_problem(args.model, args.preset, args.set, args.batch)
+    units = problem[-1]
+    even = min(split_evenly(units, 2))
     rows = []
     with jaxreshard.cluster.emulated(
         hosts=2, nic_gbps=args.nic_gbps, cpus_per_host=1, devices_per_host=1, name=args.name
     ) as cluster:
         jr.init(backend="ray", address=cluster.address, timeout_s=300, distributed=False)
-        auto_s, plan = measure(jr.PipelineConfig(partition="auto", **base), args.steps)
+        auto_s, plan = measure(problem, jr.PipelineConfig(partition="auto", **base), args.steps)
         report = plan.partition
         predicted = {c.cuts: c.step for c in report.tried}
-        for c in range(len(WIDTHS) - 1):
-            measured, _ = measure(jr.PipelineConfig(cuts=(c,), **base), args.steps)
-            rows.append({"cut_after_layer": c, "width": WIDTHS[c], "measured_s": measured,
-                         "predicted_s": predicted[(c,)]})  # fmt: skip
+        for c in range(units - 1):
+            measured, cut_plan = measure(problem, jr.PipelineConfig(cuts=(c,), **base), args.steps)
+            crossing = sum(t["bytes"] for t in cut_plan.boundary_tensors() if t["kind"] == "act")
+            rows.append({"cut_after_layer": c, "crossing_bytes": crossing,
+                         "measured_s": measured, "predicted_s": predicted[(c,)]})  # fmt: skip
         jr.shutdown()
+    compute = [s.forward + s.backward for s in report.segments]
+    balanced = min(range(units - 1),
+                   key=lambda c: max(sum(compute[: c + 1]), sum(compute[c + 1 :])))  # fmt: skip
     best = min(rows, key=lambda r: r["measured_s"])
-    print(f"{'cut after layer':>15} {'width':>6} {'measured':>10} {'predicted':>10}")
+    by_cut = {r["cut_after_layer"]: r for r in rows}
+    print(f"{'cut after layer':>15} {'crossing':>10} {'measured':>10} {'predicted':>10}")
     for r in rows:
-        mark = " <- auto" if (r["cut_after_layer"],) == report.chosen else ""
-        print(f"{r['cut_after_layer']:15d} {r['width']:6d} {r['measured_s'] * 1e3:8.1f} ms "
+        c = r["cut_after_layer"]
+        marks = [m for m, k in (("auto", report.chosen[0]), ("equal count", even),
+                                ("compute-balanced", balanced), ("best", best["cut_after_layer"]))
+                 if k == c]  # fmt: skip
+        mark = "  <- " + ", ".join(marks) if marks else ""
+        print(f"{c:15d} {r['crossing_bytes'] / 2**20:7.2f} MiB {r['measured_s'] * 1e3:8.1f} ms "
               f"{r['predicted_s'] * 1e3:8.1f} ms{mark}")  # fmt: skip
     print(f"auto chose candidates {list(report.chosen)}: measured {auto_s * 1e3:.1f} ms; the "
           f"best hand cut {best['measured_s'] * 1e3:.1f} ms (after layer "
-          f"{best['cut_after_layer']}); choosing took {report.seconds:.1f} s")  # fmt: skip
+          f"{best['cut_after_layer']}): auto / best {auto_s / best['measured_s']:.3f}; the "
+          f"equal-count cut / auto {by_cut[even]['measured_s'] / auto_s:.2f}x; the "
+          f"compute-balanced cut / auto {by_cut[balanced]['measured_s'] / auto_s:.2f}x; "
+          f"choosing took {report.seconds:.1f} s")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "auto_partition", "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "nic_gbps": args.nic_gbps,
-            "jax": jax.__version__, "rows": rows, "auto": {"chosen": list(report.chosen),
+            "jax": jax.__version__, "model": args.model, "preset": args.preset,
+            "set": args.set, "batch": args.batch, "micro_batches": args.micro_batches,
+            "schedule": args.schedule, "equal_count_cut": even, "compute_balanced_cut": balanced,
+            "rows": rows, "auto": {"chosen": list(report.chosen),
             "measured_s": auto_s, "choose_seconds": report.seconds},
         }, indent=1))  # fmt: skip
         print(f"wrote {args.out}")

@@ -2,9 +2,18 @@
 counts, the best few run beside plain data parallelism, and the measured fastest wins (never a
 layout slower than data parallelism); its config is written as a profile TOML."""
 
+import dataclasses
 import json
 
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
 from jaxreshard.cli import main
+from jaxreshard.models import get_model
+from jaxreshard.models._common import split_evenly
 from jaxreshard.profiler import load_profile_config
 
 BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", "1",
@@ -13,7 +22,8 @@ BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", 
 
 def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
-    flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out)]
+    flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out),
+             "--auto-cuts", "keep", "--auto-virtual", "keep"]  # fmt: skip
     assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
@@ -49,7 +59,8 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     cap = (min(peaks) + max(peaks)) / 2
     config = tmp_path / "capped.toml"
     config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
-    flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out)]
+    flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out),
+             "--auto-cuts", "keep", "--auto-virtual", "keep"]  # fmt: skip
     assert main([*BASE, "--config", str(config), *flags]) == 0
     capped = json.loads(out.read_text())
     assert capped["over_memory_cap"] and capped["predicted"]
@@ -75,3 +86,101 @@ def test_the_cost_fit_predicts_its_calibration_points_as_measured():
     assert _fit(2, 11.0, 4, 37.5, 2) == 11.0 and _fit(2, 11.0, 4, 37.5, 4) == 37.5
     assert _fit(2, 11.0, 4, 37.5, 1) == 5.5 and _fit(2, 11.0, 4, 37.5, 8) == 75.0
     assert _fit(2, 10.0, 4, 8.0, 3) == 9.0 and _fit(2, 10.0, 4, 8.0, 1) == 10.0
+
+
+def test_auto_chooses_the_cut_on_each_layout_and_searches_virtual_stages(tmp_path, capsys):
+    """By default the search lets `partition="auto"` cut the model (a `jr.stage_candidate`
+    after every layer) on each layout, with one and with two model stages per mesh; every
+    later run of a layout (its second calibration point, the measured predictions, the written
+    winner) takes the cut the first chose, and delayed weight gradients are placed with the
+    costs the prediction used."""
+    toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
+    flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--layers", "4",
+             "--auto-toml", str(toml), "--json", str(out)]  # fmt: skip
+    assert main([*BASE, *flags]) == 0
+    record = json.loads(out.read_text())
+    one, two = record["layouts"]
+    assert one["layout"] == two["layout"] == "2 x 1x2"
+    assert len(one["cuts"]) == 1 and 0 <= one["cuts"][0] <= 2  # 2 stages of 4 layers
+    assert two["cuts"] == [0, 1, 2]  # 4 model stages of 4 layers: the only cut
+    assert two["changes"]["virtual_stages"] == 2 and two["changes"]["num_stages"] == 4
+    for entry in (one, two):
+        assert entry["changes"]["partition"] == "manual"
+        assert entry["changes"]["cuts"] == entry["cuts"]
+        assert len(entry["micro_batch_rows"]) == 2
+    labels = [p["label"] for p in record["predicted"]]
+    assert any(label.startswith("zbv (v=2)") for label in labels)
+    assert any(label.startswith("eager_1f1b + weight delay,") for label in labels)
+    for p in record["predicted"]:
+        v2 = p["changes"].get("virtual_stages") == 2
+        assert p["changes"]["cuts"] == (two if v2 else one)["cuts"], p
+        assert p["label"].endswith(f"cuts {p['changes']['cuts']}"), p
+        placed, schedule = p["changes"].get("cost_forward"), p["changes"]["schedule"]
+        if schedule == "zb_h1" or (p["changes"]["weight_delay"] and schedule != "zbv"):
+            assert placed is not None and len(placed) == (4 if v2 else 2), p
+            assert all(0 < x < 1 for x in placed), p  # seconds per micro-batch
+        else:  # (no Ws, or ZB-V's and DualPipeV's fixed order: nothing to place)
+            assert placed is None, p
+    assert "partition='auto' cuts after layers" in capsys.readouterr().out
+    winner = load_profile_config("gpt", toml)
+    if record["winner"] != "data parallel":
+        assert winner.pipeline.cuts is not None and winner.candidates
+        assert list(winner.pipeline.cuts) == record["winner_pipeline"]["cuts"]
+    else:
+        assert winner.pipeline.num_stages == 1 and not winner.candidates
+
+
+def test_cut_options():
+    from jaxreshard.profiler._auto import cut_options
+
+    pc = load_profile_config("gpt", None, {"model": {"layers": 4}})
+    auto = {"partition": "auto", "cuts": None}
+    v2 = {"num_stages": 4, "virtual_stages": 2, "schedule": "interleaved_1f1b",
+          "weight_delay": False}  # fmt: skip
+    assert cut_options(pc, True, True) == [auto, {**auto, **v2}]
+    assert cut_options(pc, False, True) == [{}, v2]
+    assert cut_options(pc, True, False) == [auto]
+    # Too few layers for two model stages per mesh: one count only.
+    small = load_profile_config("gpt", None, {"model": {"layers": 3}})
+    assert cut_options(small, True, True) == [auto]
+    # A config of virtual stages tries one stage per mesh too.
+    zbv = pc.replace_pipeline(schedule="zbv", num_stages=4)
+    one = {"num_stages": 2, "virtual_stages": None, "schedule": "1f1b", "weight_delay": False}
+    assert cut_options(zbv, True, True) == [auto, {**auto, **one}]
+
+
+@pytest.mark.parametrize(
+    "name, sizes",
+    [("gpt", {}), ("utransformer", {"image": 8, "base": 8, "channel_mult": (1, 2)})],
+)
+def test_the_models_mark_a_candidate_after_every_layer_and_cut_there_as_configured(name, sizes):
+    """`train_step(..., candidates=True)` cuts where `PipelineConfig(cuts=...)` says: the
+    even cut chosen by number trains exactly as the model's own even `jr.stage_boundary`
+    does, and as `jax.jit`; the last layer is no candidate. (The U-Transformer's skips cross
+    the cut.)"""
+    spec = get_model(name)
+    module, cfg = spec.module, dataclasses.replace(spec.presets["tiny"], **sizes)
+    units = spec.num_units(cfg)
+    params = module.init_params(cfg, 0)
+    sgd = optax.sgd(0.1)  # (Adam's first update, lr * sign(g), magnifies float noise near g = 0)
+    opt = sgd.init(params)
+    batch = module.synthetic_batch(cfg, 4, 0)
+    config = jr.PipelineConfig(num_stages=2, num_micro_batches=2)
+    even = jr.parallelize(module.train_step(cfg, 2, sgd), config=config, batch_argnums=(2,))
+    by_number = jr.parallelize(
+        module.train_step(cfg, 2, sgd, candidates=True),
+        config=config.replace(cuts=tuple(sorted(split_evenly(units, 2)))),
+        batch_argnums=(2,),
+    )
+    a, b = even(params, opt, batch), by_number(params, opt, batch)
+    c = jax.jit(module.train_step(cfg, 1, sgd))(params, opt, batch)
+    for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=2e-5, atol=1e-6)
+    past = jr.parallelize(
+        module.train_step(cfg, 2, sgd, candidates=True),
+        config=config.replace(cuts=(units - 1,)),
+        batch_argnums=(2,),
+    )
+    with pytest.raises(ValueError, match=str(units - 1)):
+        past(params, opt, batch)

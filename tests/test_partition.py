@@ -244,3 +244,22 @@ def test_auto_places_weight_gradients_as_it_predicted():
     mine = config(partition="auto", num_stages=2, cost_backward=3.0, **cfg)
     assert report.placement_costs(mine) == {}
     assert report.placement_costs(config(partition="auto", num_stages=2)) == {}
+
+
+def test_auto_traces_each_segments_residuals_once(monkeypatch):
+    """The memory estimate needs each segment's residuals (a trace of its VJP): one trace per
+    segment, not one per segment and mesh; the report is JSON."""
+    import json
+
+    from jaxreshard.runtime.step import _memory, _partition
+
+    calls = []
+    real = _partition.residual_inputs
+    for module in (_partition, _memory):
+        monkeypatch.setattr(module, "residual_inputs", lambda s: calls.append(s) or real(s))
+    _, report = auto_report(num_stages=3)
+    assert len(calls) == len(report.segments) == len(WIDTHS)
+    record = json.loads(json.dumps(report.to_json()))
+    assert record["chosen"] == list(report.chosen) and len(record["segments"]) == len(WIDTHS)
+    assert len(record["tried"]) == len(report.tried) == 10  # 2 cuts among 5 candidates
+    assert record["markers"] == [0, 1, 2, 3, 4]

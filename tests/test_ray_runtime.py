@@ -291,6 +291,7 @@ def test_a_process_without_the_runtime_token_cannot_join_its_local_ray(ray_runti
     token = os.environ["RAY_AUTH_TOKEN_PATH"]
     assert os.stat(token).st_mode & 0o777 == 0o600
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_gcs_server_port_wait_time_s"] = "2"  # (2 tries, not Ray's 20 at 1 s each)
     intruder = subprocess.run(
         [sys.executable, "-c", f"import ray; ray.init(address={address!r}); print('joined')"],
         env=env,

@@ -74,6 +74,8 @@ def _profile(args: argparse.Namespace) -> int:
             progress=progress,
             toml_path=args.auto_toml and normalized(args.auto_toml),
             meshes=args.auto_meshes == "search",
+            cuts=args.auto_cuts == "search",
+            virtual=args.auto_virtual == "search",
         )
         if args.json:
             write_json(args.json, record)
@@ -204,9 +206,9 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
         out.add_argument(
             "--auto",
             action="store_true",
-            help="search stage meshes, schedules and micro-batch counts by the calibrated "
-            "simulator, measure "
-            "the best few (--auto-top) beside plain data parallelism, report the fastest",
+            help="search stage meshes, cuts, model stages per mesh, schedules and micro-batch "
+            "counts by the calibrated simulator, measure the best few (--auto-top) beside plain "
+            "data parallelism, report the fastest",
         )
         out.add_argument(
             "--auto-top",
@@ -221,6 +223,21 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             default="search",
             help="with --auto: also search the stage meshes (every uniform mesh over the "
             "layout's devices, each calibrated by a few steps; default) or keep the configured",
+        )
+        out.add_argument(
+            "--auto-cuts",
+            choices=("search", "keep"),
+            default="search",
+            help="with --auto: on each layout, let partition='auto' choose the cut from a "
+            "candidate after every layer (default), or keep the configured cut",
+        )
+        out.add_argument(
+            "--auto-virtual",
+            choices=("search", "keep"),
+            default="search",
+            help="with --auto: also calibrate each layout with 2 model stages per mesh "
+            "(interleaved 1F1B, ZB-V, DualPipeV; default), or keep the configured count "
+            "(half the calibration runs)",
         )
         out.add_argument(
             "--auto-toml",

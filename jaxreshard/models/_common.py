@@ -3,11 +3,14 @@ boundaries go."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxreshard.frontend import stage_boundary, stage_candidate
 
 
 def layer_norm(x: jax.Array, p: dict[str, Any], eps: float = 1e-5) -> jax.Array:
@@ -33,6 +36,19 @@ def split_evenly(num_layers: int, num_stages: int) -> set[int]:
             f"cannot cut {num_layers} layers into {num_stages} stages; use 1 to {num_layers} stages"
         )
     return {round((k + 1) * num_layers / num_stages) - 1 for k in range(num_stages - 1)}
+
+
+def stage_marker(
+    num_layers: int, num_stages: int, candidates: bool = False
+) -> Callable[[Any, int], Any]:
+    """The marker a model puts after its layer `i`: `jr.stage_boundary` after the layers that
+    end `num_stages` equal stages (`split_evenly`), or, with `candidates`, `jr.stage_candidate`
+    after every layer but the last (`PipelineConfig(partition="auto")` or `cuts=...` choose
+    which of them cut; `num_stages` is then not used)."""
+    if candidates:
+        return lambda x, i: stage_candidate(x) if i < num_layers - 1 else x
+    ends = split_evenly(num_layers, num_stages)
+    return lambda x, i: stage_boundary(x) if i in ends else x
 
 
 def default_optimizer() -> optax.GradientTransformation:

@@ -2,8 +2,9 @@
 attention, MLP), a final LayerNorm and an output projection tied to the token embedding.
 
 `train_step(cfg, num_stages)` returns a step for `jaxreshard.parallelize`: the blocks are spread
-evenly over the stages with `jr.stage_boundary`, and the tied embedding is used by the first
-stage (lookup) and the last (projection), so its gradient is summed across stages.
+evenly over the stages with `jr.stage_boundary` (or, with `candidates=True`, every block ends in
+a `jr.stage_candidate` for `partition="auto"` to choose from), and the tied embedding is used
+by the first stage (lookup) and the last (projection), so its gradient is summed across stages.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.frontend import stage_boundary, value_and_grad
+from jaxreshard.frontend import value_and_grad
 from jaxreshard.models._common import (
     MAX_LAYERS,
     check_sizes,
     default_optimizer,
     layer_norm,
-    split_evenly,
+    stage_marker,
 )
 
 
@@ -138,15 +139,20 @@ def block(p: dict[str, Any], x: jax.Array, heads: int) -> jax.Array:
     return x + hidden @ p["out"]["w"] + p["out"]["b"]
 
 
-def loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, num_stages: int = 1):
-    """Mean next-token cross entropy; `tokens` is (batch, seq + 1)."""
+def loss(
+    params: dict[str, Any],
+    tokens: jax.Array,
+    cfg: GPTConfig,
+    num_stages: int = 1,
+    candidates: bool = False,
+):
+    """Mean next-token cross entropy; `tokens` is (batch, seq + 1). The blocks end in stage
+    markers (`stage_marker`)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = jnp.take(params["wte"], inputs, axis=0) + params["wpe"][: inputs.shape[1]]
-    ends = split_evenly(cfg.layers, num_stages)
+    mark = stage_marker(cfg.layers, num_stages, candidates)
     for i, p in enumerate(params["blocks"]):
-        x = block(p, x, cfg.heads)
-        if i in ends:
-            x = stage_boundary(x)
+        x = mark(block(p, x, cfg.heads), i)
     x = layer_norm(x, params["lnf"])
     logits = x @ params["wte"].T  # tied with the token embedding
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -154,15 +160,23 @@ def loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, num_stages: 
 
 
 def train_step(
-    cfg: GPTConfig, num_stages: int, optimizer: optax.GradientTransformation | None = None
+    cfg: GPTConfig,
+    num_stages: int,
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    candidates: bool = False,
 ):
     """A step `(params, opt_state, batch) -> (params, opt_state, loss)` that updates the
     parameters with `optimizer` (default: `optax.adam(1e-3)`); `init_state` with the same
-    optimizer makes its first `opt_state`."""
+    optimizer makes its first `opt_state`. `candidates=True`: every block but the last ends in
+    a `jr.stage_candidate` instead of `num_stages` even stages."""
     optimizer = optimizer if optimizer is not None else default_optimizer()
 
     def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]):
-        value, grads = value_and_grad(lambda p: loss(p, batch["tokens"], cfg, num_stages))(params)
+        tokens = batch["tokens"]
+        value, grads = value_and_grad(lambda p: loss(p, tokens, cfg, num_stages, candidates))(
+            params
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

@@ -7,7 +7,9 @@ middle. The model is trained to recover clean images from noisy ones (denoising 
 
 `train_step(cfg, num_stages)` spreads the nine units (4 down, middle, 4 up) evenly over the
 stages, so the skip connections of the outer levels cross from the first stages to the last ones:
-the case where several boundary tensors of different sizes and layouts leave one stage.
+the case where several boundary tensors of different sizes and layouts leave one stage. With
+`candidates=True` every unit but the last ends in a `jr.stage_candidate` instead, for
+`partition="auto"` to choose the cuts.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.frontend import stage_boundary, value_and_grad
+from jaxreshard.frontend import value_and_grad
 from jaxreshard.models._common import (
     check_sizes,
     default_optimizer,
     group_norm,
-    split_evenly,
+    stage_marker,
 )
 
 MAX_LEVELS = 16
@@ -259,12 +261,11 @@ def denoise(
     sigma: jax.Array,
     cfg: UTransformerConfig,
     num_stages: int = 1,
+    candidates: bool = False,
 ) -> jax.Array:
-    """Predict the clean image from `noisy` (NHWC) at noise levels `sigma` (N,)."""
-    ends = split_evenly(cfg.num_units, num_stages)
-
-    def cut(x: jax.Array, unit: int) -> jax.Array:  # skips and the embedding cross on their own
-        return stage_boundary(x) if unit in ends else x
+    """Predict the clean image from `noisy` (NHWC) at noise levels `sigma` (N,). The units end
+    in stage markers (`stage_marker`); skips and the embedding cross stages on their own."""
+    cut = stage_marker(cfg.num_units, num_stages, candidates)
 
     t = params["time"]
     temb = noise_embedding(sigma, cfg.base) @ t["fc1"]["w"] + t["fc1"]["b"]
@@ -303,24 +304,30 @@ def loss(
     batch: dict[str, jax.Array],
     cfg: UTransformerConfig,
     num_stages: int = 1,
+    candidates: bool = False,
 ) -> jax.Array:
     """Denoising MSE: noise the clean images at each sample's sigma and predict them back."""
     sigma = batch["sigma"]
     noisy = batch["images"] + sigma[:, None, None, None] * batch["noise"]
-    predicted = denoise(params, noisy, sigma, cfg, num_stages)
+    predicted = denoise(params, noisy, sigma, cfg, num_stages, candidates)
     return jnp.mean((predicted - batch["images"]) ** 2)
 
 
 def train_step(
-    cfg: UTransformerConfig, num_stages: int, optimizer: optax.GradientTransformation | None = None
+    cfg: UTransformerConfig,
+    num_stages: int,
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    candidates: bool = False,
 ):
     """A step `(params, opt_state, batch) -> (params, opt_state, loss)` that updates the
     parameters with `optimizer` (default: `optax.adam(1e-3)`); `init_state` with the same
-    optimizer makes its first `opt_state`."""
+    optimizer makes its first `opt_state`. `candidates=True`: every unit but the last ends in
+    a `jr.stage_candidate` instead of `num_stages` even stages."""
     optimizer = optimizer if optimizer is not None else default_optimizer()
 
     def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]):
-        value, grads = value_and_grad(lambda p: loss(p, batch, cfg, num_stages))(params)
+        value, grads = value_and_grad(lambda p: loss(p, batch, cfg, num_stages, candidates))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

@@ -40,9 +40,10 @@ from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.profiler._auto_memory import LayoutMemory, memory_point
-from jaxreshard.profiler._compare import compare, schedule_variants
+from jaxreshard.profiler._compare import compare, measures_placement, schedule_variants
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
+from jaxreshard.profiler._report import places_weights
 from jaxreshard.profiler._run import (
     Session,
     devices_needed,
@@ -63,9 +64,12 @@ def auto_search(
     progress: bool = True,
     toml_path: str | Path | None = None,
     meshes: bool = True,
+    cuts: bool = True,
+    virtual: bool = True,
 ) -> dict[str, Any]:
     """Search, measure and choose (see [Note: configuration search]); returns the JSON record.
-    `meshes=False` keeps the configured stage meshes."""
+    `meshes=False` keeps the configured stage meshes, `cuts=False` the model's configured cut
+    (even stages, or the config's `cuts`), `virtual=False` its model stages per mesh."""
     pc = _emulating(pc)
     calibrated: list[dict[str, Any]] = []
     with runtime_for(pc) as runtime:
@@ -73,19 +77,26 @@ def auto_search(
         sizes = {len(h) for h in hosts or ()}
         per_host = sizes.pop() if len(sizes) == 1 else None  # (uneven hosts: the config's)
         layouts = mesh_layouts(pc, per_host) if meshes else [{}]
-        for layout in layouts:
-            lpc = pc.replace_pipeline(**layout)
-            entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": layout}
+        plans = [{**layout, **cut} for layout in layouts for cut in cut_options(pc, cuts, virtual)]
+        for i, changes in enumerate(plans):
+            lpc = pc.replace_pipeline(**changes)
+            entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
             try:
-                entry["measured"], entry["memory"] = _calibrate(lpc, runtime, console, progress)
+                entry["measured"], entry["memory"], chosen = _calibrate(
+                    lpc, runtime, console, progress
+                )
             except Exception as e:  # (a mesh the model does not shard on, say)
                 if type(e).__name__ == "RuntimeBroken":  # (a host died: nothing more can run)
                     raise
                 entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 if console is not None:
                     console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
-                if not layout:  # the configured layout must build
+                if i == 0:  # the configured layout must build
                     raise
+            else:
+                if chosen is not None:  # partition="auto" chose; every later run takes its cut
+                    entry["cuts"] = list(chosen)
+                    entry["changes"] = {**changes, "partition": "manual", "cuts": chosen}
             calibrated.append(entry)
     predictions = []
     memory: dict[str, int | None] = {}  # label -> estimated peak bytes per device
@@ -99,14 +110,22 @@ def auto_search(
         model = CostModel.fit(entry["measured"])
         entry["model"] = model
         where = f", meshes {entry['layout']}" if len(layouts) > 1 else ""
+        if "cuts" in entry:
+            where += f", cuts {entry['cuts']}"
+        v = lpc.pipeline.chunks_per_mesh
+        placing = measures_placement(pc)
         for label, changes in schedule_variants(lpc):
-            if changes.get("virtual_stages") or changes.get("num_stages"):
+            if changes.get("virtual_stages", v) != v:
                 continue  # (another cut of the model: the calibration's costs do not apply)
             for m in MICRO_BATCHES:
                 if pc.run.batch_size % m or (pc.run.batch_size // m) % _batch_split(lpc):
                     continue  # (a micro-batch must split evenly over the stages' batch axis)
                 rows = pc.run.batch_size // m
-                seconds, schedule = _predict(model.at(rows), changes, m)
+                costs = model.at(rows)
+                seconds, schedule = _predict(costs, changes, m)
+                run = dict(changes)
+                if placing:  # (the runtime places Ws as the prediction did)
+                    run.update(_placement(lpc.pipeline.replace(**changes), costs))
                 seconds += model.overhead
                 text = f"{label}, {m} micro-batches{where}"
                 peak = max(entry["memory"].peak(schedule, rows)) if entry["memory"] else None
@@ -115,7 +134,7 @@ def auto_search(
                     over_cap.append({"label": text, "predicted_seconds": seconds,
                                      "estimated_peak_bytes": peak})  # fmt: skip
                     continue
-                predictions.append((seconds, text, {**entry["changes"], **changes,
+                predictions.append((seconds, text, {**entry["changes"], **run,
                                                     "num_micro_batches": m}))  # fmt: skip
     if not predictions and over_cap:
         least = min(over_cap, key=lambda o: o["estimated_peak_bytes"])
@@ -184,12 +203,21 @@ def _calibrate(
     overhead) per point, and the stages' memory estimate (None if it could not be made)."""
     measured: list[tuple[int, Costs, float]] = []
     points: list[Any] | None = []
+    chosen = None
     for m in _calibration_points(pc):
         cpc = pc.replace_pipeline(num_micro_batches=m)
-        text = f"calibrating meshes {_layout_text(cpc)} at {m} micro-batches"
+        if chosen is not None:  # (every point measures the cut the first one chose)
+            cpc = cpc.replace_pipeline(partition="manual", cuts=chosen)
+        text = f"calibrating meshes {_layout_text(cpc)}{_chunks_text(cpc)} at {m} micro-batches"
         with _status(console, text):
             session = Session(cpc, "calibration", runtime=runtime)
             session.warm_up()
+        if cpc.pipeline.partition == "auto":
+            chosen = session.cuts()
+            if console is not None:
+                where = f"meshes {_layout_text(cpc)}{_chunks_text(cpc)}"
+                console.print(f"{where}: partition='auto' cuts after layers "
+                              f"{list(chosen or ())}", highlight=False)  # fmt: skip
         with _bar(console, progress, pc.run.steps) as advance:
             run_steps([session], pc.run.steps, on_step=advance)
         rows = session.layout.micro_batch_rows
@@ -204,11 +232,46 @@ def _calibrate(
                     why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     console.print(f"no memory estimate for meshes {_layout_text(cpc)}: {why}")
         del session
-    return measured, LayoutMemory(points) if points else None
+    return measured, LayoutMemory(points) if points else None, chosen
+
+
+def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, Any]]:
+    """How `--auto` cuts the model on each layout, as pipeline changes: the configured model
+    stages per mesh first, then (with `virtual`) one other count (2 per mesh for a config of 1,
+    where the model has the layers; 1 for a config of more); with `cuts`, each cut chosen by
+    `partition="auto"` from a `jr.stage_candidate` after every layer, else as configured."""
+    p = pc.pipeline
+    base: dict[str, Any] = {"partition": "auto", "cuts": None} if cuts else {}
+    options = [base]
+    if not virtual:
+        return options
+    meshes = p.num_meshes(pc.num_stages)
+    if p.chunks_per_mesh == 1:
+        if 2 * meshes <= pc.spec.num_units(pc.model_config):
+            options.append({**base, "num_stages": 2 * meshes, "virtual_stages": 2,
+                            "schedule": "interleaved_1f1b", "weight_delay": False})  # fmt: skip
+    elif meshes >= 2 or cuts:
+        options.append({**base, "num_stages": max(meshes, 2), "virtual_stages": None,
+                        "schedule": "1f1b", "weight_delay": False})  # fmt: skip
+    return options
+
+
+def _chunks_text(pc: ProfileConfig) -> str:
+    v = pc.pipeline.chunks_per_mesh
+    return f", {v} model stages per mesh" if v > 1 else ""
+
+
+def _placement(pipeline: Any, costs: Costs) -> dict[str, Any]:
+    """The `cost_*` fields that make the runtime place a schedule's delayed weight gradients
+    with these (predicted) costs, as the simulator did; none where the schedule places none."""
+    if not places_weights(pipeline) or min(costs.forward) <= 0 or min(costs.backward) <= 0:
+        return {}
+    return {"cost_forward": costs.forward, "cost_backward": costs.backward,
+            "cost_weight_grad": costs.weight_grad, "cost_comm": costs.comm}  # fmt: skip
 
 
 def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
-    out = {"layout": entry["layout"], "changes": entry["changes"]}
+    out = {"layout": entry["layout"], "changes": entry["changes"], "cuts": entry.get("cuts")}
     if "error" in entry:
         return {**out, "error": entry["error"]}
     measured, model = entry["measured"], entry["model"]
@@ -327,10 +390,12 @@ def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:
 def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]:
     """The simulated step of `changes`' schedule at `m` micro-batches of these costs, and the
     schedule."""
+    v = changes.get("virtual_stages") or 1
     schedule = build_schedule(
         changes["schedule"],
-        len(costs.forward),
+        len(costs.forward) // v,
         m,
+        virtual_stages=v,
         weight_delay=changes.get("weight_delay", False),
         costs=costs,
     )
@@ -359,7 +424,8 @@ def data_parallel_changes(pc: ProfileConfig) -> dict[str, Any] | None:
     if pc.run.batch_size % devices:
         return None
     return {"num_stages": 1, "stage_mesh_shape": shape, "num_micro_batches": 1,
-            "schedule": "1f1b", "weight_delay": False, "virtual_stages": None}  # fmt: skip
+            "schedule": "1f1b", "weight_delay": False, "virtual_stages": None,
+            "partition": "manual", "cuts": None}  # fmt: skip
 
 
 def _size(shape: tuple[int, ...]) -> int:

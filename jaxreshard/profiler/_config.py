@@ -167,6 +167,12 @@ class ProfileConfig:
     def num_stages(self) -> int:
         return self.pipeline.num_stages or 2
 
+    @property
+    def candidates(self) -> bool:
+        """Whether the model's layers end in `jr.stage_candidate` markers (for
+        `partition = "auto"` or `cuts`) rather than in even `jr.stage_boundary` cuts."""
+        return self.pipeline.partition == "auto" or self.pipeline.cuts is not None
+
     def replace_pipeline(self, **changes: Any) -> ProfileConfig:
         return dataclasses.replace(self, pipeline=self.pipeline.replace(**changes))
 

@@ -121,6 +121,10 @@ def run_profile(
             session.checkpoints = checkpoints
         with _status(console, "compiling and warming up"):
             session.warm_up()
+        if console is not None and pc.candidates:
+            how = "chosen by partition='auto'" if pc.pipeline.cuts is None else "as configured"
+            console.print(f"cuts: after layers {list(session.cuts() or ())} ({how}; "
+                          "train_step.plan(...) says why)", highlight=False)  # fmt: skip
         with _bar(console, progress, pc.run.steps * (2 if bound else 1)) as advance:
             run_steps([session], pc.run.steps, on_step=advance)
             if bound:

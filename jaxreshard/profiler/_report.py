@@ -137,6 +137,8 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
         "config": pc.to_json(),
         "device": describe_devices(),
         "compile_seconds": session.compile_seconds,
+        "cuts": session.cuts(),
+        "partition": partition.to_json() if (partition := session.partition()) else None,
         "steps": [{"seconds": s.seconds, "loss": s.loss} for s in steps],
         "step_seconds": step_s,
         # The pipeline simulator's step time for this schedule with the measured costs.

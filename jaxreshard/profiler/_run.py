@@ -64,7 +64,9 @@ class Session:
         optimizer = pc.run.make_optimizer()
         params = self.module.init_params(cfg, pc.run.seed)
         self._state_structs = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
-        self.step_fn = self.module.train_step(cfg, pc.num_stages, optimizer)
+        self.step_fn = self.module.train_step(
+            cfg, pc.num_stages, optimizer, candidates=pc.candidates
+        )
         pipeline = pc.pipeline
         if pipeline.backend == "ray" and runtime is None:
             raise ValueError("backend 'ray' needs a running Ray runtime (jaxreshard.init)")
@@ -162,6 +164,21 @@ class Session:
     @property
     def layout(self) -> Any:
         return self.pipeline.layout
+
+    def partition(self) -> Any:
+        """`partition="auto"`'s report (`PartitionReport`), or None."""
+        if self.pc.pipeline.partition != "auto":
+            return None
+        return self.pstep.plan(self.params, self.opt, self._peek_batch()).partition
+
+    def cuts(self) -> tuple[int, ...] | None:
+        """The `jr.stage_candidate` numbers (layer indices: the models mark every layer's end)
+        this pipeline cuts after: the config's `cuts`, or `partition="auto"`'s choice; None for
+        the model's even `jr.stage_boundary` cuts."""
+        if not self.pc.candidates:
+            return None
+        partition = self.partition()
+        return tuple(partition.chosen) if partition is not None else self.pc.pipeline.cuts
 
     def flops_per_step(self) -> float | None:
         """XLA's count of the unpipelined step's floating-point operations."""

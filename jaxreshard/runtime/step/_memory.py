@@ -106,18 +106,21 @@ def per_device(aval: Any, spec: Any, mesh_shape: dict[str, int]) -> int:
     return nbytes(aval) // ways
 
 
-def residual_avals(graph: StepGraph, s: int, copies_weights: bool = False) -> list[Any]:
+def residual_avals(
+    graph: StepGraph, s: int, copies_weights: bool = False, found: Sequence[Any] | None = None
+) -> list[Any]:
     """What segment `s`'s forward keeps for its backward, less the parameters it keeps as they
     are (see [Note: residuals kept by reference]; a parameter counts once, as state). With
     `copies_weights` (a stage that reduces its gradients once a step: it casts its parameters
     to `reduced` before the VJP, so the residuals are the casts, written out per micro-batch),
-    the parameters count per micro-batch too."""
+    the parameters count per micro-batch too. `found`: `residual_inputs` of the segment, where
+    the caller has them (they cost a trace of its VJP)."""
     if graph.forward_only:
         return []
     stage = graph.loss.stages[s]
     return [
         aval
-        for aval, i in residual_inputs(stage)
+        for aval, i in (residual_inputs(stage) if found is None else found)
         if i is None or stage.inputs[i].kind != PARAM or copies_weights
     ]
 
@@ -165,11 +168,13 @@ def segment_memory(
     scratch: int,
     exports: Sequence[Any] = (),
     reduce_gradients: str = "once",
+    residuals: Sequence[Any] | None = None,
 ) -> SegmentMemory:
     """Segment `s`'s bytes per device on a mesh of `mesh_shape`; `specs`: each outer invar's
     PartitionSpec (its argument's sharding); `scratch`: its executables' XLA temporaries on one
     device, for the whole micro-batch; `exports`: the avals B hands W, when the backward is
-    split; `reduce_gradients`: the config's (see [Note: stage memory estimate])."""
+    split; `reduce_gradients`: the config's; `residuals`: the segment's `residual_inputs`, if
+    the caller has them (see [Note: stage memory estimate])."""
     outer = graph.outer.jaxpr
     split = mesh_shape.get(batch_axis, 1) if batch_axis else 1
     held, grads, written = state_parts(graph, s)
@@ -192,7 +197,7 @@ def segment_memory(
     # A stage whose mesh splits the batch sums its gradients once a step where JAX can type
     # it so; counted as if it did (its weights are then residuals of every micro-batch).
     copies = reduce_gradients == "once" and split > 1
-    kept = per_micro_batch(residual_avals(graph, s, copies), rows, split)
+    kept = per_micro_batch(residual_avals(graph, s, copies, residuals), rows, split)
     pending = per_micro_batch(exports, rows, split)
     return SegmentMemory(int(state), int(kept), int(pending), int(scratch) // split)
 

@@ -41,6 +41,7 @@ from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
+from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
@@ -109,6 +110,27 @@ class PartitionReport:
         c = chosen.costs
         ms = [tuple(x * 1e3 for x in v) for v in (c.forward, c.backward, c.weight_grad, c.comm)]
         return dict(zip(names, ms))
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON: each segment's measured seconds per micro-batch, each cut's
+        transfer seconds, every choice's predicted step and peak bytes per device."""
+        return {
+            "chosen": list(self.chosen),
+            "seconds": self.seconds,
+            "markers": [m if m == "forced" else int(m) for m in self.markers],
+            "segments": [dataclasses.asdict(s) for s in self.segments],
+            "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
+            "memory_cap_bytes": self.cap,
+            "tried": [
+                {
+                    "cuts": list(c.cuts),
+                    "predicted_seconds": c.step,
+                    "peak_bytes": list(c.memory),
+                    "fits": c.fits,
+                }
+                for c in self.tried
+            ],
+        }
 
     def summary(self) -> str:
         cap = f"memory cap {size(self.cap)} per device" if self.cap else "no memory cap"
@@ -209,22 +231,15 @@ def choose_cuts(
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
-    memory = [
-        [
-            segment_memory(
-                graph,
-                s,
-                dict(mesh.shape),
-                specs,
-                config.batch_axis,
-                scratch,
-                exports[s],
-                config.reduce_gradients,
-            )
+    memory = []
+    for s, (_, scratch) in enumerate(timed):
+        # (a segment's residuals cost a trace of its VJP: once, whatever the meshes)
+        found = [] if graph.forward_only else residual_inputs(graph.loss.stages[s])
+        memory.append([
+            segment_memory(graph, s, dict(mesh.shape), specs, config.batch_axis, scratch,
+                           exports[s], config.reduce_gradients, found)
             for mesh in meshes
-        ]
-        for s, (_, scratch) in enumerate(timed)
-    ]
+        ])  # fmt: skip
     cotangents = {  # the output cotangents a chunk ending at i keeps from its B to its W
         i: [crossing_bytes(graph, i, dict(mesh.shape), config.batch_axis) for mesh in meshes]
         for i in range(len(markers))

@@ -99,15 +99,26 @@ def measure(problem, config, steps):
     fn, params, state, batch, _ = problem
     train = jr.parallelize(fn, config=config, batch_argnums=2)
     plan = train.plan(params, state, batch)
-    times = []
+    times, losses = [], []
     for i in range(steps + 2):
         start = time.perf_counter()
         params, state, loss = train(params, state, batch)
-        float(loss)
+        losses.append(float(loss))
         if i >= 2:
             times.append(time.perf_counter() - start)
     train.close()
+    measure.losses = losses
     return statistics.median(times), plan
+
+
+def jit_losses(problem, steps):
+    """The same steps under `jax.jit` on this process (candidates are the identity there)."""
+    fn, params, state, batch, _ = problem
+    step, losses = jax.jit(fn), []
+    for _ in range(steps + 2):
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses
 
 
 def main() -> None:
@@ -141,6 +152,7 @@ def main() -> None:
         jr.init(backend="ray", address=cluster.address, timeout_s=300, distributed=False)
         auto_s, plan = measure(problem, jr.PipelineConfig(partition="auto", **base), args.steps)
         report = plan.partition
+        auto_losses = measure.losses
         predicted = {c.cuts: c.step for c in report.tried}
         for c in range(units - 1):
             measured, cut_plan = measure(problem, jr.PipelineConfig(cuts=(c,), **base), args.steps)
@@ -148,6 +160,8 @@ def main() -> None:
             rows.append({"cut_after_layer": c, "crossing_bytes": crossing,
                          "measured_s": measured, "predicted_s": predicted[(c,)]})  # fmt: skip
         jr.shutdown()
+    want = jit_losses(problem, args.steps)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(auto_losses, want))
     compute = [s.forward + s.backward for s in report.segments]
     balanced = min(range(units - 1),
                    key=lambda c: max(sum(compute[: c + 1]), sum(compute[c + 1 :])))  # fmt: skip
@@ -167,7 +181,8 @@ def main() -> None:
           f"{best['cut_after_layer']}): auto / best {auto_s / best['measured_s']:.3f}; the "
           f"equal-count cut / auto {by_cut[even]['measured_s'] / auto_s:.2f}x; the "
           f"compute-balanced cut / auto {by_cut[balanced]['measured_s'] / auto_s:.2f}x; "
-          f"choosing took {report.seconds:.1f} s")  # fmt: skip
+          f"choosing took {report.seconds:.1f} s; auto's losses against jax.jit's: largest "
+          f"relative difference {loss_diff:.1e} over {len(want)} steps")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "auto_partition", "date": time.strftime("%Y-%m-%d"),
@@ -176,7 +191,9 @@ def main() -> None:
             "set": args.set, "batch": args.batch, "micro_batches": args.micro_batches,
             "schedule": args.schedule, "equal_count_cut": even, "compute_balanced_cut": balanced,
             "rows": rows, "auto": {"chosen": list(report.chosen),
-            "measured_s": auto_s, "choose_seconds": report.seconds},
+            "measured_s": auto_s, "choose_seconds": report.seconds,
+            "loss_max_relative_difference_to_jit": loss_diff,
+            "report": report.to_json()},
         }, indent=1))  # fmt: skip
         print(f"wrote {args.out}")
 

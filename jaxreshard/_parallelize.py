@@ -351,7 +351,13 @@ class Parallelized:
             )
 
         if config.partition == "auto" and config.cuts is None:
-            partition = self._partition(trace, on_ray, leaves)
+            timer = None
+            if on_ray:  # (see [Note: segments timed on the hosts])
+                from jaxreshard.runtime.ray._segments import time_on_host
+
+                timer = time_on_host(runtime, self.fun, static, config, in_tree, leaves,
+                                     batch_leaves, input_specs, donated)  # fmt: skip
+            partition = self._partition(trace, on_ray, leaves, timer)
             config = dataclasses.replace(
                 config, cuts=partition.chosen, **partition.placement_costs(config)
             )
@@ -399,8 +405,11 @@ class Parallelized:
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         return meshes, cluster
 
-    def _partition(self, trace: Callable[..., Any], on_ray: bool, leaves: list[Any]) -> Any:
-        """Choose the `stage_candidate` cuts (see [Note: automatic partitioning])."""
+    def _partition(
+        self, trace: Callable[..., Any], on_ray: bool, leaves: list[Any], timer: Any = None
+    ) -> Any:
+        """Choose the `stage_candidate` cuts (see [Note: automatic partitioning]); `timer`
+        times the segments elsewhere (on a Ray host)."""
         from jaxreshard.runtime.step._partition import choose_cuts
         from jaxreshard.runtime.step._specs import spec_of
 
@@ -408,14 +417,16 @@ class Parallelized:
         found: list[Any] = []
         graph_all, _ = trace("all", None, found)
         assert self.config.num_stages is not None
-        if on_ray:  # the hosts' meshes and links; segments are timed on this process's device
+        if on_ray:  # the hosts' meshes and links; the segments timed by `timer`, on a host
             from jaxreshard.runtime import current_runtime
             from jaxreshard.runtime.ray._placement import stage_placement
 
             runtime = current_runtime()
             num_meshes = self.config.num_meshes(self.config.num_stages)
             meshes = stage_placement(runtime, self.config, num_meshes)[0]
-            return choose_cuts(graph_all, found[1], self.config, meshes, runtime.cluster, specs)
+            return choose_cuts(
+                graph_all, found[1], self.config, meshes, runtime.cluster, specs, timer
+            )
         meshes, cluster = self._local_meshes(self.config.num_stages)
         gbps = self.config.emulate_network_gbps
         if gbps is not None:  # the links the steps will see

@@ -147,6 +147,10 @@ def test_cut_options():
     zbv = pc.replace_pipeline(schedule="zbv", num_stages=4)
     one = {"num_stages": 2, "virtual_stages": None, "schedule": "1f1b", "weight_delay": False}
     assert cut_options(zbv, True, True) == [auto, {**auto, **one}]
+    # Configured cuts are kept for the configured stage count; the other count cuts evenly.
+    mine = pc.replace_pipeline(cuts=(2,))
+    even = {"partition": "manual", "cuts": None}
+    assert cut_options(mine, False, True) == [{}, {**even, **v2}]
 
 
 @pytest.mark.parametrize(

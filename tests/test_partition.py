@@ -263,3 +263,30 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
     assert record["chosen"] == list(report.chosen) and len(record["segments"]) == len(WIDTHS)
     assert len(record["tried"]) == len(report.tried) == 10  # 2 cuts among 5 candidates
     assert record["markers"] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.ray
+def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch):
+    """On Ray the segments are timed on the first stage mesh's host (which traces the step
+    itself, and must agree with the driver's trace), not on the driver; the step equals
+    jax.jit."""
+    from jaxreshard.runtime.ray import _segments
+
+    answers = []
+    real = _segments.time_on_host
+
+    def spy(*args, **kwargs):
+        timer = real(*args, **kwargs)
+
+        def timed(graph, split):
+            answers.append(timer(graph, split))
+            return answers[-1]
+
+        return timed
+
+    monkeypatch.setattr(_segments, "time_on_host", spy)
+    step, report = auto_report(backend="ray", emulate_network_gbps=None, devices_per_host=None)
+    assert len(answers) == 1
+    assert [cost for cost, _ in answers[0]] == report.segments
+    assert len(report.segments) == len(WIDTHS) and all(c.forward > 0 for c in report.segments)
+    assert_equal_to_jit(step)

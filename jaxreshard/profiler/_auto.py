@@ -1,5 +1,5 @@
-"""`jaxreshard profile MODEL --auto`: search stage meshes, schedules and micro-batch counts by the
-calibrated simulator, measure the best few beside plain data parallelism, keep the fastest.
+"""`jaxreshard profile MODEL --auto`: search stage meshes, cuts, schedules and micro-batch counts by
+the calibrated simulator, measure the best few beside plain data parallelism, keep the fastest.
 
 [Note: configuration search]
 1. Mesh layouts (`mesh_layouts`, unless `--auto-meshes keep`): every stage gets the same mesh,
@@ -8,15 +8,23 @@ calibrated simulator, measure the best few beside plain data parallelism, keep t
    sits: a stage mesh takes the hosts' devices in order, so on a mesh that spans hosts its
    first axis (of size above 1) crosses them. Smaller meshes leave devices idle (one stage per
    host can beat a stage spanning hosts over slow links: see docs/benchmarks.md).
-2. Calibrate each layout: it runs its warm-up and timed steps, recorded, at its micro-batch
-   count and at twice (or half) it; each stage's measured F, B, W and transfer times
-   (`measured_costs`; a stage's own collectives are inside its F, B and W) are fitted as
+2. Calibrate each layout, once per cut option (`cut_options`): with `cuts`, the model marks a
+   `jr.stage_candidate` after every layer and the first calibration run lets
+   `partition="auto"` choose the cut on the layout's meshes (for the configured schedule and
+   micro-batch count); every later run of the layout takes that cut (`cuts=...`). With
+   `virtual`, a second option cuts the model into 2 model stages per mesh (1 for a config of
+   more), whose calibration predicts the virtual-stage schedules. Each runs its warm-up and
+   timed steps, recorded, at its micro-batch count and at twice (or half) it; each stage's
+   measured F, B, W and transfer times (`measured_costs`; a stage's own collectives are inside
+   its F, B and W) are fitted as
    `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
    fixed cost; the optimizer's and the step's fixed cost are taken as measured. A layout that
    does not build (a model axis the model's shapes do not divide) is reported and skipped.
-3. Predict: per layout, every schedule of `schedule_variants` with every micro-batch count
-   that divides the batch into micro-batches its stages' batch axis splits evenly (1 to 32 of
-   them) is simulated with the fitted costs at its micro-batch size. Its peak memory per
+3. Predict: per layout and cut, every schedule of `schedule_variants` for its model stages per
+   mesh, with every micro-batch count that divides the batch into micro-batches its stages'
+   batch axis splits evenly (1 to 32 of them), is simulated with the fitted costs at its
+   micro-batch size; a schedule that places delayed `W`s carries those costs as its `cost_*`
+   fields, so that its measured run places them as simulated. Its peak memory per
    device is estimated too (`_auto_memory.py`: each stage's state, residuals and what B keeps
    for W, at each calibration point, fitted in the rows and walked along the schedule), and
    one over `memory_cap_gib` is not measured (JSON `over_memory_cap`; none fitting is an
@@ -28,8 +36,7 @@ calibrated simulator, measure the best few beside plain data parallelism, keep t
 5. Choose: the fastest measured, data parallelism included, so the search never picks a
    layout slower than it; the winner's config is written as TOML (`--auto-toml`), and `--json`
    records every configuration tried.
-The stage cut stays as configured (`partition="auto"` and `jr.stage_candidate` choose cuts in
-the step itself); heterogeneous stage meshes are not searched.
+Heterogeneous stage meshes are not searched.
 """
 
 from __future__ import annotations
@@ -245,13 +252,15 @@ def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, 
     options = [base]
     if not virtual:
         return options
+    # (A configured `cuts` is for the configured stage count: the other count cuts evenly.)
+    other = base or ({"partition": "manual", "cuts": None} if pc.candidates else {})
     meshes = p.num_meshes(pc.num_stages)
     if p.chunks_per_mesh == 1:
         if 2 * meshes <= pc.spec.num_units(pc.model_config):
-            options.append({**base, "num_stages": 2 * meshes, "virtual_stages": 2,
+            options.append({**other, "num_stages": 2 * meshes, "virtual_stages": 2,
                             "schedule": "interleaved_1f1b", "weight_delay": False})  # fmt: skip
-    elif meshes >= 2 or cuts:
-        options.append({**base, "num_stages": max(meshes, 2), "virtual_stages": None,
+    elif meshes >= 2:  # (one stage per mesh, on the same meshes)
+        options.append({**other, "num_stages": meshes, "virtual_stages": None,
                         "schedule": "1f1b", "weight_delay": False})  # fmt: skip
     return options
 

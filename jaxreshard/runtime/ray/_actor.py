@@ -357,6 +357,25 @@ class HostActor(NaiveBaseline):
             raise KeyError(f"host {self.host}: pipeline {key!r} was closed by the driver")
         return fingerprint(pipeline.graph)
 
+    def partition_segment_costs(
+        self,
+        fun: bytes,
+        config: Any,
+        in_tree: Any,
+        avals: Any,
+        batch_leaves: Any,
+        input_specs: Any,
+        donated: Any,
+        split: int,
+    ) -> dict[str, Any]:
+        """Time the step's segments here for `partition="auto"` (see [Note: segments timed on
+        the hosts] in `runtime/ray/_segments.py`)."""
+        from jaxreshard.runtime.ray._segments import host_segment_costs
+
+        return host_segment_costs(
+            self.host, fun, config, in_tree, avals, batch_leaves, input_specs, donated, split
+        )
+
     def _pipeline(self, key: str) -> Any:
         """Pipeline `key` of this host; an error that says why it is not here."""
         pipeline = self._pipelines.get(key)

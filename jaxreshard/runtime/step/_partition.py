@@ -7,7 +7,9 @@ For each segment:
 - its compute is measured: its forward, the backward to its inputs (B) and to its parameters
   (W), each compiled on one device of stage 0's mesh and timed (best of a few runs, the
   forward's time taken off the two backwards, which recompute it). A stage whose mesh splits
-  the batch (`batch_axis`) divides the times by that axis's size;
+  the batch (`batch_axis`) divides the times by that axis's size. So is the post-gradient
+  code (the optimizer) that the trace places on it: its part of the step's update, once a
+  step, simulated as the chunk's apply after its last backward;
 - for each candidate, the tensors that cross it (made at or before it, used after it) get a
   transfer time from the resharding planner under the cluster model, for each pair of adjacent
   chunks it could sit between: chunk k's mesh to chunk k + 1's, where the configured schedule
@@ -22,8 +24,8 @@ fastest choice under the memory cap (`memory_cap_gib`, else the local device's o
 JAX reports one) wins; if none fits, the error says what the least needs and what to change. The
 choice, every tried one's prediction and memory are in `train_step.plan(...)`. Choices are
 enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
-(`stage_placement`, the runtime's cluster model), and the segments are timed on the driver's
-first device: like the hosts' on a CPU cluster, not on a GPU one.
+(`stage_placement`, the runtime's cluster model), and the segments are timed on the first host
+of the first mesh ([Note: segments timed on the hosts] in `runtime/ray/_segments.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -70,6 +72,7 @@ class SegmentCost:
     forward: float
     backward: float  # B + W
     weight_grad: float  # W
+    apply: float = 0.0  # the post-gradient code (optimizer) placed on it: seconds per step
 
 
 class Choice(NamedTuple):
@@ -183,10 +186,14 @@ def choose_cuts(
     meshes: Sequence[Any],
     cluster: Any,
     specs: Sequence[Any] | None = None,
+    timer: Callable[[StepGraph, int], list[tuple[SegmentCost, int]]] | None = None,
 ) -> PartitionReport:
     """Choose `config.num_stages - 1` boundaries among `markers` for `graph` (traced with every
     candidate a boundary) on `meshes` (one per rank); `specs`: each step argument's
-    PartitionSpec (None: replicated); see [Note: automatic partitioning]."""
+    PartitionSpec (None: replicated); `timer`: `(graph, batch split) ->` each segment's cost
+    and scratch bytes, measured elsewhere (None: here, on the first mesh's first device, or on
+    this process's first device for a Ray runtime's meshes); see [Note: automatic
+    partitioning]."""
     start = time.perf_counter()
     num_stages = config.num_stages
     assert num_stages is not None
@@ -226,7 +233,10 @@ def choose_cuts(
     cap = _cap(config, device if isinstance(mesh0, jax.sharding.Mesh) else None)
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
         device = jax.devices()[0]
-    timed = [_segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
+    if timer is not None:  # (on Ray: on a host; see [Note: segments timed on the hosts])
+        timed = timer(graph, split)
+    else:
+        timed = [segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
     exports = [exports_of(graph, s, config.split_backward) for s in range(graph.loss.num_stages)]
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
@@ -326,6 +336,7 @@ def _predict(
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
     weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
+    apply = tuple(sum(segments[i].apply for i in r) for r in stages)
     comm = tuple(crossing[b][k] for k, b in enumerate(bounds))
     tiny = 1e-9  # (the simulator wants positive compute)
     costs = Costs(
@@ -333,30 +344,34 @@ def _predict(
         backward=tuple(max(b, 2 * tiny) for b in backward),
         weight_grad=tuple(min(max(w, 0.0), max(b, 2 * tiny)) for w, b in zip(weight, backward)),
         comm=comm,
-        apply=(0.0,) * len(stages),
+        apply=apply,
     )
     schedule = _schedule(config, costs)
-    return simulate(schedule, costs).makespan, schedule, costs
+    return simulate(schedule.with_apply(), costs).makespan, schedule, costs
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
     return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
 
 
-def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[SegmentCost, int]:
-    """Forward, whole backward and weight-gradient seconds of segment `s` (see the Note), and
-    the XLA scratch bytes of its larger executable on one device."""
+def segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[SegmentCost, int]:
+    """Forward, whole backward and weight-gradient seconds of segment `s` per micro-batch, and
+    of the post-gradient code placed on it per step (see the Note), and the XLA scratch bytes
+    of its larger executable on one device."""
     stage = graph.loss.stages[s]
     closed = stage.jaxpr
     fun = jc.jaxpr_as_fun(closed)
-    args = [
-        jax.device_put(np.zeros(a.shape, a.dtype) if hasattr(a, "shape") else a, device)
-        for a in closed.in_avals
-    ]
+    args = _zeros(closed.in_avals, device)
     compiled = jax.jit(fun).lower(*args).compile()
     forward, scratch = _best(compiled, args), scratch_bytes(compiled)
+    apply = 0.0
+    for seg in graph.segments:  # (the optimizer's part for this segment's parameters)
+        if seg.stage == s:
+            seg_args = _zeros(seg.jaxpr.in_avals, device)
+            apply += _best(jax.jit(jc.jaxpr_as_fun(seg.jaxpr)).lower(*seg_args).compile(),
+                           seg_args)  # fmt: skip
     if graph.forward_only:
-        return SegmentCost(forward / split, 0.0, 0.0), scratch
+        return SegmentCost(forward / split, 0.0, 0.0, apply), scratch
     inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.in_avals]
     acts = [i for i, r in enumerate(stage.inputs) if r.kind == ACT and inexact[i]]
     params = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and inexact[i]]
@@ -369,7 +384,14 @@ def _segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[Se
         scratch = max(scratch, scratch_bytes(compiled))
         times.append(max(_best(compiled, args) - forward, 0.0))
     b, w = times
-    return SegmentCost(forward / split, (b + w) / split, w / split), scratch
+    return SegmentCost(forward / split, (b + w) / split, w / split, apply), scratch
+
+
+def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
+    return [
+        jax.device_put(np.zeros(a.shape, a.dtype) if hasattr(a, "shape") else a, device)
+        for a in avals
+    ]
 
 
 def _vjp_of(fun: Any, wrt: Sequence[int], closed: Any) -> Any:

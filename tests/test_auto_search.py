@@ -4,6 +4,7 @@ layout slower than data parallelism); its config is written as a profile TOML.""
 
 import dataclasses
 import json
+from math import comb
 
 import jax
 import numpy as np
@@ -135,8 +136,10 @@ def test_cut_options():
 
     pc = load_profile_config("gpt", None, {"model": {"layers": 4}})
     auto = {"partition": "auto", "cuts": None}
-    v2 = {"num_stages": 4, "virtual_stages": 2, "schedule": "interleaved_1f1b",
-          "weight_delay": False}  # fmt: skip
+    even = {"partition": "manual", "cuts": None}
+    # The other count is calibrated with a split backward, so its Ws are measured.
+    v2 = {"num_stages": 4, "virtual_stages": 2, "schedule": "eager_interleaved_1f1b",
+          "weight_delay": True}  # fmt: skip
     assert cut_options(pc, True, True) == [auto, {**auto, **v2}]
     assert cut_options(pc, False, True) == [{}, v2]
     assert cut_options(pc, True, False) == [auto]
@@ -145,12 +148,52 @@ def test_cut_options():
     assert cut_options(small, True, True) == [auto]
     # A config of virtual stages tries one stage per mesh too.
     zbv = pc.replace_pipeline(schedule="zbv", num_stages=4)
-    one = {"num_stages": 2, "virtual_stages": None, "schedule": "1f1b", "weight_delay": False}
+    one = {"num_stages": 2, "virtual_stages": None, "schedule": "eager_1f1b",
+           "weight_delay": True}  # fmt: skip
     assert cut_options(zbv, True, True) == [auto, {**auto, **one}]
     # Configured cuts are kept for the configured stage count; the other count cuts evenly.
     mine = pc.replace_pipeline(cuts=(2,))
-    even = {"partition": "manual", "cuts": None}
+    # A config's cuts say how many stages, where num_stages is not given.
+    three = load_profile_config("gpt", None, {"model": {"layers": 4},
+                                              "pipeline": {"cuts": [0, 2]}})  # fmt: skip
+    assert three.num_stages == 3 and three.candidates
     assert cut_options(mine, False, True) == [{}, {**even, **v2}]
+    # One stage: nothing to choose (partition='auto' needs two); two per mesh: 2 stages.
+    single = pc.replace_pipeline(num_stages=1)
+    two = {**v2, "num_stages": 2}
+    assert cut_options(single, True, True) == [even, {**auto, **two}]
+    # More ways to cut than the partitioner tries (23 layers into 8 stages): even cuts.
+    deep = load_profile_config("gpt", None, {"model": {"layers": 24},
+                                             "pipeline": {"num_stages": 8}})  # fmt: skip
+    assert comb(23, 7) > 20_000 and cut_options(deep, True, False) == [even]
+
+
+def test_a_layout_whose_cuts_all_exceed_the_cap_is_still_calibrated(tmp_path, capsys):
+    """partition='auto' refuses every cut over the memory cap; the search then chooses the cut
+    without it and leaves the cap to its predictions (here none fits: the search's error)."""
+    config = tmp_path / "capped.toml"
+    config.write_text("[pipeline]\nmemory_cap_gib = 1e-05\n")
+    flags = ["--auto", "--auto-meshes", "keep", "--auto-virtual", "keep"]
+    assert main([*BASE, "--config", str(config), *flags]) != 0
+    out = capsys.readouterr()
+    assert "no cut fits the memory cap at 4 micro-batches" in out.out
+    assert "profile --auto: no configuration fits in memory_cap_gib=1e-05" in out.err
+
+
+def test_a_comparison_runs_one_cut_chosen_once():
+    """--compare-schedules with partition='auto': every variant of one model-stage count runs
+    the cut the first chose (each session would choose anew, from noisy timings)."""
+    from jaxreshard.profiler._compare import pin_cuts
+
+    pc = load_profile_config("gpt", None, {"model": {"layers": 4},
+                                           "pipeline": {"partition": "auto"}})  # fmt: skip
+    configs = [("a", pc), ("b", pc.replace_pipeline(schedule="1f1b", weight_delay=False)),
+               ("c", pc.replace_pipeline(partition="manual", cuts=(0,)))]  # fmt: skip
+    pinned = pin_cuts(configs)
+    (_, a), (_, b), (_, c) = pinned
+    assert a.pipeline.partition == b.pipeline.partition == "manual"
+    assert a.pipeline.cuts == b.pipeline.cuts and len(a.pipeline.cuts) == 1
+    assert c.pipeline.cuts == (0,) and b.pipeline.schedule == "1f1b"
 
 
 @pytest.mark.parametrize(

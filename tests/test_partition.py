@@ -263,6 +263,16 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
     assert record["chosen"] == list(report.chosen) and len(record["segments"]) == len(WIDTHS)
     assert len(record["tried"]) == len(report.tried) == 10  # 2 cuts among 5 candidates
     assert record["markers"] == [0, 1, 2, 3, 4]
+    # Each segment's share of the optimizer is timed and simulated after its last backward.
+    from dataclasses import replace
+
+    assert all(s.apply > 0 for s in report.segments)
+    cfg = config(partition="auto", num_stages=3, emulate_network_gbps=0.001)
+    bounds = [p for p, kind in enumerate(report.markers) if kind in report.chosen]
+    base, _, _ = _partition._predict(cfg, report.segments, report.crossing, bounds)
+    slower = [replace(s, apply=s.apply + 1.0) for s in report.segments]
+    longer, _, _ = _partition._predict(cfg, slower, report.crossing, bounds)
+    assert longer >= base + 1.0
 
 
 @pytest.mark.ray

@@ -11,9 +11,12 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
 2. Calibrate each layout, once per cut option (`cut_options`): with `cuts`, the model marks a
    `jr.stage_candidate` after every layer and the first calibration run lets
    `partition="auto"` choose the cut on the layout's meshes (for the configured schedule and
-   micro-batch count); every later run of the layout takes that cut (`cuts=...`). With
-   `virtual`, a second option cuts the model into 2 model stages per mesh (1 for a config of
-   more), whose calibration predicts the virtual-stage schedules. Each runs its warm-up and
+   micro-batch count; if no cut fits `memory_cap_gib` there, without the cap, which the
+   predictions then check at every count); every later run of the layout takes that cut
+   (`cuts=...`). A stage count with more ways to cut than the partitioner tries cuts evenly.
+   With `virtual`, a second option cuts the model into 2 model stages per mesh (1 for a config
+   of more), whose calibration (with a split backward, so that W is measured) predicts the
+   virtual-stage schedules. Each runs its warm-up and
    timed steps, recorded, at its micro-batch count and at twice (or half) it; each stage's
    measured F, B, W and transfer times (`measured_costs`; a stage's own collectives are inside
    its F, B and W) are fitted as
@@ -42,6 +45,7 @@ Heterogeneous stage meshes are not searched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +62,10 @@ from jaxreshard.profiler._run import (
     run_steps,
     step_overhead,
 )
+from jaxreshard.runtime.step._partition import MAX_CHOICES
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+UNCAPPED_GIB = 1e9  # (a cap no device reaches: the partitioner's cut without one)
 DATA_PARALLEL = "data parallel"
 
 
@@ -205,9 +211,12 @@ def auto_search(
 
 def _calibrate(
     pc: ProfileConfig, runtime: Any, console: Any, progress: bool
-) -> tuple[list[tuple[int, Costs, float]], LayoutMemory | None]:
+) -> tuple[list[tuple[int, Costs, float]], LayoutMemory | None, tuple[int, ...] | None]:
     """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
-    overhead) per point, and the stages' memory estimate (None if it could not be made)."""
+    overhead) per point, the stages' memory estimate (None if it could not be made), and the
+    cut `partition="auto"` chose (None: not asked to). If no cut fits the memory cap at the
+    first point's micro-batch count, the cut is chosen without it: the predictions, at every
+    count, are checked against the cap (see [Note: configuration search])."""
     measured: list[tuple[int, Costs, float]] = []
     points: list[Any] | None = []
     chosen = None
@@ -218,7 +227,17 @@ def _calibrate(
         text = f"calibrating meshes {_layout_text(cpc)}{_chunks_text(cpc)} at {m} micro-batches"
         with _status(console, text):
             session = Session(cpc, "calibration", runtime=runtime)
-            session.warm_up()
+            try:
+                session.warm_up()
+            except ValueError as e:
+                if cpc.pipeline.partition != "auto" or "no choice of cuts fits" not in str(e):
+                    raise
+                if console is not None:
+                    console.print(f"meshes {_layout_text(cpc)}: no cut fits the memory cap at "
+                                  f"{m} micro-batches; choosing the cut without it")  # fmt: skip
+                cpc = cpc.replace_pipeline(memory_cap_gib=UNCAPPED_GIB)
+                session = Session(cpc, "calibration", runtime=runtime)
+                session.warm_up()
         if cpc.pipeline.partition == "auto":
             chosen = session.cuts()
             if console is not None:
@@ -246,22 +265,32 @@ def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, 
     """How `--auto` cuts the model on each layout, as pipeline changes: the configured model
     stages per mesh first, then (with `virtual`) one other count (2 per mesh for a config of 1,
     where the model has the layers; 1 for a config of more); with `cuts`, each cut chosen by
-    `partition="auto"` from a `jr.stage_candidate` after every layer, else as configured."""
+    `partition="auto"` from a `jr.stage_candidate` after every layer, else as configured. A
+    stage count with more ways to cut than the partitioner tries (`MAX_CHOICES`) cuts evenly."""
     p = pc.pipeline
-    base: dict[str, Any] = {"partition": "auto", "cuts": None} if cuts else {}
-    options = [base]
+    units = pc.spec.num_units(pc.model_config)
+
+    def cut(stages: int, configured: bool) -> dict[str, Any]:
+        auto = cuts and stages >= 2 and math.comb(units - 1, stages - 1) <= MAX_CHOICES
+        if auto:
+            return {"partition": "auto", "cuts": None}
+        if configured and not cuts:
+            return {}  # (as configured: even, or the config's own cuts)
+        # (A configured `cuts` is for the configured stage count; too many choices: even.)
+        return {"partition": "manual", "cuts": None} if pc.candidates or cuts else {}
+
+    options = [cut(pc.num_stages, True)]
     if not virtual:
         return options
-    # (A configured `cuts` is for the configured stage count: the other count cuts evenly.)
-    other = base or ({"partition": "manual", "cuts": None} if pc.candidates else {})
     meshes = p.num_meshes(pc.num_stages)
     if p.chunks_per_mesh == 1:
-        if 2 * meshes <= pc.spec.num_units(pc.model_config):
-            options.append({**other, "num_stages": 2 * meshes, "virtual_stages": 2,
-                            "schedule": "interleaved_1f1b", "weight_delay": False})  # fmt: skip
+        if 2 * meshes <= units:  # (measured with a split backward: its Ws are predicted too)
+            options.append({**cut(2 * meshes, False), "num_stages": 2 * meshes,
+                            "virtual_stages": 2, "schedule": "eager_interleaved_1f1b",
+                            "weight_delay": True})  # fmt: skip
     elif meshes >= 2:  # (one stage per mesh, on the same meshes)
-        options.append({**other, "num_stages": meshes, "virtual_stages": None,
-                        "schedule": "1f1b", "weight_delay": False})  # fmt: skip
+        options.append({**cut(meshes, False), "num_stages": meshes, "virtual_stages": None,
+                        "schedule": "eager_1f1b", "weight_delay": True})  # fmt: skip
     return options
 
 

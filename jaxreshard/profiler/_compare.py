@@ -92,6 +92,7 @@ def compare(
         if console is not None:
             for line in header_lines(pc):
                 console.print(line, highlight=False)
+        configs = pin_cuts(configs, runtime=runtime, console=console)
         if measure_placement:
             configs = placement_costs(configs, runtime=runtime, console=console)
         configs = [(label, _costs_that_fit(vpc)) for label, vpc in configs]
@@ -175,6 +176,30 @@ def placement_costs(
                 ),
             )
         )
+    return out
+
+
+def pin_cuts(
+    configs: Sequence[tuple[str, ProfileConfig]], *, runtime: Any = None, console: Any = None
+) -> list[tuple[str, ProfileConfig]]:
+    """`configs` with every `partition="auto"` variant cut as the first variant of its meshes
+    and model stages chose: a comparison runs one model on one cut, and only the schedule (or
+    the resharding) differs. (Each session would choose anew, from noisy timings.)"""
+    chosen: dict[tuple[Any, ...], Any] = {}
+    out = []
+    for label, vpc in configs:
+        p = vpc.pipeline
+        if p.partition != "auto" or p.cuts is not None:
+            out.append((label, vpc))
+            continue
+        key = (vpc.num_stages, p.chunks_per_mesh, p.stage_mesh_shape)
+        if key not in chosen:
+            with _status(console, f"choosing the cut with partition='auto' ({label})"):
+                chosen[key] = Session(vpc, label, runtime=runtime).cuts()
+            if console is not None:
+                text = f"cut after layers {list(chosen[key])} (partition='auto', for {label})"
+                console.print(f"{text} for every variant", highlight=False)
+        out.append((label, vpc.replace_pipeline(partition="manual", cuts=chosen[key])))
     return out
 
 

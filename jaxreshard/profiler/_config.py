@@ -253,6 +253,8 @@ def load_profile_config(
         **_checked(data["pipeline"], PipelineConfig, "pipeline", origin),
     }
     pipeline = _build(lambda: PipelineConfig(**pipe_values), origin, "pipeline", pipe_values)
+    if pipeline.cuts is not None and ("pipeline", "num_stages") not in origin:
+        pipeline = pipeline.replace(num_stages=len(pipeline.cuts) + 1)  # (as many as the cuts)
     if pipeline.num_stages is None:
         pipeline = pipeline.replace(num_stages=2)
     if run.address is not None and pipeline.backend != "ray":

@@ -7,9 +7,9 @@ For each segment:
 - its compute is measured: its forward, the backward to its inputs (B) and to its parameters
   (W), each compiled on one device of stage 0's mesh and timed (best of a few runs, the
   forward's time taken off the two backwards, which recompute it). A stage whose mesh splits
-  the batch (`batch_axis`) divides the times by that axis's size. So is the post-gradient
-  code (the optimizer) that the trace places on it: its part of the step's update, once a
-  step, simulated as the chunk's apply after its last backward;
+  the batch (`batch_axis`) divides the times by that axis's size. The post-gradient code (the
+  optimizer) that the trace places on the segment is timed too, undivided: its part of the
+  step's update, once a step, simulated as the chunk's apply after its last backward;
 - for each candidate, the tensors that cross it (made at or before it, used after it) get a
   transfer time from the resharding planner under the cluster model, for each pair of adjacent
   chunks it could sit between: chunk k's mesh to chunk k + 1's, where the configured schedule
@@ -388,10 +388,17 @@ def segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[Seg
 
 
 def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
-    return [
-        jax.device_put(np.zeros(a.shape, a.dtype) if hasattr(a, "shape") else a, device)
-        for a in avals
-    ]
+    """Arguments of these avals to time a program with (zeros; typed PRNG keys too, which
+    numpy cannot make)."""
+    out = []
+    for a in avals:
+        if not hasattr(a, "shape"):
+            out.append(a)
+        elif jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            out.append(jax.device_put(jax.numpy.zeros(a.shape, a.dtype), device))
+        else:
+            out.append(jax.device_put(np.zeros(a.shape, a.dtype), device))
+    return out
 
 
 def _vjp_of(fun: Any, wrt: Sequence[int], closed: Any) -> Any:

@@ -51,7 +51,12 @@ from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.profiler._auto_memory import LayoutMemory, memory_point
-from jaxreshard.profiler._compare import compare, measures_placement, schedule_variants
+from jaxreshard.profiler._compare import (
+    compare,
+    cost_fields,
+    measures_placement,
+    schedule_variants,
+)
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import places_weights
@@ -62,7 +67,7 @@ from jaxreshard.profiler._run import (
     run_steps,
     step_overhead,
 )
-from jaxreshard.runtime.step._partition import MAX_CHOICES
+from jaxreshard.runtime.step._partition import MAX_CHOICES, NoCutFits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 UNCAPPED_GIB = 1e9  # (a cap no device reaches: the partitioner's cut without one)
@@ -229,9 +234,7 @@ def _calibrate(
             session = Session(cpc, "calibration", runtime=runtime)
             try:
                 session.warm_up()
-            except ValueError as e:
-                if cpc.pipeline.partition != "auto" or "no choice of cuts fits" not in str(e):
-                    raise
+            except NoCutFits:
                 if console is not None:
                     console.print(f"meshes {_layout_text(cpc)}: no cut fits the memory cap at "
                                   f"{m} micro-batches; choosing the cut without it")  # fmt: skip
@@ -304,8 +307,7 @@ def _placement(pipeline: Any, costs: Costs) -> dict[str, Any]:
     with these (predicted) costs, as the simulator did; none where the schedule places none."""
     if not places_weights(pipeline) or min(costs.forward) <= 0 or min(costs.backward) <= 0:
         return {}
-    return {"cost_forward": costs.forward, "cost_backward": costs.backward,
-            "cost_weight_grad": costs.weight_grad, "cost_comm": costs.comm}  # fmt: skip
+    return cost_fields(costs)
 
 
 def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:

@@ -168,15 +168,16 @@ def placement_costs(
         out.append(
             (
                 label,
-                vpc.replace_pipeline(
-                    cost_forward=costs.forward,
-                    cost_backward=costs.backward,
-                    cost_weight_grad=costs.weight_grad,
-                    cost_comm=costs.comm,
-                ),
+                vpc.replace_pipeline(**cost_fields(costs)),
             )
         )
     return out
+
+
+def cost_fields(costs: Costs) -> dict[str, tuple[float, ...]]:
+    """The `PipelineConfig` cost fields (seconds per chunk and boundary) of `costs`."""
+    return {"cost_forward": costs.forward, "cost_backward": costs.backward,
+            "cost_weight_grad": costs.weight_grad, "cost_comm": costs.comm}  # fmt: skip
 
 
 def pin_cuts(

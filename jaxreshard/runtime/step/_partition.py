@@ -75,6 +75,10 @@ class SegmentCost:
     apply: float = 0.0  # the post-gradient code (optimizer) placed on it: seconds per step
 
 
+class NoCutFits(ValueError):
+    """No choice of cuts fits under the memory cap (the message says what the least needs)."""
+
+
 class Choice(NamedTuple):
     """One way to cut the step: its candidate cuts, predicted step and memory per device."""
 
@@ -274,7 +278,7 @@ def choose_cuts(
         tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
     tried.sort(key=lambda c: (not c.fits, c.step))
     if not tried[0].fits:
-        raise ValueError(_over_cap_message(config, tried, cap, memory, mesh_of))
+        raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of))
     return PartitionReport(
         list(markers), segments, crossing, tried, tried[0].cuts, time.perf_counter() - start,
         memory, cap,

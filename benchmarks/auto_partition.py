@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--nic-gbps", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=3,
+                        help="partition_trials of a second auto run (1: none)")  # fmt: skip
     parser.add_argument("--name", default="apart")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -153,6 +155,11 @@ def main() -> None:
         auto_s, plan = measure(problem, jr.PipelineConfig(partition="auto", **base), args.steps)
         report = plan.partition
         auto_losses = measure.losses
+        trial = None
+        if args.trials > 1:
+            config = jr.PipelineConfig(partition="auto", partition_trials=args.trials, **base)
+            trial_s, trial_plan = measure(problem, config, args.steps)
+            trial = trial_plan.partition
         predicted = {c.cuts: c.step for c in report.tried}
         for c in range(units - 1):
             measured, cut_plan = measure(problem, jr.PipelineConfig(cuts=(c,), **base), args.steps)
@@ -183,6 +190,16 @@ def main() -> None:
           f"compute-balanced cut / auto {by_cut[balanced]['measured_s'] / auto_s:.2f}x; "
           f"choosing took {report.seconds:.1f} s; auto's losses against jax.jit's: largest "
           f"relative difference {loss_diff:.1e} over {len(want)} steps")  # fmt: skip
+    trial_json = None
+    if trial is not None:
+        trial_json = {"chosen": list(trial.chosen), "measured_s": trial_s,
+                      "choose_seconds": trial.seconds, "report": trial.to_json()}  # fmt: skip
+        tried = [(list(t.cuts), round(t.measured * 1e3, 1)) for t in trial.trials]
+        print(
+            f"auto with partition_trials={args.trials}: measured {tried} ms, chose "
+            f"{list(trial.chosen)}: measured {trial_s * 1e3:.1f} ms, / best "
+            f"{trial_s / best['measured_s']:.3f}; choosing took {trial.seconds:.1f} s"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "auto_partition", "date": time.strftime("%Y-%m-%d"),
@@ -193,7 +210,7 @@ def main() -> None:
             "rows": rows, "auto": {"chosen": list(report.chosen),
             "measured_s": auto_s, "choose_seconds": report.seconds,
             "loss_max_relative_difference_to_jit": loss_diff,
-            "report": report.to_json()},
+            "report": report.to_json()}, "auto_trials": trial_json,
         }, indent=1))  # fmt: skip
         print(f"wrote {args.out}")
 

@@ -6,6 +6,8 @@ import collections
 import dataclasses
 import functools
 import math
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -333,7 +335,9 @@ class Parallelized:
         trace_mesh, input_specs = self._trace_mesh(leaves, batch_leaves, on_ray)
         config, partition = self.config, None
 
-        def trace(cuts: Any, expected: int | None, candidates: Any = None) -> Any:
+        def trace(
+            cuts: Any, expected: int | None, candidates: Any = None, donated: Any = donated
+        ) -> Any:
             return trace_step(
                 self.fun,
                 in_tree,
@@ -350,6 +354,38 @@ class Parallelized:
                 candidates=candidates,
             )
 
+        def build(config: PipelineConfig, recorded: bool, donated: Sequence[int]) -> _Entry:
+            graph, outputs = trace(config.cuts, config.num_stages, donated=donated)
+            if on_ray:
+                if self.meshes is not None:
+                    raise ValueError(
+                        "parallelize(meshes=...) is for the local runtime; on Ray the "
+                        "stages take the runtime's devices in order"
+                    )
+                from jaxreshard.runtime.ray._pipeline import RayPipeline
+
+                pipeline = RayPipeline(
+                    runtime,
+                    self.fun,
+                    config,
+                    graph,
+                    in_tree,
+                    leaves,
+                    batch_leaves,
+                    input_specs,
+                    static,
+                    recorded,
+                )
+                return _Entry(graph, pipeline, in_tree, outputs)
+            meshes, cluster = self._local_meshes(graph.num_stages)
+            compiled = compile_local(graph, config, list(meshes), leaves, cluster, recorded)
+            return _Entry(graph, LocalPipeline(compiled), in_tree, outputs)
+
+        if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
+            raise RuntimeError(
+                "PipelineConfig(backend='ray') but no Ray runtime is running; call "
+                "jaxreshard.init(backend='ray', ...) first"
+            )
         if config.partition == "auto" and config.cuts is None:
             timer = None
             if on_ray:  # (see [Note: segments timed on the hosts])
@@ -358,39 +394,14 @@ class Parallelized:
                 timer = time_on_host(runtime, self.fun, static, config, in_tree, leaves,
                                      batch_leaves, input_specs, donated)  # fmt: skip
             partition = self._partition(trace, on_ray, leaves, timer)
+            if config.partition_trials > 1:
+                _measure_choices(partition, config, build, leaves)
             config = dataclasses.replace(
                 config, cuts=partition.chosen, **partition.placement_costs(config)
             )
-        graph, outputs = trace(config.cuts, config.num_stages)
-        if self.config.backend == "ray" and (runtime is None or runtime.backend != "ray"):
-            raise RuntimeError(
-                "PipelineConfig(backend='ray') but no Ray runtime is running; call "
-                "jaxreshard.init(backend='ray', ...) first"
-            )
-        if on_ray:
-            if self.meshes is not None:
-                raise ValueError(
-                    "parallelize(meshes=...) is for the local runtime; on Ray the "
-                    "stages take the runtime's devices in order"
-                )
-            from jaxreshard.runtime.ray._pipeline import RayPipeline
-
-            pipeline = RayPipeline(
-                runtime,
-                self.fun,
-                config,
-                graph,
-                in_tree,
-                leaves,
-                batch_leaves,
-                input_specs,
-                static,
-                recorded,
-            )
-            return _Entry(graph, pipeline, in_tree, outputs, partition)
-        meshes, cluster = self._local_meshes(graph.num_stages)
-        compiled = compile_local(graph, config, list(meshes), leaves, cluster, recorded)
-        return _Entry(graph, LocalPipeline(compiled), in_tree, outputs, partition)
+        entry = build(config, recorded, donated)
+        entry.partition = partition
+        return entry
 
     def _local_meshes(self, num_stages: int) -> tuple[list[Any], Cluster]:
         """The stage meshes of a step of `num_stages` stages on this process's devices, and
@@ -540,6 +551,93 @@ class Parallelized:
 
 # How many argument signatures one parallelized step keeps compiled.
 MAX_COMPILED = 8
+
+
+def _measure_choices(
+    partition: Any, config: PipelineConfig, build: Callable[..., _Entry], leaves: list[Any]
+) -> None:
+    """Measure the `config.partition_trials` fastest predicted choices under the memory cap,
+    side by side (each compiled, warmed by `TRIAL_WARMUP` steps, then timed in rounds; see
+    `measure`), on the call's own arguments, nothing donated, the outputs dropped. One factor
+    on compute, fitted to them (`fit_compute_scale`), predicts every choice again; if the
+    fastest of those was not measured, it joins and all are measured again. The fastest
+    measured is chosen: `partition.trials` and `partition.chosen` say so. A prediction leaves
+    out what makes an action slower in a running pipeline than its segments timed alone (its
+    fixed cost on the host, contention), and where the choices are close that decides. Every
+    measured choice's pipeline is alive until the choice is made."""
+    from jaxreshard.runtime.step._partition import (
+        TRIAL_BURST,
+        TRIAL_ROUNDS,
+        TRIAL_WARMUP,
+        Trial,
+        fit_compute_scale,
+    )
+
+    running: dict[tuple[int, ...], tuple[_Entry, list[Any]]] = {}
+
+    def start(cuts: tuple[int, ...]) -> None:
+        costs = partition.placement_costs(config, cuts)
+        entry = build(dataclasses.replace(config, cuts=cuts, **costs), False, ())
+        running[cuts] = (entry, [])  # (closed by the caller's `finally`, whatever happens)
+        placed = _placed(entry.pipeline, leaves)
+        running[cuts] = (entry, placed)
+        for _ in range(TRIAL_WARMUP):  # (the first compiles)
+            entry.pipeline.run(placed)
+            entry.pipeline.wait()
+
+    def measure() -> dict[tuple[int, ...], float]:
+        """Seconds per step of every running choice: the median over `TRIAL_ROUNDS` rounds, each
+        running every choice in turn for `TRIAL_BURST` steps called back to back (as a training
+        loop calls them), so that the machine's drift falls on all alike."""
+        times: dict[tuple[int, ...], list[float]] = {c: [] for c in running}
+        for _ in range(TRIAL_ROUNDS):
+            for cuts, (entry, placed) in running.items():
+                began = time.perf_counter()
+                for _ in range(TRIAL_BURST):
+                    entry.pipeline.run(placed)
+                entry.pipeline.wait()
+                times[cuts].append((time.perf_counter() - began) / TRIAL_BURST)
+        return {c: statistics.median(t) for c, t in times.items()}
+
+    began = time.perf_counter()
+    predicted = {c.cuts: c.step for c in partition.tried}
+    try:
+        for choice in [c for c in partition.tried if c.fits][: config.partition_trials]:
+            start(choice.cuts)
+        measured = measure()
+        partition.trials = [Trial(c, predicted[c], t) for c, t in measured.items()]
+        fit_compute_scale(partition, config)
+        if partition.refitted and partition.refitted[0][0] not in running:
+            start(partition.refitted[0][0])  # (the refitted prediction's fastest, unmeasured)
+            measured = measure()  # (all again, side by side)
+            partition.trials = [Trial(c, predicted[c], t) for c, t in measured.items()]
+    finally:
+        for entry, _ in running.values():
+            _close(entry)
+    partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
+    partition.seconds += time.perf_counter() - began
+
+
+def _placed(pipeline: Any, leaves: list[Any]) -> list[Any]:
+    """`leaves` with the arrays the pipeline keeps (parameters, optimizer state) put where it
+    keeps them, as a training loop's later steps have them: a step given host or other-layout
+    arrays moves them first (on Ray, one round trip per leaf)."""
+    from jaxreshard._reshard import reshard
+    from jaxreshard.runtime import current_runtime
+    from jaxreshard.runtime.ray._remote import RemoteArray
+    from jaxreshard.runtime.ray._wire import is_key
+
+    out = []
+    for x, where in zip(leaves, pipeline.placement(leaves)):
+        if where is None or not hasattr(x, "shape") or is_key(x):
+            out.append(x)
+        elif isinstance(where, jax.sharding.Sharding):
+            out.append(jax.device_put(x, where))
+        elif isinstance(x, RemoteArray):
+            out.append(reshard(x, where))
+        else:
+            out.append(current_runtime().put(np.asarray(x), where))
+    return out
 
 
 def _close(entry: _Entry) -> None:

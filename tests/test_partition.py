@@ -2,6 +2,8 @@
 `cuts=` chooses among them by hand, `partition="auto"` by the simulated step (measured segment
 compute, the planner's transfer time of every cut); either way the step equals jax.jit."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +144,64 @@ def test_refusals_name_the_fix():
         jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
+
+
+def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
+    """With `partition_trials=3` the three fastest predictions are each compiled and run (not
+    donating the caller's arguments: the donated step that follows still equals jax.jit), and
+    the fastest measured is chosen. A delay made to slow the predicted best's runs makes the
+    choice another; the report and the plan show every trial."""
+    from jaxreshard.runtime.local._pipeline import LocalPipeline
+
+    slow: list = []
+    run_pipeline = LocalPipeline.run
+
+    def delayed(self, leaves, **kwargs):
+        if self.compiled.config.cuts in slow:
+            time.sleep(0.1)
+        return run_pipeline(self, leaves, **kwargs)
+
+    monkeypatch.setattr(LocalPipeline, "run", delayed)
+    _, predicted = auto_report()
+    slow.append(predicted.chosen)
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, partition_trials=3)
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2, donate_argnums=(0, 1))
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    report = plan.partition
+    assert [t.cuts for t in report.trials[:3]] == [c.cuts for c in report.tried[:3]]
+    assert report.trials[0].cuts == predicted.chosen and report.trials[0].measured >= 0.1
+    assert report.chosen != predicted.chosen
+    assert report.chosen == min(report.trials, key=lambda t: t.measured).cuts
+    assert all(t.predicted == c.step for t, c in zip(report.trials, report.tried))
+    refitted = report.refitted[0][0]  # (measured too, where the first three missed it)
+    assert refitted in [t.cuts for t in report.trials] and len(report.trials) <= 4
+    assert "measured (side by side, median of 5 rounds of 2 steps" in str(plan)
+    assert len(report.to_json()["trials"]) == 3
+    assert_equal_to_jit(step)
+    with pytest.raises(ValueError, match=r"partition_trials=0\): must be an int from 1"):
+        jr.PipelineConfig(partition_trials=0)
+
+
+def test_compute_scale_is_fitted_to_measured_steps():
+    """Trials that measure every choice's simulated step with its compute doubled give back a
+    factor of 2 (within the grid's 5%), and the choices are predicted again with it: fastest
+    first, as the doubled costs simulate."""
+    from jaxreshard.runtime.step._partition import (
+        Trial,
+        _scaled,
+        _simulated,
+        fit_compute_scale,
+    )
+
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001)
+    _, report = auto_report()
+    doubled = {c.cuts: _simulated(cfg, _scaled(c.costs, 2.0)) for c in report.tried}
+    report.trials = [Trial(c.cuts, c.step, doubled[c.cuts]) for c in report.tried[:3]]
+    fit_compute_scale(report, cfg)
+    assert report.compute_scale == pytest.approx(2.0, rel=0.05)
+    assert report.compute_scale != pytest.approx(1.0, rel=0.05)
+    assert [c for c, _ in report.refitted] == sorted(doubled, key=doubled.get)
+    assert "compute x 2.0" in report.summary() or "compute x 1.9" in report.summary()
 
 
 def auto_report(step_fn=None, **overrides):

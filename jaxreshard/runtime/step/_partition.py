@@ -4,10 +4,12 @@
 `PipelineConfig(partition="auto", num_stages=S)`: the step is traced once with every candidate a
 boundary, which cuts the loss into segments (between consecutive markers, forced ones included).
 For each segment:
-- its compute is measured: its forward, the backward to its inputs (B) and to its parameters
-  (W), each compiled on one device of stage 0's mesh and timed (best of a few runs, the
-  forward's time taken off the two backwards, which recompute it). A stage whose mesh splits
-  the batch (`batch_axis`) divides the times by that axis's size. The post-gradient code (the
+- its compute is measured as the runtime runs it, each part compiled on one device of stage
+  0's mesh and timed (best of a few runs): the forward that makes its outputs and the
+  residuals; the whole backward, from those residuals and an output cotangent, adding the
+  parameter gradients to accumulators; and, of that, what the input gradients alone take (B of
+  a split backward; W is the rest). A stage whose mesh splits the batch (`batch_axis`) divides
+  the times by that axis's size. The post-gradient code (the
   optimizer) that the trace places on the segment is timed too, undivided: its part of the
   step's update, once a step, simulated as the chunk's apply after its last backward;
 - for each candidate, the tensors that cross it (made at or before it, used after it) get a
@@ -21,8 +23,13 @@ chunk the sum of its segments, each boundary its crossing tensors' time) for the
 schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its chunks' state,
 plus their residuals times the micro-batches the schedule keeps alive there, plus scratch. The
 fastest choice under the memory cap (`memory_cap_gib`, else the local device's own limit where
-JAX reports one) wins; if none fits, the error says what the least needs and what to change. The
-choice, every tried one's prediction and memory are in `train_step.plan(...)`. Choices are
+JAX reports one) wins; if none fits, the error says what the least needs and what to change.
+With `partition_trials=N` > 1, the N fastest that fit are compiled and run on the first call's
+arguments (`_measure_choices` in `_parallelize.py`); one factor on compute fitted to those steps
+(`fit_compute_scale`) predicts every choice again, its fastest is run too if it was not, and the
+fastest measured wins: the segments are timed alone, and a running pipeline's actions also pay
+their host's dispatch, receives and other threads. The choice, every tried one's prediction and
+memory, and the trials are in `train_step.plan(...)`. Choices are
 enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
 (`stage_placement`, the runtime's cluster model), and the segments are timed on the first host
 of the first mesh ([Note: segments timed on the hosts] in `runtime/ray/_segments.py`).
@@ -63,6 +70,11 @@ from jaxreshard.runtime.step._specs import batch_spec
 
 MAX_CHOICES = 20_000
 TIMING_RUNS = 3
+TRIAL_WARMUP = 2  # steps run before a measured choice (`partition_trials`) is timed
+TRIAL_ROUNDS = 5  # rounds that time every measured choice in turn (the median is kept)
+TRIAL_BURST = 2  # steps per choice and round, called back to back
+# The factors on every choice's compute that `fit_compute_scale` tries: 1/4 to 8, 5% apart.
+COMPUTE_SCALES = tuple(0.25 * 1.05**i for i in range(72))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +89,14 @@ class SegmentCost:
 
 class NoCutFits(ValueError):
     """No choice of cuts fits under the memory cap (the message says what the least needs)."""
+
+
+class Trial(NamedTuple):
+    """One of the fastest predicted choices, measured (`partition_trials`)."""
+
+    cuts: tuple[int, ...]
+    predicted: float  # seconds
+    measured: float  # seconds per step: the median of `TRIAL_ROUNDS` rounds (see `Trial`'s use)
 
 
 class Choice(NamedTuple):
@@ -102,12 +122,17 @@ class PartitionReport:
     seconds: float  # spent measuring and choosing
     memory: list[list[SegmentMemory]] = dataclasses.field(default_factory=list)  # [seg][mesh]
     cap: int | None = None  # bytes per device; None: no cap
+    trials: list[Trial] = dataclasses.field(default_factory=list)  # `partition_trials` > 1
+    compute_scale: float | None = None  # fitted to the trials (see `fit_compute_scale`)
+    refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
 
-    def placement_costs(self, config: PipelineConfig) -> dict[str, Any]:
+    def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
-        gradients as the chosen prediction did (its measured per-chunk costs, in ms), when the
-        config splits the backward and leaves those fields at their defaults; else none."""
-        chosen = next(c for c in self.tried if c.cuts == self.chosen)
+        gradients as the chosen prediction (or that of `cuts`) did (its measured per-chunk
+        costs, in ms), when the config splits the backward and leaves those fields at their
+        defaults; else none."""
+        cuts = self.chosen if cuts is None else tuple(cuts)
+        chosen = next(c for c in self.tried if c.cuts == cuts)
         defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
         names = ("cost_forward", "cost_backward", "cost_weight_grad", "cost_comm")
         if not config.split_backward or chosen.costs is None:
@@ -136,6 +161,18 @@ class PartitionReport:
                     "fits": c.fits,
                 }
                 for c in self.tried
+            ],
+            "compute_scale": self.compute_scale,
+            "refitted": [
+                {"cuts": list(cuts), "predicted_seconds": step} for cuts, step in self.refitted
+            ],
+            "trials": [
+                {
+                    "cuts": list(t.cuts),
+                    "predicted_seconds": t.predicted,
+                    "measured_seconds": t.measured,
+                }
+                for t in self.trials
             ],
         }
 
@@ -172,6 +209,23 @@ class PartitionReport:
             lines.append(
                 f"    ... {len(fitting) - 5} more; slowest {list(slowest.cuts)}: "
                 f"{slowest.step * 1e3:.2f} ms"
+            )
+        if self.trials:
+            lines.append(
+                f"  measured (side by side, median of {TRIAL_ROUNDS} rounds of {TRIAL_BURST} steps "
+                "on the call's arguments; the fastest measured is chosen):"
+            )
+            for t in self.trials:
+                mark = "  <- chosen" if t.cuts == self.chosen else ""
+                lines.append(
+                    f"    candidates {list(t.cuts)}: {t.measured * 1e3:.2f} ms measured, "
+                    f"{t.predicted * 1e3:.2f} ms predicted ({t.measured / t.predicted:.2f}x){mark}"
+                )
+        if self.compute_scale is not None:
+            top = ", ".join(f"{list(c)} {t * 1e3:.2f} ms" for c, t in self.refitted[:3])
+            lines.append(
+                f"  compute x {self.compute_scale:.2f} fits the measured steps best; with it the "
+                f"fastest predictions are {top} (the fastest of them is measured too)"
             )
         over = [c for c in self.tried if not c.fits]
         if over:
@@ -354,6 +408,46 @@ def _predict(
     return simulate(schedule.with_apply(), costs).makespan, schedule, costs
 
 
+def fit_compute_scale(report: PartitionReport, config: PipelineConfig) -> None:
+    """Fit one factor on the compute of every choice to the measured trials (least squares
+    of the log error, over `COMPUTE_SCALES`), and predict every choice under the cap again
+    with it (`report.compute_scale`, `report.refitted`, fastest first).
+
+    The segments are timed alone, on an idle device; in a running pipeline each action also
+    pays its host's dispatch, its receives and the host's other threads, which on a small host
+    can double it. Transfers are the planner's, under the cluster's measured or shaped links.
+    A factor on compute alone changes how a cut's imbalance weighs against its transfers,
+    which is where the choices differ."""
+    by_cuts = {c.cuts: c.costs for c in report.tried if c.costs is not None}
+    trials = [t for t in report.trials if t.cuts in by_cuts and t.measured > 0]
+    if not trials:
+        return
+
+    def error(k: float) -> float:
+        return sum(
+            math.log(_simulated(config, _scaled(by_cuts[t.cuts], k)) / t.measured) ** 2
+            for t in trials
+        )
+
+    k = min(COMPUTE_SCALES, key=error)
+    report.compute_scale = k
+    report.refitted = sorted(
+        ((c.cuts, _simulated(config, _scaled(c.costs, k))) for c in report.tried
+         if c.fits and c.costs is not None),
+        key=lambda item: item[1],
+    )  # fmt: skip
+
+
+def _scaled(costs: Costs, k: float) -> Costs:
+    """`costs` with every compute time times `k` (transfers as they are)."""
+    times = ("forward", "backward", "weight_grad", "apply")
+    return dataclasses.replace(costs, **{f: tuple(k * x for x in getattr(costs, f)) for f in times})
+
+
+def _simulated(config: PipelineConfig, costs: Costs) -> float:
+    return simulate(_schedule(config, costs).with_apply(), costs).makespan
+
+
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
     return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
 
@@ -366,29 +460,47 @@ def segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[Seg
     closed = stage.jaxpr
     fun = jc.jaxpr_as_fun(closed)
     args = _zeros(closed.in_avals, device)
-    compiled = jax.jit(fun).lower(*args).compile()
-    forward, scratch = _best(compiled, args), scratch_bytes(compiled)
+    scratch = 0
+
+    def timed(program: Any, inputs: Sequence[Any]) -> tuple[float, Any]:
+        nonlocal scratch
+        compiled = jax.jit(program).lower(*inputs).compile()
+        scratch = max(scratch, scratch_bytes(compiled))
+        return _best(compiled, inputs), compiled
+
     apply = 0.0
     for seg in graph.segments:  # (the optimizer's part for this segment's parameters)
         if seg.stage == s:
             seg_args = _zeros(seg.jaxpr.in_avals, device)
             apply += _best(jax.jit(jc.jaxpr_as_fun(seg.jaxpr)).lower(*seg_args).compile(),
                            seg_args)  # fmt: skip
-    if graph.forward_only:
-        return SegmentCost(forward / split, 0.0, 0.0, apply), scratch
     inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.in_avals]
     acts = [i for i, r in enumerate(stage.inputs) if r.kind == ACT and inexact[i]]
     params = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and inexact[i]]
-    times = []
-    for wrt in (acts, params):
-        if not wrt:
-            times.append(0.0)
-            continue
-        compiled = jax.jit(_vjp_of(fun, wrt, closed)).lower(*args).compile()
-        scratch = max(scratch, scratch_bytes(compiled))
-        times.append(max(_best(compiled, args) - forward, 0.0))
-    b, w = times
-    return SegmentCost(forward / split, (b + w) / split, w / split, apply), scratch
+    if graph.forward_only or not acts + params:
+        forward = timed(fun, args)[0]
+        return SegmentCost(forward / split, 0.0, 0.0, apply), scratch
+    # Each part as the runtime runs it: F makes the outputs and the residuals; the backward
+    # reads those residuals and an output cotangent, and adds the parameter gradients to the
+    # step's accumulators; B of a split backward is its input gradients alone (XLA drops the
+    # rest), W the remainder.
+    forward, compiled = timed(_vjp_forward(fun, acts + params, closed), args)
+    outputs, backward = compiled(*args)
+    cotangents = [jax.numpy.zeros_like(o) for o in outputs]
+    accumulators = [jax.numpy.zeros_like(args[i]) for i in params]
+    n = len(acts)
+
+    def accumulate(f: Any, cts: Any, acc: Any) -> Any:
+        grads = f(cts)
+        return grads[:n], [a + g for a, g in zip(acc, grads[n:])]
+
+    inputs = (backward, cotangents, accumulators)
+    whole = timed(accumulate, inputs)[0]
+    weight = whole
+    if acts:
+        only = timed(lambda f, cts, acc: f(cts)[:n], inputs)[0] if params else whole
+        weight = max(whole - only, 0.0)
+    return SegmentCost(forward / split, whole / split, weight / split, apply), scratch
 
 
 def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
@@ -405,21 +517,21 @@ def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
     return out
 
 
-def _vjp_of(fun: Any, wrt: Sequence[int], closed: Any) -> Any:
-    """The gradient of the sum of `fun`'s inexact outputs with respect to inputs `wrt`."""
+def _vjp_forward(fun: Any, wrt: Sequence[int], closed: Any) -> Any:
+    """`fun`'s inexact outputs and its VJP with respect to inputs `wrt` (whose residuals are
+    what a forward action keeps for its backward)."""
     out_inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.out_avals]
 
-    def grads(*args: Any) -> Any:
+    def forward(*args: Any) -> Any:
         def part(*chosen: Any) -> Any:
             full = list(args)
             for i, x in zip(wrt, chosen):
                 full[i] = x
-            outs = fun(*full)
-            return sum(jax.numpy.sum(o) for o, f in zip(outs, out_inexact) if f)
+            return [o for o, f in zip(fun(*full), out_inexact) if f]
 
-        return jax.grad(part, argnums=tuple(range(len(wrt))))(*[args[i] for i in wrt])
+        return jax.vjp(part, *[args[i] for i in wrt])
 
-    return grads
+    return forward
 
 
 def _best(compiled: Any, args: Sequence[Any]) -> float:

@@ -621,22 +621,26 @@ def _measure_choices(
 def _placed(pipeline: Any, leaves: list[Any]) -> list[Any]:
     """`leaves` with the arrays the pipeline keeps (parameters, optimizer state) put where it
     keeps them, as a training loop's later steps have them: a step given host or other-layout
-    arrays moves them first (on Ray, one round trip per leaf)."""
+    arrays moves them first."""
     from jaxreshard._reshard import reshard
     from jaxreshard.runtime import current_runtime
     from jaxreshard.runtime.ray._remote import RemoteArray
     from jaxreshard.runtime.ray._wire import is_key
 
-    out = []
-    for x, where in zip(leaves, pipeline.placement(leaves)):
+    out, host_data = list(leaves), {}
+    for i, (x, where) in enumerate(zip(leaves, pipeline.placement(leaves))):
         if where is None or not hasattr(x, "shape") or is_key(x):
-            out.append(x)
-        elif isinstance(where, jax.sharding.Sharding):
-            out.append(jax.device_put(x, where))
+            continue
+        if isinstance(where, jax.sharding.Sharding):
+            out[i] = jax.device_put(x, where)
         elif isinstance(x, RemoteArray):
-            out.append(reshard(x, where))
+            out[i] = reshard(x, where)
         else:
-            out.append(current_runtime().put(np.asarray(x), where))
+            host_data[i] = (np.asarray(x), where)
+    if host_data:  # (on Ray: one call per host for all of them)
+        out_put = current_runtime().put_many(list(host_data.values()))
+        for i, array in zip(host_data, out_put):
+            out[i] = array
     return out
 
 

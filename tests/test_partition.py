@@ -338,7 +338,8 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
 @pytest.mark.ray
 def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch):
     """On Ray the segments are timed on the first stage mesh's host (which traces the step
-    itself, and must agree with the driver's trace), not on the driver; the step equals
+    itself, and must agree with the driver's trace), not on the driver; the fastest two
+    predictions are measured on the hosts (their arguments put there first); the step equals
     jax.jit."""
     from jaxreshard.runtime.ray import _segments
 
@@ -355,8 +356,13 @@ def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch):
         return timed
 
     monkeypatch.setattr(_segments, "time_on_host", spy)
-    step, report = auto_report(backend="ray", emulate_network_gbps=None, devices_per_host=None)
+    step, report = auto_report(
+        backend="ray", emulate_network_gbps=None, devices_per_host=None, partition_trials=2
+    )
     assert len(answers) == 1
+    assert [t.cuts for t in report.trials[:2]] == [c.cuts for c in report.tried[:2]]
+    assert all(t.measured > 0 for t in report.trials) and report.compute_scale is not None
+    assert report.chosen == min(report.trials, key=lambda t: t.measured).cuts
     assert [cost for cost, _ in answers[0]] == report.segments
     assert len(report.segments) == len(WIDTHS) and all(c.forward > 0 for c in report.segments)
     assert_equal_to_jit(step)

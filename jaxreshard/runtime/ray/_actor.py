@@ -209,6 +209,11 @@ class HostActor(NaiveBaseline):
         with self._lock:
             self.arrays.setdefault(array_id, {}).update(out)
 
+    def put_many_shards(self, arrays: list[tuple[str, str, Mapping[int, Any]]]) -> None:
+        """`put_shards` for each `(array_id, dtype, shards)`, in one call."""
+        for array_id, dtype, shards in arrays:
+            self.put_shards(array_id, dtype, shards)
+
     def fetch_shards(self, array_id: str, devices: list[int]) -> dict[int, np.ndarray]:
         shards = self._array(array_id)
         return {gid: np.asarray(shards[gid]) for gid in devices}

@@ -116,33 +116,40 @@ class RayHosts(Hosts):
     def params(self, values: Mapping[int, Any]) -> dict[int, Any]:
         g, layout = self.graph, self.layout
         assert layout is not None
-        out = {}
+        out, host_data = {}, {}
         for k, value in values.items():
             sharding = self.sharding(g.owner[k], layout.param_specs[k])
             if not (
                 isinstance(value, RemoteArray) and value.sharding == sharding and not value.is_freed
             ):
-                value = self._put_param(k, np.asarray(value), sharding)
+                host_data[k] = (np.asarray(value), sharding)
+                continue
             self._ordered(value)
             out[k] = value
-        return out
+        if host_data:
+            out.update(zip(host_data, self._put_params(host_data)))
+        return {k: out[k] for k in values}
 
-    def _put_param(self, k: int, value: np.ndarray, sharding: VirtualSharding) -> RemoteArray:
-        """Put parameter `k` on its stage's hosts; a host that died meanwhile is named with its
-        stages, as in a step (a step's first act is to put the parameters it was given as host
-        data, so a host lost just before a step fails here)."""
+    def _put_params(self, items: Mapping[int, tuple[np.ndarray, VirtualSharding]]) -> list[Any]:
+        """Put parameters (index -> value, sharding) on their stages' hosts, in one call per
+        host; a host that died meanwhile is named with its stages, as in a step (a step's first
+        act is to put the parameters it was given as host data, so a host lost just before a
+        step fails here)."""
         from jaxreshard.runtime.ray._wait import RuntimeBroken
 
         try:
-            return self.runtime.put(value, sharding)
+            return self.runtime.put_many(list(items.values()))
         except RuntimeBroken as e:
             if e.host is None:  # broken before: the message says how
                 raise
-            stage = self.graph.owner[k]
-            broken = RuntimeBroken(
-                f"{e} (putting parameter {k}, {value.dtype}{list(value.shape)}, on stage {stage}'s "
-                f"hosts; {self._stages_text(e.host)})"
-            )
+            lost = [k for k in items if e.host in self.hosts_of_stage[self.graph.owner[k]]]
+            lost = lost or list(items)
+            stages = sorted({self.graph.owner[k] for k in lost})
+            where = f"on stage{'s' if len(stages) > 1 else ''} {_listed(stages)}'s hosts"
+            arrays = ", ".join(f"{items[k][0].dtype}{list(items[k][0].shape)}" for k in lost)
+            plural = "s" if len(lost) > 1 else ""
+            what = f"parameter{plural} {_listed(lost)}, {arrays}, {where}"
+            broken = RuntimeBroken(f"{e} (putting {what}; {self._stages_text(e.host)})")
             broken.host = e.host
             raise broken from None
 
@@ -485,3 +492,7 @@ def _predicted(template: Mapping[int, Any], step_id: str, m: int) -> dict[int, A
         }
         for h, t in template.items()
     }
+
+
+def _listed(numbers: Sequence[int]) -> str:
+    return ", ".join(str(n) for n in numbers)

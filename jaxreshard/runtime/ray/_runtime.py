@@ -222,28 +222,44 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
 
     def put(self, value: Any, sharding: VirtualSharding) -> RemoteArray:
         """Place a numpy array on the hosts with `sharding`."""
+        return self.put_many([(value, sharding)])[0]
+
+    def put_many(self, items: Sequence[tuple[Any, VirtualSharding]]) -> list[RemoteArray]:
+        """Place numpy arrays on the hosts, each with its sharding: one call per host for all
+        of them (a step given host data for every parameter would otherwise pay a round trip
+        per parameter)."""
         self._check_usable()
-        value = np.asarray(value)
         wide = (np.float64, np.int64, np.uint64, np.complex128)
-        if value.dtype in wide and not self.enable_x64:
-            raise ValueError(
-                f"put: {value.dtype} needs 64-bit JAX on the hosts, but jax_enable_x64 was off "
-                "when the runtime started; call jax.config.update('jax_enable_x64', True) "
-                "before jaxreshard.init, or cast to a 32-bit type first"
-            )
-        self._check_sharding(sharding, "sharding")
-        layout = Layout.from_sharding(sharding, value.shape, what="sharding")
-        array_id = self._new_id("put")
-        per_host: dict[int, dict[int, np.ndarray]] = {}
-        for device, index in zip(layout.devices, layout.indices):
-            region = value[tuple(slice(a, b) for a, b in index)]
-            per_host.setdefault(self.cluster.host_of(device), {})[device] = region
+        out, per_host = [], {}
+        for value, sharding in items:
+            value = np.asarray(value)
+            if value.dtype in wide and not self.enable_x64:
+                raise ValueError(
+                    f"put: {value.dtype} needs 64-bit JAX on the hosts, but jax_enable_x64 was "
+                    "off when the runtime started; call jax.config.update('jax_enable_x64', "
+                    "True) before jaxreshard.init, or cast to a 32-bit type first"
+                )
+            self._check_sharding(sharding, "sharding")
+            layout = Layout.from_sharding(sharding, value.shape, what="sharding")
+            array_id = self._new_id("put")
+            for device, index in zip(layout.devices, layout.indices):
+                region = value[tuple(slice(a, b) for a, b in index)]
+                shards = per_host.setdefault(self.cluster.host_of(device), {})
+                shards.setdefault((array_id, value.dtype.name), {})[device] = region
+            out.append(RemoteArray(self, array_id, value.shape, value.dtype, sharding))
         calls = {
-            h: self.actors[h].put_shards.remote(array_id, value.dtype.name, shards)
-            for h, shards in per_host.items()
+            h: self.actors[h].put_many_shards.remote(
+                [(array_id, dtype, regions) for (array_id, dtype), regions in arrays.items()]
+            )
+            for h, arrays in per_host.items()
         }
-        self._wait(calls, f"putting {value.dtype}{list(value.shape)}")
-        return RemoteArray(self, array_id, value.shape, value.dtype, sharding)
+        what = (
+            f"putting {out[0].dtype}{list(out[0].shape)}"
+            if len(out) == 1
+            else f"putting {len(out)} arrays"
+        )
+        self._wait(calls, what)
+        return out
 
     def fetch(self, array: RemoteArray) -> np.ndarray:
         """Gather a remote array into one numpy array on the driver."""

@@ -112,6 +112,7 @@ def test_auto_charges_the_transfer_of_every_cut():
     wide = [report.crossing[i][0] for i in (0, 2, 4)]
     assert max(narrow) * 8 < min(wide)
     assert "automatic partition: 6 segments between 5 markers" in str(plan)
+    assert "predicted only: partition_trials=3 would run" in str(plan)
     assert plan.graph.num_stages == 2
     assert_equal_to_jit(step)
 

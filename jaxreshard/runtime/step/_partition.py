@@ -210,6 +210,11 @@ class PartitionReport:
                 f"    ... {len(fitting) - 5} more; slowest {list(slowest.cuts)}: "
                 f"{slowest.step * 1e3:.2f} ms"
             )
+        if not self.trials and len(fitting) > 1:
+            lines.append(
+                "  (predicted only: partition_trials=3 would run the three fastest and keep the "
+                "fastest measured)"
+            )
         if self.trials:
             lines.append(
                 f"  measured (side by side, median of {TRIAL_ROUNDS} rounds of {TRIAL_BURST} steps "

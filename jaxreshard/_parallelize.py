@@ -333,7 +333,7 @@ class Parallelized:
         runtime = current_runtime() if self.config.backend != "local" else None
         on_ray = runtime is not None and runtime.backend == "ray"
         trace_mesh, input_specs = self._trace_mesh(leaves, batch_leaves, on_ray)
-        config, partition = self.config, None
+        config, partition, kept = self.config, None, None
 
         def trace(
             cuts: Any, expected: int | None, candidates: Any = None, donated: Any = donated
@@ -394,12 +394,12 @@ class Parallelized:
                 timer = time_on_host(runtime, self.fun, static, config, in_tree, leaves,
                                      batch_leaves, input_specs, donated)  # fmt: skip
             partition = self._partition(trace, on_ray, leaves, timer)
-            if config.partition_trials > 1:
-                _measure_choices(partition, config, build, leaves)
+            if config.partition_trials > 1:  # (the chosen one's pipeline serves, if it can)
+                kept = _measure_choices(partition, config, build, leaves, not (donated or recorded))
             config = dataclasses.replace(
                 config, cuts=partition.chosen, **partition.placement_costs(config)
             )
-        entry = build(config, recorded, donated)
+        entry = kept if kept is not None else build(config, recorded, donated)
         entry.partition = partition
         return entry
 
@@ -554,8 +554,12 @@ MAX_COMPILED = 8
 
 
 def _measure_choices(
-    partition: Any, config: PipelineConfig, build: Callable[..., _Entry], leaves: list[Any]
-) -> None:
+    partition: Any,
+    config: PipelineConfig,
+    build: Callable[..., _Entry],
+    leaves: list[Any],
+    keep: bool,
+) -> _Entry | None:
     """Measure the `config.partition_trials` fastest predicted choices under the memory cap,
     side by side (each compiled, warmed by `TRIAL_WARMUP` steps, then timed in rounds; see
     `measure`), on the call's own arguments, nothing donated, the outputs dropped. One factor
@@ -564,7 +568,9 @@ def _measure_choices(
     measured is chosen: `partition.trials` and `partition.chosen` say so. A prediction leaves
     out what makes an action slower in a running pipeline than its segments timed alone (its
     fixed cost on the host, contention), and where the choices are close that decides. Every
-    measured choice's pipeline is alive until the choice is made."""
+    measured choice's pipeline is alive until the choice is made; with `keep` (nothing donated
+    or recorded, so it was built as the step's own would be), the chosen one's is returned to
+    serve the step instead of compiling it again."""
     from jaxreshard.runtime.step._partition import (
         TRIAL_BURST,
         TRIAL_ROUNDS,
@@ -611,11 +617,13 @@ def _measure_choices(
             start(partition.refitted[0][0])  # (the refitted prediction's fastest, unmeasured)
             measured = measure()  # (all again, side by side)
             partition.trials = [Trial(c, predicted[c], t) for c, t in measured.items()]
+        partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
+        kept = running.pop(partition.chosen)[0] if keep else None
     finally:
         for entry, _ in running.values():
             _close(entry)
-    partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
     partition.seconds += time.perf_counter() - began
+    return kept
 
 
 def _placed(pipeline: Any, leaves: list[Any]) -> list[Any]:

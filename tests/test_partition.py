@@ -183,6 +183,27 @@ def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
         jr.PipelineConfig(partition_trials=0)
 
 
+def test_trials_keep_the_chosen_pipeline_when_nothing_is_donated(monkeypatch):
+    """Without donation the chosen trial's pipeline serves the step (no compile after the
+    trials); with donation (above) the step compiles its own."""
+    import jaxreshard._parallelize as parallelize_module
+
+    built = []
+    real = parallelize_module.LocalPipeline
+
+    def counted(compiled):
+        built.append(compiled.config.cuts)
+        return real(compiled)
+
+    monkeypatch.setattr(parallelize_module, "LocalPipeline", counted)
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, partition_trials=2)
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    report = step.plan(init_params(), OPT.init(init_params()), make_batch()).partition
+    assert built == [t.cuts for t in report.trials]  # (no build after the trials)
+    assert report.chosen in built
+    assert_equal_to_jit(step)
+
+
 def test_compute_scale_is_fitted_to_measured_steps():
     """Trials that measure every choice's simulated step with its compute doubled give back a
     factor of 2 (within the grid's 5%), and the choices are predicted again with it: fastest

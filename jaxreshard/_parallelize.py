@@ -511,7 +511,9 @@ class Parallelized:
 
     @api_boundary
     def plan(self, *args: Any) -> PipelinePlan:
-        """What the step will do for these arguments, without running it."""
+        """What the step will do for these arguments, without running it (except that
+        `partition="auto"` with `partition_trials` > 1 runs the measured choices' steps, as
+        the first call would)."""
         entry, _ = self._entry(args)
         return PipelinePlan(entry.graph, entry.pipeline, entry.partition)
 
@@ -568,9 +570,12 @@ def _measure_choices(
     measured is chosen: `partition.trials` and `partition.chosen` say so. A prediction leaves
     out what makes an action slower in a running pipeline than its segments timed alone (its
     fixed cost on the host, contention), and where the choices are close that decides. Every
-    measured choice's pipeline is alive until the choice is made; with `keep` (nothing donated
-    or recorded, so it was built as the step's own would be), the chosen one's is returned to
-    serve the step instead of compiling it again."""
+    measured choice's pipeline, with its own copy of the state, is alive until the choice is
+    made: under a memory cap, only as many run as fit together (their estimated peaks summed).
+    A choice that fails to compile or run is left out with a warning, unless it is the
+    prediction's own and nothing else ran. With `keep` (nothing donated or recorded, so it was
+    built as the step's own would be), the chosen one's pipeline is returned to serve the step
+    instead of compiling it again."""
     from jaxreshard.runtime.step._partition import (
         TRIAL_BURST,
         TRIAL_ROUNDS,
@@ -584,7 +589,7 @@ def _measure_choices(
     def start(cuts: tuple[int, ...]) -> None:
         costs = partition.placement_costs(config, cuts)
         entry = build(dataclasses.replace(config, cuts=cuts, **costs), False, ())
-        running[cuts] = (entry, [])  # (closed by the caller's `finally`, whatever happens)
+        running[cuts] = (entry, [])  # (closed by the caller, whatever happens)
         placed = _placed(entry.pipeline, leaves)
         running[cuts] = (entry, placed)
         for _ in range(TRIAL_WARMUP):  # (the first compiles)
@@ -606,22 +611,55 @@ def _measure_choices(
         return {c: statistics.median(t) for c, t in times.items()}
 
     began = time.perf_counter()
-    predicted = {c.cuts: c.step for c in partition.tried}
+    choices = {c.cuts: c for c in partition.tried}
+    held = [0]  # estimated peak bytes per device of the running choices, together
+
+    def try_start(cuts: tuple[int, ...]) -> None:
+        """Start a choice if it fits beside the running ones under the cap (they run side by
+        side, each with its own copy of the state); one that fails to compile or run is left
+        out with a warning (the others still decide)."""
+        need = max(choices[cuts].memory, default=0)
+        if partition.cap is not None and running and held[0] + need > partition.cap:
+            partition.trials_note.append(
+                f"candidates {list(cuts)} not measured: beside the others they would need "
+                f"{(held[0] + need) / 2**30:.2f} GiB per device, over the cap"
+            )
+            return
+        try:
+            start(cuts)
+        except Exception as e:  # (a trial's failure is the prediction's to absorb)
+            entry = running.pop(cuts, (None,))[0]
+            if entry is not None:
+                _close(entry)
+            if cuts == first:  # (the prediction's own: the step would fail without trials too)
+                raise
+            text = f"candidates {list(cuts)} failed to run ({type(e).__name__}: {e})"
+            partition.trials_note.append(text)
+            warnings.warn(f"partition_trials: {text}; choosing among the others", stacklevel=6)
+            return
+        held[0] += need
+
+    kept = None
     try:
-        for choice in [c for c in partition.tried if c.fits][: config.partition_trials]:
-            start(choice.cuts)
+        fitting = [c.cuts for c in partition.tried if c.fits][: config.partition_trials]
+        first = fitting[0]
+        for cuts in fitting:
+            try_start(cuts)
         measured = measure()
-        partition.trials = [Trial(c, predicted[c], t) for c, t in measured.items()]
+        partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
         fit_compute_scale(partition, config)
-        if partition.refitted and partition.refitted[0][0] not in running:
-            start(partition.refitted[0][0])  # (the refitted prediction's fastest, unmeasured)
-            measured = measure()  # (all again, side by side)
-            partition.trials = [Trial(c, predicted[c], t) for c, t in measured.items()]
+        if partition.refitted and partition.refitted[0][0] not in measured:
+            try_start(partition.refitted[0][0])  # (the refitted prediction's fastest)
+            if len(running) > len(measured):
+                measured = measure()  # (all again, side by side)
+                partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
+                fit_compute_scale(partition, config)  # (to the steps the report shows)
         partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
         kept = running.pop(partition.chosen)[0] if keep else None
     finally:
         for entry, _ in running.values():
             _close(entry)
+        running.clear()  # (the placed arrays go too, even while an error is held)
     partition.seconds += time.perf_counter() - began
     return kept
 

@@ -110,8 +110,9 @@ class PipelineConfig:
             factor on compute fitted to those steps predicts every choice again, and the fastest
             of that joins them if it was not measured; the fastest measured wins. 1 (the
             default): the prediction alone decides. Measuring costs a compile and a few steps
-            per choice, keeps every measured choice's pipeline alive until the choice is made,
-            and corrects what the prediction leaves out (each action's fixed cost on the host,
+            per choice, keeps every measured choice's pipeline (with a copy of the state) alive
+            until the choice is made (under a memory cap, only as many run as fit together), and
+            corrects what the prediction leaves out (each action's fixed cost on the host,
             contention).
         reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
             its parameter gradients over that axis: `once` a step, after its last backward

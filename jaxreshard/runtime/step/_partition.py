@@ -50,7 +50,7 @@ from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
-from jaxreshard.frontend._backward import residual_inputs
+from jaxreshard.frontend._backward import _differentiated, residual_inputs
 from jaxreshard.frontend._split import ACT, PARAM, StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
@@ -124,6 +124,7 @@ class PartitionReport:
     cap: int | None = None  # bytes per device; None: no cap
     trials: list[Trial] = dataclasses.field(default_factory=list)  # `partition_trials` > 1
     compute_scale: float | None = None  # fitted to the trials (see `fit_compute_scale`)
+    trials_note: list[str] = dataclasses.field(default_factory=list)  # choices left out
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
@@ -163,6 +164,7 @@ class PartitionReport:
                 for c in self.tried
             ],
             "compute_scale": self.compute_scale,
+            "trials_note": list(self.trials_note),
             "refitted": [
                 {"cuts": list(cuts), "predicted_seconds": step} for cuts, step in self.refitted
             ],
@@ -211,9 +213,10 @@ class PartitionReport:
                 f"{slowest.step * 1e3:.2f} ms"
             )
         if not self.trials and len(fitting) > 1:
+            n = min(len(fitting), 3)
             lines.append(
-                "  (predicted only: partition_trials=3 would run the three fastest and keep the "
-                "fastest measured)"
+                f"  (predicted only: partition_trials={n} would run the {n} fastest and keep "
+                "the fastest measured)"
             )
         if self.trials:
             lines.append(
@@ -226,8 +229,14 @@ class PartitionReport:
                     f"    candidates {list(t.cuts)}: {t.measured * 1e3:.2f} ms measured, "
                     f"{t.predicted * 1e3:.2f} ms predicted ({t.measured / t.predicted:.2f}x){mark}"
                 )
+        lines.extend(f"  ({note})" for note in self.trials_note)
         if self.compute_scale is not None:
             top = ", ".join(f"{list(c)} {t * 1e3:.2f} ms" for c, t in self.refitted[:3])
+            if self.compute_scale in (COMPUTE_SCALES[0], COMPUTE_SCALES[-1]):
+                lines.append(
+                    f"  (the compute factor is at the end of the {COMPUTE_SCALES[0]:.2f}-"
+                    f"{COMPUTE_SCALES[-1]:.1f} it tries: the steps are not compute's)"
+                )
             lines.append(
                 f"  compute x {self.compute_scale:.2f} fits the measured steps best; with it the "
                 f"fastest predictions are {top} (the fastest of them is measured too)"
@@ -489,7 +498,7 @@ def segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[Seg
     # reads those residuals and an output cotangent, and adds the parameter gradients to the
     # step's accumulators; B of a split backward is its input gradients alone (XLA drops the
     # rest), W the remainder.
-    forward, compiled = timed(_vjp_forward(fun, acts + params, closed), args)
+    forward, compiled = timed(_vjp_forward(fun, acts + params, closed, stage), args)
     outputs, backward = compiled(*args)
     cotangents = [jax.numpy.zeros_like(o) for o in outputs]
     accumulators = [jax.numpy.zeros_like(args[i]) for i in params]
@@ -522,17 +531,21 @@ def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
     return out
 
 
-def _vjp_forward(fun: Any, wrt: Sequence[int], closed: Any) -> Any:
-    """`fun`'s inexact outputs and its VJP with respect to inputs `wrt` (whose residuals are
-    what a forward action keeps for its backward)."""
-    out_inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.out_avals]
+def _vjp_forward(fun: Any, wrt: Sequence[int], closed: Any, stage: Any) -> Any:
+    """`fun`'s outputs that the backward starts from (inexact, not aux outputs) and its VJP
+    with respect to inputs `wrt` (whose residuals are what a forward action keeps for its
+    backward)."""
+    inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.out_avals]
+    starts = set(_differentiated(stage))
+    chosen_outputs = [i for i, f in enumerate(inexact) if f and i in starts]
 
     def forward(*args: Any) -> Any:
         def part(*chosen: Any) -> Any:
             full = list(args)
             for i, x in zip(wrt, chosen):
                 full[i] = x
-            return [o for o, f in zip(fun(*full), out_inexact) if f]
+            outs = fun(*full)
+            return [outs[i] for i in chosen_outputs]
 
         return jax.vjp(part, *[args[i] for i in wrt])
 

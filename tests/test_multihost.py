@@ -239,7 +239,8 @@ def _kill_host_3_and_step(ray, ray_runtime, pstep, params, batch, cfg, RuntimeBr
     with pytest.raises(
         RuntimeBroken,
         match=r"host actor 3 \(.*\) died during putting \d+ arrays: .* \(putting parameters "
-        r"[\d, ]+, float32\[.*\], on stage 1's hosts; host 3 runs stage 1 with hosts 2, 3\)",
+        r"\d+: float32\[[\d, ]*\](, \d+: float32\[[\d, ]*\])*, on stage 1's hosts; host 3 "
+        r"runs stage 1 with hosts 2, 3\)",
     ):
         pstep(params, batch)  # numpy parameters: put first
     assert time.monotonic() - start < cfg.timeout_s / 2

@@ -55,6 +55,35 @@ def test_put_reshard_fetch_is_exact(ray_runtime, layout):
         z.free()
 
 
+def test_put_many_sends_one_call_per_host_per_batch(ray_runtime, monkeypatch):
+    """`put_many` places several arrays on several hosts, each exactly; with the batch limit
+    at one byte it sends each array in a call of its own, with it unlimited all in one."""
+    from jaxreshard.runtime.ray import _runtime
+
+    rt = ray_runtime
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=(4, 6)).astype(np.float32) for _ in range(3)]
+    shardings = [sharding(rt, (2,), (0, 1), P("x")), sharding(rt, (2,), (2, 5), P(None, "x")),
+                 sharding(rt, (1,), (7,), P())]  # fmt: skip
+    for limit, calls in ((1, 3), (1 << 30, 1)):
+        waits = []
+        real = rt._wait
+
+        def counted(calls_, what, *args, real=real, waits=waits, **kwargs):
+            waits.append(what)
+            return real(calls_, what, *args, **kwargs)
+
+        monkeypatch.setattr(_runtime, "PUT_BATCH_BYTES", limit)
+        monkeypatch.setattr(rt, "_wait", counted)
+        arrays = rt.put_many(list(zip(values, shardings)))
+        monkeypatch.undo()
+        assert len(waits) == calls
+        for x, v, sh in zip(arrays, values, shardings):
+            assert x.sharding is sh and np.array_equal(x.fetch(), v)
+            x.free()
+    assert rt.put_many([]) == []
+
+
 def test_only_the_host_part_of_a_plan_travels(ray_runtime):
     rt = ray_runtime
     src, dst = sharding(rt, *LAYOUTS[0][:3]), sharding(rt, *LAYOUTS[0][3:6])

@@ -146,9 +146,10 @@ class RayHosts(Hosts):
             lost = lost or list(items)
             stages = sorted({self.graph.owner[k] for k in lost})
             where = f"on stage{'s' if len(stages) > 1 else ''} {_listed(stages)}'s hosts"
-            arrays = ", ".join(f"{items[k][0].dtype}{list(items[k][0].shape)}" for k in lost)
+            shown = [f"{k}: {items[k][0].dtype}{list(items[k][0].shape)}" for k in lost[:5]]
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
             plural = "s" if len(lost) > 1 else ""
-            what = f"parameter{plural} {_listed(lost)}, {arrays}, {where}"
+            what = f"parameter{plural} {', '.join(shown)}{more}, {where}"
             broken = RuntimeBroken(f"{e} (putting {what}; {self._stages_text(e.host)})")
             broken.host = e.host
             raise broken from None

@@ -52,6 +52,8 @@ from jaxreshard.runtime.ray._start import (
 )
 from jaxreshard.runtime.ray._wait import HostWaits, RuntimeBroken
 
+PUT_BATCH_BYTES = 1 << 30  # host data that `put_many` sends to the hosts per call
+
 DEFAULT_TIMEOUT_S = 120.0
 MAX_HOSTS = 4096
 MAX_DEVICES_PER_HOST = 1024
@@ -225,12 +227,14 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
         return self.put_many([(value, sharding)])[0]
 
     def put_many(self, items: Sequence[tuple[Any, VirtualSharding]]) -> list[RemoteArray]:
-        """Place numpy arrays on the hosts, each with its sharding: one call per host for all
-        of them (a step given host data for every parameter would otherwise pay a round trip
-        per parameter)."""
+        """Place numpy arrays on the hosts, each with its sharding: one call per host for up to
+        `PUT_BATCH_BYTES` of them (a step given host data for every parameter would otherwise
+        pay a round trip per parameter)."""
         self._check_usable()
         wide = (np.float64, np.int64, np.uint64, np.complex128)
-        out, per_host = [], {}
+        out: list[RemoteArray] = []
+        per_host: dict[int, dict[tuple[str, str], dict[int, Any]]] = {}
+        batch = [0, 0]  # bytes, arrays in `per_host`
         for value, sharding in items:
             value = np.asarray(value)
             if value.dtype in wide and not self.enable_x64:
@@ -247,19 +251,29 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
                 shards = per_host.setdefault(self.cluster.host_of(device), {})
                 shards.setdefault((array_id, value.dtype.name), {})[device] = region
             out.append(RemoteArray(self, array_id, value.shape, value.dtype, sharding))
+            batch[0] += value.nbytes
+            batch[1] += 1
+            if batch[0] >= PUT_BATCH_BYTES:
+                self._put_batch(per_host, out[-batch[1] :])
+                per_host, batch = {}, [0, 0]
+        if per_host:
+            self._put_batch(per_host, out[-batch[1] :])
+        return out
+
+    def _put_batch(self, per_host: dict[int, Any], arrays: Sequence[RemoteArray]) -> None:
         calls = {
             h: self.actors[h].put_many_shards.remote(
-                [(array_id, dtype, regions) for (array_id, dtype), regions in arrays.items()]
+                [(array_id, dtype, regions) for (array_id, dtype), regions in shards.items()]
             )
-            for h, arrays in per_host.items()
+            for h, shards in per_host.items()
         }
+        first = arrays[0]
         what = (
-            f"putting {out[0].dtype}{list(out[0].shape)}"
-            if len(out) == 1
-            else f"putting {len(out)} arrays"
+            f"putting {first.dtype}{list(first.shape)}"
+            if len(arrays) == 1
+            else f"putting {len(arrays)} arrays"
         )
         self._wait(calls, what)
-        return out
 
     def fetch(self, array: RemoteArray) -> np.ndarray:
         """Gather a remote array into one numpy array on the driver."""

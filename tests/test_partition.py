@@ -181,6 +181,8 @@ def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
     assert_equal_to_jit(step)
     with pytest.raises(ValueError, match=r"partition_trials=0\): must be an int from 1"):
         jr.PipelineConfig(partition_trials=0)
+    with pytest.raises(ValueError, match=r"partition_trials=2\): trials measure the choices"):
+        jr.PipelineConfig(partition_trials=2)
 
 
 def test_a_trial_that_fails_is_left_out_and_every_trial_is_closed(monkeypatch):

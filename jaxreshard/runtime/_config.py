@@ -189,6 +189,12 @@ class PipelineConfig:
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         _positive_int("steps_in_flight", self.steps_in_flight, 64)
         _positive_int("partition_trials", self.partition_trials, MAX_PARTITION_TRIALS)
+        if self.partition_trials > 1 and self.partition != "auto":
+            raise ValueError(
+                f"PipelineConfig(partition_trials={self.partition_trials}): trials measure the "
+                "choices of partition='auto'; set partition='auto' (with num_stages), or leave "
+                "partition_trials at 1"
+            )
         if self.num_stages is not None:
             _positive_int("num_stages", self.num_stages, MAX_STAGES)
         if self.devices_per_host is not None:

@@ -247,20 +247,16 @@ def test_trials_keep_the_chosen_pipeline_when_nothing_is_donated(monkeypatch):
     assert_equal_to_jit(step)
 
 
-def test_compute_scale_is_fitted_to_measured_steps():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_compute_scale_is_fitted_to_measured_steps(schedule):
     """Trials that measure every choice's simulated step with its compute doubled give back a
     factor of 2 (within the grid's 5%), and the choices are predicted again with it: fastest
     first, as the doubled costs simulate."""
-    from jaxreshard.runtime.step._partition import (
-        Trial,
-        _scaled,
-        _simulated,
-        fit_compute_scale,
-    )
+    from jaxreshard.runtime.step._partition import Trial, _simulated, fit_compute_scale
 
-    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001)
-    _, report = auto_report()
-    doubled = {c.cuts: _simulated(cfg, _scaled(c.costs, 2.0)) for c in report.tried}
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, schedule=schedule)
+    _, report = auto_report(schedule=schedule)
+    doubled = {c.cuts: _simulated(cfg, c.costs, 2.0) for c in report.tried}
     report.trials = [Trial(c.cuts, c.step, doubled[c.cuts]) for c in report.tried[:3]]
     fit_compute_scale(report, cfg)
     assert report.compute_scale == pytest.approx(2.0, rel=0.05)

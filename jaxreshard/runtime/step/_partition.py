@@ -436,17 +436,20 @@ def fit_compute_scale(report: PartitionReport, config: PipelineConfig) -> None:
     trials = [t for t in report.trials if t.cuts in by_cuts and t.measured > 0]
     if not trials:
         return
+    # (each choice's schedule is the one its pipeline runs: placed by the unscaled costs)
+    schedules = {t.cuts: _schedule(config, by_cuts[t.cuts]).with_apply() for t in trials}
 
     def error(k: float) -> float:
         return sum(
-            math.log(_simulated(config, _scaled(by_cuts[t.cuts], k)) / t.measured) ** 2
+            math.log(simulate(schedules[t.cuts], _scaled(by_cuts[t.cuts], k)).makespan / t.measured)
+            ** 2
             for t in trials
         )
 
     k = min(COMPUTE_SCALES, key=error)
     report.compute_scale = k
     report.refitted = sorted(
-        ((c.cuts, _simulated(config, _scaled(c.costs, k))) for c in report.tried
+        ((c.cuts, _simulated(config, c.costs, k)) for c in report.tried
          if c.fits and c.costs is not None),
         key=lambda item: item[1],
     )  # fmt: skip
@@ -458,8 +461,10 @@ def _scaled(costs: Costs, k: float) -> Costs:
     return dataclasses.replace(costs, **{f: tuple(k * x for x in getattr(costs, f)) for f in times})
 
 
-def _simulated(config: PipelineConfig, costs: Costs) -> float:
-    return simulate(_schedule(config, costs).with_apply(), costs).makespan
+def _simulated(config: PipelineConfig, costs: Costs, k: float = 1.0) -> float:
+    """The step of the schedule `costs` place (as the runtime is given them), simulated with
+    its compute times `k`."""
+    return simulate(_schedule(config, costs).with_apply(), _scaled(costs, k)).makespan
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:

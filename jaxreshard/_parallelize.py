@@ -6,8 +6,6 @@ import collections
 import dataclasses
 import functools
 import math
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +31,8 @@ from jaxreshard._arguments import (
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard._plan import PipelinePlan
 from jaxreshard._tracebacks import api_boundary
+from jaxreshard._trials import close_entry as _close
+from jaxreshard._trials import measure_choices
 from jaxreshard.comm import Cluster
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import StepOutputs, is_array, trace_step
@@ -395,7 +395,7 @@ class Parallelized:
                                      batch_leaves, input_specs, donated)  # fmt: skip
             partition = self._partition(trace, on_ray, leaves, timer)
             if config.partition_trials > 1:  # (the chosen one's pipeline serves, if it can)
-                kept = _measure_choices(partition, config, build, leaves, not (donated or recorded))
+                kept = measure_choices(partition, config, build, leaves, not (donated or recorded))
             config = dataclasses.replace(
                 config, cuts=partition.chosen, **partition.placement_costs(config)
             )
@@ -553,144 +553,3 @@ class Parallelized:
 
 # How many argument signatures one parallelized step keeps compiled.
 MAX_COMPILED = 8
-
-
-def _measure_choices(
-    partition: Any,
-    config: PipelineConfig,
-    build: Callable[..., _Entry],
-    leaves: list[Any],
-    keep: bool,
-) -> _Entry | None:
-    """Measure the `config.partition_trials` fastest predicted choices under the memory cap,
-    side by side (each compiled, warmed by `TRIAL_WARMUP` steps, then timed in rounds; see
-    `measure`), on the call's own arguments, nothing donated, the outputs dropped. One factor
-    on compute, fitted to them (`fit_compute_scale`), predicts every choice again; if the
-    fastest of those was not measured, it joins and all are measured again. The fastest
-    measured is chosen: `partition.trials` and `partition.chosen` say so. A prediction leaves
-    out what makes an action slower in a running pipeline than its segments timed alone (its
-    fixed cost on the host, contention), and where the choices are close that decides. Every
-    measured choice's pipeline, with its own copy of the state, is alive until the choice is
-    made: under a memory cap, only as many run as fit together (their estimated peaks summed).
-    A choice that fails to compile or run is left out with a warning, unless it is the
-    prediction's own and nothing else ran. With `keep` (nothing donated or recorded, so it was
-    built as the step's own would be), the chosen one's pipeline is returned to serve the step
-    instead of compiling it again."""
-    from jaxreshard.runtime.step._partition import (
-        TRIAL_BURST,
-        TRIAL_ROUNDS,
-        TRIAL_WARMUP,
-        Trial,
-        fit_compute_scale,
-    )
-
-    running: dict[tuple[int, ...], tuple[_Entry, list[Any]]] = {}
-
-    def start(cuts: tuple[int, ...]) -> None:
-        costs = partition.placement_costs(config, cuts)
-        entry = build(dataclasses.replace(config, cuts=cuts, **costs), False, ())
-        running[cuts] = (entry, [])  # (closed by the caller, whatever happens)
-        placed = _placed(entry.pipeline, leaves)
-        running[cuts] = (entry, placed)
-        for _ in range(TRIAL_WARMUP):  # (the first compiles)
-            entry.pipeline.run(placed)
-            entry.pipeline.wait()
-
-    def measure() -> dict[tuple[int, ...], float]:
-        """Seconds per step of every running choice: the median over `TRIAL_ROUNDS` rounds, each
-        running every choice in turn for `TRIAL_BURST` steps called back to back (as a training
-        loop calls them), so that the machine's drift falls on all alike."""
-        times: dict[tuple[int, ...], list[float]] = {c: [] for c in running}
-        for _ in range(TRIAL_ROUNDS):
-            for cuts, (entry, placed) in running.items():
-                began = time.perf_counter()
-                for _ in range(TRIAL_BURST):
-                    entry.pipeline.run(placed)
-                entry.pipeline.wait()
-                times[cuts].append((time.perf_counter() - began) / TRIAL_BURST)
-        return {c: statistics.median(t) for c, t in times.items()}
-
-    began = time.perf_counter()
-    choices = {c.cuts: c for c in partition.tried}
-    held = [0]  # estimated peak bytes per device of the running choices, together
-
-    def try_start(cuts: tuple[int, ...]) -> None:
-        """Start a choice if it fits beside the running ones under the cap (they run side by
-        side, each with its own copy of the state); one that fails to compile or run is left
-        out with a warning (the others still decide)."""
-        need = max(choices[cuts].memory, default=0)
-        if partition.cap is not None and running and held[0] + need > partition.cap:
-            partition.trials_note.append(
-                f"candidates {list(cuts)} not measured: beside the others they would need "
-                f"{(held[0] + need) / 2**30:.2f} GiB per device, over the cap"
-            )
-            return
-        try:
-            start(cuts)
-        except Exception as e:  # (a trial's failure is the prediction's to absorb)
-            entry = running.pop(cuts, (None,))[0]
-            if entry is not None:
-                _close(entry)
-            if cuts == first:  # (the prediction's own: the step would fail without trials too)
-                raise
-            text = f"candidates {list(cuts)} failed to run ({type(e).__name__}: {e})"
-            partition.trials_note.append(text)
-            warnings.warn(f"partition_trials: {text}; choosing among the others", stacklevel=6)
-            return
-        held[0] += need
-
-    kept = None
-    try:
-        fitting = [c.cuts for c in partition.tried if c.fits][: config.partition_trials]
-        first = fitting[0]
-        for cuts in fitting:
-            try_start(cuts)
-        measured = measure()
-        partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
-        fit_compute_scale(partition, config)
-        if partition.refitted and partition.refitted[0][0] not in measured:
-            try_start(partition.refitted[0][0])  # (the refitted prediction's fastest)
-            if len(running) > len(measured):
-                measured = measure()  # (all again, side by side)
-                partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
-                fit_compute_scale(partition, config)  # (to the steps the report shows)
-        partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
-        kept = running.pop(partition.chosen)[0] if keep else None
-    finally:
-        for entry, _ in running.values():
-            _close(entry)
-        running.clear()  # (the placed arrays go too, even while an error is held)
-    partition.seconds += time.perf_counter() - began
-    return kept
-
-
-def _placed(pipeline: Any, leaves: list[Any]) -> list[Any]:
-    """`leaves` with the arrays the pipeline keeps (parameters, optimizer state) put where it
-    keeps them, as a training loop's later steps have them: a step given host or other-layout
-    arrays moves them first."""
-    from jaxreshard._reshard import reshard
-    from jaxreshard.runtime import current_runtime
-    from jaxreshard.runtime.ray._remote import RemoteArray
-    from jaxreshard.runtime.ray._wire import is_key
-
-    out, host_data = list(leaves), {}
-    for i, (x, where) in enumerate(zip(leaves, pipeline.placement(leaves))):
-        if where is None or not hasattr(x, "shape") or is_key(x):
-            continue
-        if isinstance(where, jax.sharding.Sharding):
-            out[i] = jax.device_put(x, where)
-        elif isinstance(x, RemoteArray):
-            out[i] = reshard(x, where)
-        else:
-            host_data[i] = (np.asarray(x), where)
-    if host_data:  # (on Ray: one call per host for all of them)
-        out_put = current_runtime().put_many(list(host_data.values()))
-        for i, array in zip(host_data, out_put):
-            out[i] = array
-    return out
-
-
-def _close(entry: _Entry) -> None:
-    close = getattr(entry.pipeline, "close", None)
-    if close is not None:
-        close()

@@ -17,6 +17,7 @@ LAYERS = [
     {"runtime"},
     {
         "_parallelize",
+        "_trials",
         "_arguments",
         "_plan",
         "_reshard",

@@ -25,7 +25,7 @@ plus their residuals times the micro-batches the schedule keeps alive there, plu
 fastest choice under the memory cap (`memory_cap_gib`, else the local device's own limit where
 JAX reports one) wins; if none fits, the error says what the least needs and what to change.
 With `partition_trials=N` > 1, the N fastest that fit are compiled and run on the first call's
-arguments (`_measure_choices` in `_parallelize.py`); one factor on compute fitted to those steps
+arguments (`measure_choices` in `_trials.py`); one factor on compute fitted to those steps
 (`fit_compute_scale`) predicts every choice again, its fastest is run too if it was not, and the
 fastest measured wins: the segments are timed alone, and a running pipeline's actions also pay
 their host's dispatch, receives and other threads. The choice, every tried one's prediction and

@@ -27,6 +27,7 @@ from jax.extend import core as jc
 
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
+from jaxreshard.frontend._typed_ops import conv_with_reduced_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,23 +135,46 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
 
 def typed_eval(closed: Any) -> Any:
     """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
-    equation's operands go through `_reconciled` first."""
-    jaxpr = closed.jaxpr
+    equation's operands go through `_reconciled` first, a convolution of a reduced weight takes
+    the rule JAX lacks (see [Note: convolutions with reduced weights]), and plain calls (`jit`:
+    `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on the step's own
+    mesh and would return its outputs unsplit. Custom derivatives are bound as they are: their
+    rules are what the gradient must follow."""
 
-    def run(*args: Any) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], mesh: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, jc.Literal) else env[v]
 
-        mesh = jax.sharding.get_abstract_mesh()  # the Explicit one the caller traces under
         for eqn in jaxpr.eqns:
-            outs = bind_equation(eqn, _reconciled([read(v) for v in eqn.invars]), mesh)
+            values = _reconciled([read(v) for v in eqn.invars])
+            body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
+            if body is not None:
+                inner = getattr(body, "jaxpr", body)
+                outs = run(inner, getattr(body, "consts", ()), values, mesh)
+            else:
+                outs = conv_with_reduced_weight(eqn, values, mesh)
+                if outs is None:
+                    outs = bind_equation(eqn, values, mesh)
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
-    return run
+    def fn(*args: Any) -> list[Any]:
+        mesh = jax.sharding.get_abstract_mesh()  # the Explicit one the caller traces under
+        return run(closed.jaxpr, closed.consts, args, mesh)
+
+    return fn
+
+
+# Calls with no rule of their own (their body is what they compute and differentiate as).
+_PLAIN_CALLS = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
 
 
 def _untyped(x: Any) -> Any:

@@ -291,9 +291,8 @@ def _ut_run(how, steps=2, **kwargs):
         backend="local",
         num_stages=2,
         num_micro_batches=4,
-        stage_mesh_shape=(2,),
         reduce_gradients=how,
-        **kwargs,
+        **{"stage_mesh_shape": (2,), **kwargs},
     )
     sgd = optax.sgd(0.1)
     step = jr.parallelize(ut.train_step(cfg, 2, sgd), config=config, batch_argnums=(2,))
@@ -326,3 +325,35 @@ def test_a_convolutional_model_sums_its_gradients_once(cpu_devices, split):
         counts = {name: _tensor_all_reduces(c.as_text()) for (name, _), c in ready}
         assert counts.pop("reduce") >= 1, counts
         assert set(counts.values()) == {0}, counts  # (forward, backward / fb, b_part, w_part)
+
+
+def test_a_stage_after_one_without_a_batch_axis_splits_its_rows_and_sums_once(cpu_devices):
+    """Stage 0's mesh (1 x 2) has no batch axis to split, and its U-Transformer activations
+    leave it whole along the rows; stage 1 (2 x 1) receives them split over `data`
+    (`split_rows`) instead of computing its whole micro-batch on both devices (JAX refused the
+    typed trace then: a replicated activation against a reduced weight), so it sums once."""
+    from jaxreshard.frontend._split import ACT
+
+    meshes = {"stage_mesh_shape": [(1, 2), (2, 1)], "mesh_axis_names": ("data", "model")}
+    pipeline = _ut_run("once", **meshes)
+    stage = pipeline.graph.loss.stages[1]
+    specs = zip(stage.inputs, pipeline.layout.input_specs[1])
+    acts = [spec for ref, spec in specs if ref.kind == ACT]
+    assert acts and all(len(spec) and spec[0] == "data" for spec in acts), acts
+    assert pipeline.layout.reductions[1] == ONCE, pipeline.layout.reductions
+
+
+def test_split_rows_splits_only_the_rows_of_a_tensor_whole_along_them():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard.runtime.step._specs import split_rows
+
+    mesh = {"data": 2, "model": 2}
+    assert split_rows(P(), mesh, (4, 8), "data", 4) == P("data", None)
+    assert split_rows(P(None, "model"), mesh, (4, 8), "data", 4) == P("data", "model")
+    assert split_rows(P("model"), mesh, (4, 8), "data", 4) == P("model")  # dim 0 already split
+    assert split_rows(P(None, "data"), mesh, (4, 8), "data", 4) == P(None, "data")
+    assert split_rows(P(), mesh, (8, 4), "data", 4) == P()  # dim 0 is not the rows
+    assert split_rows(P(), mesh, (3, 8), "data", 3) == P()  # 2 does not divide 3
+    assert split_rows(P(), {"data": 1, "model": 4}, (4, 8), "data", 4) == P()
+    assert split_rows(P(), mesh, (4, 8), None, 4) == P()

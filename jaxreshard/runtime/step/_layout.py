@@ -32,7 +32,13 @@ from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._backward import stage_acc_params
 from jaxreshard.runtime.step._programs import program_variants
-from jaxreshard.runtime.step._specs import batch_spec, spec_of, transplant_spec
+from jaxreshard.runtime.step._specs import (
+    batch_spec,
+    micro_batch_rows,
+    spec_of,
+    split_rows,
+    transplant_spec,
+)
 
 
 @dataclasses.dataclass
@@ -187,6 +193,7 @@ def layout_pipeline(
 
     out_specs: list[list[P]] = []
     input_specs: list[list[P]] = []
+    rows = micro_batch_rows(graph)
     reductions: dict[int, str] = {}
     act_spec: dict[int, P] = {}
     scale = 1.0 / m if config.loss_reduction == "mean" else 1.0
@@ -217,7 +224,8 @@ def layout_pipeline(
                     specs.append(P())
                 else:
                     what = f"boundary tensor act{ref.index} ({aval.str_short()}) entering stage {s}"
-                    specs.append(transplant_spec(act_spec[ref.index], shapes[s], aval.shape, what))
+                    spec = transplant_spec(act_spec[ref.index], shapes[s], aval.shape, what)
+                    specs.append(split_rows(spec, shapes[s], aval.shape, config.batch_axis, rows))
             input_specs.append(specs)
             reductions[s] = compilers[s].prepare(specs, scale if s == p - 1 and grads else None)
             if "forward" in variants[s] or any(r.kind == ACT for r in stage.outputs):

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import make_mesh
 from jaxreshard.comm._layout import spec_axes
+from jaxreshard.frontend._graph import BATCH
 from jaxreshard.runtime._config import PipelineConfig
 
 
@@ -61,6 +62,42 @@ def _misfit(spec: Any, mesh_shape: dict[str, int], shape: Sequence[int]) -> str 
         if shape[dim] % size:
             return f"dim {dim} (size {shape[dim]}) is not a multiple of {size}"
     return None
+
+
+def micro_batch_rows(graph: Any) -> int | None:
+    """The rows of one micro-batch (its batch inputs' size along their batch dims), or None
+    when they disagree or the loss reads no batch."""
+    rows = {
+        aval.shape[graph.feeds[ref.index].dim]
+        for stage in graph.loss.stages
+        for ref, aval in zip(stage.inputs, stage.jaxpr.in_avals)
+        if ref.kind == BATCH and len(aval.shape) > graph.feeds[ref.index].dim
+    }
+    return rows.pop() if len(rows) == 1 else None
+
+
+def split_rows(
+    spec: P,
+    mesh_shape: dict[str, int],
+    shape: Sequence[int],
+    batch_axis: str | None,
+    rows: int | None,
+) -> P:
+    """A boundary tensor's spec on the stage that receives it: `spec` (its producer's,
+    transplanted), with dim 0 split over `batch_axis` too when the receiving mesh has that axis
+    (size > 1) and `spec` neither splits dim 0 nor uses the axis, and dim 0 has the micro-batch's
+    `rows`, a multiple of the axis. A producer whose mesh has no batch axis (a tensor-parallel
+    stage) hands over tensors whole along the rows; kept so, the receiving stage would compute
+    its whole micro-batch on every device of its batch axis and could not sum its gradients
+    once (see [Note: gradients reduced once]). A spec is a layout, not a value: a dim 0 that is
+    not the rows after all costs a reshard inside the stage, never a different result."""
+    size = mesh_shape.get(batch_axis or "", 1)
+    if size <= 1 or rows is None or not shape or shape[0] != rows or rows % size:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if entries[0] is not None or any(batch_axis in spec_axes(e) for e in entries):
+        return spec
+    return P(batch_axis, *entries[1:])
 
 
 def batch_spec(

@@ -357,3 +357,90 @@ def test_split_rows_splits_only_the_rows_of_a_tensor_whole_along_them():
     assert split_rows(P(), mesh, (3, 8), "data", 3) == P()  # 2 does not divide 3
     assert split_rows(P(), {"data": 1, "model": 4}, (4, 8), "data", 4) == P()
     assert split_rows(P(), mesh, (4, 8), None, 4) == P()
+
+
+def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices):
+    """A residual block's convolutions split over `model` as the U-Transformer's are (the first
+    by output channels, the second by input channels) on a 2 x 2 mesh: the typed trace takes
+    our convolution rule (JAX's own asks for an out_sharding), the stage sums once, and the
+    step equals jax.jit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
+
+    def loss(params, batch):
+        h = jnp.tanh(conv(batch["x"], params["w1"]) + params["b1"])
+        h = jr.stage_boundary(h)
+        h = h + conv(jnp.tanh(conv(h, params["w2"])), params["w3"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    def step(params, batch):
+        value, grads = jr.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.normal(size=(3, 3, 4, 8)).astype(np.float32) * 0.2,
+        "b1": np.zeros(8, np.float32),
+        "w2": rng.normal(size=(3, 3, 8, 8)).astype(np.float32) * 0.2,
+        "w3": rng.normal(size=(3, 3, 8, 8)).astype(np.float32) * 0.2,
+    }
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    specs = {"w1": P(), "b1": P(), "w2": P(None, None, None, "model"), "w3": P(None, None, "model")}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    batch = {
+        "x": rng.normal(size=(16, 6, 6, 4)).astype(np.float32),
+        "y": rng.normal(size=(16, 6, 6, 8)).astype(np.float32),
+    }
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=2,
+        num_micro_batches=4,
+        stage_mesh_shape=(2, 2),
+        mesh_axis_names=("data", "model"),
+    )
+    pstep = jr.parallelize(step, config=config, batch_argnums=(1,))
+    pipeline = pstep.pipeline(placed, batch)
+    assert pipeline.layout.reductions[1] == ONCE, pipeline.layout.reductions
+    got, got_loss = pstep(placed, batch)
+    want, want_loss = jax.jit(step)(params, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=2e-5)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-5, atol=1e-6)
+
+
+def test_an_unaligned_reshape_of_a_model_split_dimension_is_typed_by_our_rule(cpu_devices):
+    """JAX refuses on an Explicit mesh a reshape that splits a model-split dimension into dims
+    the split does not align with (the U-Transformer's attention: 384 channels over 2 devices
+    into 3 x 2 x 64). `reshape_unaligned` gathers that group and keeps every aligned split; the
+    values are the reshape's."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard.frontend._typed_ops import reshape_unaligned
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    x = np.arange(4 * 4 * 384, dtype=np.float32).reshape(4, 4, 384)
+    closed = jax.make_jaxpr(lambda v: v.reshape(4, 4, 3, 2, 64))(x)
+    (eqn,) = closed.jaxpr.eqns
+    aligned = jax.make_jaxpr(lambda v: v.reshape(4, 4, 2, 192))(x).jaxpr.eqns[0]
+    with jax.set_mesh(mesh):
+        arg = jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
+        with pytest.raises(Exception, match="reshape is not supported"):
+            jax.jit(lambda v: v.reshape(4, 4, 3, 2, 64)).lower(arg)
+        specs = []
+
+        def typed(v, e):
+            (out,) = reshape_unaligned(e, [v])
+            specs.append(jax.typeof(out).sharding.spec)
+            return out
+
+        out = jax.jit(lambda v: typed(v, eqn))(arg)
+        jax.jit(lambda v: typed(v, aligned))(arg)
+    np.testing.assert_array_equal(np.asarray(out), x.reshape(4, 4, 3, 2, 64))
+    assert specs[0] == P("data", None, None, None, None), specs
+    assert specs[1] == P("data", None, "model", None), specs

@@ -27,7 +27,7 @@ from jax.extend import core as jc
 
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
-from jaxreshard.frontend._typed_ops import conv_with_reduced_weight
+from jaxreshard.frontend._typed_ops import conv_with_reduced_weight, reshape_unaligned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,15 @@ def typed_eval(closed: Any) -> Any:
             else:
                 outs = conv_with_reduced_weight(eqn, values, mesh)
                 if outs is None:
-                    outs = bind_equation(eqn, values, mesh)
+                    try:
+                        outs = bind_equation(eqn, values, mesh)
+                    except Exception as e:  # (JAX's ShardingTypeError)
+                        if "reshape is not supported" not in str(e):
+                            raise
+                        with jax.sharding.use_abstract_mesh(mesh):
+                            outs = reshape_unaligned(eqn, values)
+                        if outs is None:
+                            raise
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 

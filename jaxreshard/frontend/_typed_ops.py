@@ -6,16 +6,19 @@ A stage whose gradients stay unreduced is traced on an Explicit mesh with its pa
 `reduced` over the batch axes. JAX has no reduced/unreduced rule for `conv_general_dilated`
 (jax 0.10.2 and 0.12: "unreduced/reduced rule for conv_general_dilated is not implemented"), so
 a convolution's weight would make the whole stage fall back to a reduction per micro-batch.
-`conv_with_reduced_weight` is that rule for the case a data-parallel stage has: the input split
-over the reduced axes along its batch dimension only, the weight whole. Its forward is the same
-convolution of the weight as a plain replicated value (reduced is a type, not a different
-value: no communication). Its backward computes the input's cotangent as JAX does, and the
-weight's inside a `shard_map` over the mesh: each device transposes the convolution over its
-own rows and returns that term of the sum, typed `unreduced` over the axes, which is exactly
-what a reduced weight's cotangent is. No all-reduce is compiled; the accumulator sums the terms
-and the stage's `reduce` executable sums them across devices once a step. Anything else (a
-split weight, an input split on another dimension, `batch_group_count > 1`) is left to JAX,
-whose refusal the plan reports as before.
+`conv_with_reduced_weight` is that rule, for the convolutions data- and tensor-parallel stages
+have: the input split over the reduced axes along its batch dimension; the weight whole, or
+split over other (model) axes by its output channels, or by its input channels with the input's
+feature dimension split the same way (JAX asks for an `out_sharding` there even in the forward).
+The convolution runs inside a `shard_map` over the mesh. Forward: each device convolves its rows
+with its part of the weight, and a split of the input channels adds the devices' terms (`psum`
+over those axes, as the Auto program's all-reduce does). Backward: each device transposes its
+convolution; a split of the output channels adds the input cotangent's terms; the weight's
+cotangent is each device's term over its own rows, typed `unreduced` over the reduced axes,
+which is exactly what a reduced weight's cotangent is. No weight-gradient all-reduce is
+compiled; the accumulator sums the terms and the stage's `reduce` executable sums them across
+devices once a step. Anything else (split spatial dimensions, `batch_group_count > 1`, a
+grouped convolution with a split weight) is left to JAX, whose refusal the plan reports.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
@@ -56,44 +58,138 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
     params = dict(eqn.params)
     if params.get("batch_group_count", 1) != 1 or rspec.unreduced:
         return None
-    if any(_entry_axes(e) for e in rspec.partitions):
-        return None  # (a split weight: model parallelism, not this rule's)
+    dn = params["dimension_numbers"]
     axes = frozenset(rspec.reduced)
-    batch = params["dimension_numbers"].lhs_spec[0]
-    for d, entry in enumerate(lspec.partitions):
-        split = set(_entry_axes(entry))
-        if (d == batch and not split <= axes) or (d != batch and split):
-            return None
-    rank = len(jax.typeof(rhs).shape)
+    lsplit = _dim_axes(lspec, len(jax.typeof(lhs).shape))
+    rsplit = _dim_axes(rspec, len(jax.typeof(rhs).shape))
+    batch, feature, *spatial = dn.lhs_spec
+    out_f, in_f, *kernel = dn.rhs_spec
+    model_in, model_out = rsplit[in_f], rsplit[out_f]
+    if (
+        not lsplit[batch] <= axes
+        or any(lsplit[d] or rsplit[k] for d, k in zip(spatial, kernel))
+        or lsplit[feature] != model_in
+        or (model_in | model_out) & axes
+        or model_in & model_out
+        or ((model_in or model_out) and params.get("feature_group_count", 1) != 1)
+    ):
+        return None
+    out_spec = [None] * len(dn.out_spec)
+    out_spec[dn.out_spec[0]] = _entry(lspec.partitions[batch] if lsplit[batch] else None)
+    out_spec[dn.out_spec[1]] = _entry(rspec.partitions[out_f] if model_out else None)
+    x_in, w_in, y_out = _plain(lspec), _plain(rspec), P(*out_spec)
     conv = jax.lax.conv_general_dilated_p
 
     def bind(x: Any, w: Any) -> Any:
         return conv.bind(x, w, **params)
 
+    def local_forward(x: Any, w: Any) -> Any:
+        y = bind(*_varying(x, w))
+        return jax.lax.psum(y, tuple(sorted(model_in))) if model_in else y
+
+    def local_backward(x: Any, w: Any, g: Any) -> tuple[Any, Any]:
+        x, w, g = _varying(x, w, g)
+        _, vjp = jax.vjp(bind, x, w)
+        dx, dw = vjp(g)
+        if model_out:  # (each device's output channels add a term to the input's cotangent)
+            dx = jax.lax.psum(dx, tuple(sorted(model_out)))
+        return dx, jax.lax.pcast(dw, tuple(sorted(axes)), to="unreduced")
+
+    def spread(fn: Any, ins: tuple[Any, ...], outs: Any) -> Any:
+        return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs)
+
     @jax.custom_vjp
     def convolve(x: Any, w: Any) -> Any:
-        return bind(x, jax.reshard(w, _plain(rspec)))
+        return spread(local_forward, (x_in, w_in), y_out)(x, jax.reshard(w, w_in))
 
     def forward(x: Any, w: Any) -> tuple[Any, tuple[Any, Any]]:
         return convolve(x, w), (x, w)
 
     def backward(res: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
         x, w = res
-        whole = jax.reshard(w, _plain(rspec))
-        (dx,) = jax.vjp(lambda x: bind(x, whole), x)[1](g)
-
-        def local(xl: Any, gl: Any) -> Any:
-            zero = jax.lax.pcast(jnp.zeros(whole.shape, whole.dtype), tuple(axes), to="varying")
-            term = jax.vjp(lambda w: bind(xl, w), zero)[1](gl)[0]
-            return jax.lax.pcast(term, tuple(axes), to="unreduced")
-
-        dw = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(_plain(_spec(x)), _plain(_spec(g))),
-            out_specs=P(*(None,) * rank, unreduced=axes),
-        )(x, g)
-        return dx, dw
+        dw_spec = P(*w_in.partitions, unreduced=axes)
+        return spread(local_backward, (x_in, w_in, y_out), (x_in, dw_spec))(
+            x, jax.reshard(w, w_in), jax.reshard(g, y_out)
+        )
 
     convolve.defvjp(forward, backward)
     return [convolve(lhs, rhs)]
+
+
+def _varying(*xs: Any) -> list[Any]:
+    """`xs` (inside a `shard_map`) cast to vary over the same mesh axes, as JAX's convolution
+    wants its operands."""
+    vma = [_varying_axes(x) for x in xs]
+    every = frozenset().union(*vma)
+    return [
+        jax.lax.pcast(x, tuple(sorted(every - v)), to="varying") if every - v else x
+        for x, v in zip(xs, vma)
+    ]
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # (jax 0.10: ManualAxisType(varying=...))
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _dim_axes(spec: P, rank: int) -> list[frozenset[str]]:
+    """The mesh axes `spec` splits each of `rank` dims over."""
+    parts = list(spec.partitions) + [None] * (rank - len(spec.partitions))
+    return [frozenset(_entry_axes(e)) for e in parts]
+
+
+def _entry(entry: Any) -> Any:
+    return tuple(entry) if isinstance(entry, list) else entry
+
+
+def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
+    """A `reshape` JAX refuses on an Explicit mesh ("This reshape is not supported"): each
+    split input dimension keeps its split on the output dimension it becomes the major part
+    of, where that dimension's size divides by it; an unaligned one is gathered (the Auto
+    program moves the same data). None where `eqn` is not such a reshape."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return None
+    (x,) = values[:1]
+    spec = _spec(x)
+    if spec is None:
+        return None
+    shape = tuple(jax.typeof(x).shape)
+    new = tuple(eqn.params["new_sizes"])
+    parts = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
+    out: list[Any] = [None] * len(new)
+    if 0 in shape:
+        return None
+    # Walk both shapes, pairing groups of dims whose products agree.
+    i = j = 0
+    while i < len(shape) and j < len(new):
+        gi, gj = [i], [j]
+        pi, pj = shape[i], new[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= shape[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= new[j]
+        split = [(d, parts[d]) for d in gi if parts[d] is not None]
+        if len(split) == 1 and split[0][0] == gi[0]:
+            entry = split[0][1]
+            size = _axes_size(entry)
+            if new[gj[0]] % size == 0 and (len(gi) == 1 or len(gj) == 1):
+                out[gj[0]] = entry
+        i += 1
+        j += 1
+    return [jax.lax.reshape(x, new, out_sharding=P(*out))]
+
+
+def _axes_size(entry: Any) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1
+    for a in _entry_axes(entry):
+        size *= mesh.shape[a]
+    return size

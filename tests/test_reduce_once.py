@@ -444,3 +444,33 @@ def test_an_unaligned_reshape_of_a_model_split_dimension_is_typed_by_our_rule(cp
     np.testing.assert_array_equal(np.asarray(out), x.reshape(4, 4, 3, 2, 64))
     assert specs[0] == P("data", None, None, None, None), specs
     assert specs[1] == P("data", None, "model", None), specs
+
+
+def test_the_convolution_rule_refuses_rows_whole_over_a_reduced_axis(cpu_devices):
+    """An input not split over the reduced axis would give every device the whole weight
+    gradient as its term, summed once per device: the rule leaves it to JAX (which refuses),
+    and takes the split one."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxreshard.frontend._typed_ops import conv_with_reduced_weight
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+    x = np.ones((4, 6, 6, 3), np.float32)
+    w = np.ones((3, 3, 3, 5), np.float32)
+    fn = lambda a, b: jax.lax.conv_general_dilated(
+        a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    (eqn,) = jax.make_jaxpr(fn)(x, w).jaxpr.eqns
+    taken = []
+
+    def typed(a, b):
+        b = jax.reshard(b, P(reduced={"data"}))
+        taken.append(conv_with_reduced_weight(eqn, [a, b], jax.sharding.get_abstract_mesh()))
+        return a
+
+    with jax.set_mesh(mesh):
+        for spec in (P(), P("data")):
+            arg = jax.device_put(x, NamedSharding(mesh, spec))
+            jax.jit(typed).lower(arg, jax.device_put(w, NamedSharding(mesh, P())))
+    assert taken[0] is None and taken[1] is not None, taken

@@ -7,7 +7,9 @@ A stage whose gradients stay unreduced is traced on an Explicit mesh with its pa
 (jax 0.10.2 and 0.12: "unreduced/reduced rule for conv_general_dilated is not implemented"), so
 a convolution's weight would make the whole stage fall back to a reduction per micro-batch.
 `conv_with_reduced_weight` is that rule, for the convolutions data- and tensor-parallel stages
-have: the input split over the reduced axes along its batch dimension; the weight whole, or
+have: the input split over exactly the reduced axes along its batch dimension (an input whole
+over one of them would make every device's term the whole gradient, counted once per device:
+JAX refuses that case for its own ops, and so do we); the weight whole, or
 split over other (model) axes by its output channels, or by its input channels with the input's
 feature dimension split the same way (JAX asks for an `out_sharding` there even in the forward).
 The convolution runs inside a `shard_map` over the mesh. Forward: each device convolves its rows
@@ -66,7 +68,7 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
     out_f, in_f, *kernel = dn.rhs_spec
     model_in, model_out = rsplit[in_f], rsplit[out_f]
     if (
-        not lsplit[batch] <= axes
+        lsplit[batch] != axes  # (rows whole over a reduced axis: each device's term is all)
         or any(lsplit[d] or rsplit[k] for d, k in zip(spatial, kernel))
         or lsplit[feature] != model_in
         or (model_in | model_out) & axes

@@ -24,10 +24,16 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jc
+from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
-from jaxreshard.frontend._typed_ops import conv_with_reduced_weight, reshape_unaligned
+from jaxreshard.frontend._typed_ops import (
+    conv_with_reduced_weight,
+    on_refusal,
+    plain,
+    typed_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +95,6 @@ def _differentiated(stage: Stage) -> list[int]:
     return [i for i, ref in enumerate(stage.outputs) if ref.kind != OUT]
 
 
-def plain(spec: Any) -> Any:
-    """A PartitionSpec without `reduced`/`unreduced` axes."""
-    return spec.update(reduced=frozenset(), unreduced=frozenset())
-
-
-def _spec(x: Any) -> Any:
-    try:
-        return jax.typeof(x).sharding.spec
-    except (AttributeError, TypeError):  # a Python or NumPy scalar
-        return None
-
-
 def _split_over(spec: Any) -> set[str]:
     """The mesh axes a PartitionSpec splits some dimension over."""
     return {a for e in spec.partitions for a in ((e,) if isinstance(e, str) else e or ())}
@@ -116,7 +110,7 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
     (broadcast) shape is split over widened and resharded to that operand's spec: JAX refuses
     to mix the two (a bias added to a batch-split activation), and the slice transposes to the
     partial sum the parameter's gradient wants."""
-    specs = [_spec(v) for v in values]
+    specs = [typed_spec(v) for v in values]
     out = list(values)
     for i, (v, spec) in enumerate(zip(values, specs)):
         if spec is None or not spec.reduced:
@@ -136,7 +130,9 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
 def typed_eval(closed: Any) -> Any:
     """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
     equation's operands go through `_reconciled` first, a convolution of a reduced weight takes
-    the rule JAX lacks (see [Note: convolutions with reduced weights]), and plain calls (`jit`:
+    the rule JAX lacks (see [Note: convolutions with reduced weights]), so does a gather by split
+    indices, ops JAX refuses only on an Explicit mesh take the rules of [Note: refusals an
+    Explicit mesh adds], and plain calls (`jit`:
     `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on the step's own
     mesh and would return its outputs unsplit. Custom derivatives are bound as they are: their
     rules are what the gradient must follow."""
@@ -150,20 +146,23 @@ def typed_eval(closed: Any) -> Any:
 
         for eqn in jaxpr.eqns:
             values = _reconciled([read(v) for v in eqn.invars])
+            if eqn.primitive.name == "select_n":
+                values = _select_like_cases(values)
             body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
             if body is not None:
                 inner = getattr(body, "jaxpr", body)
                 outs = run(inner, getattr(body, "consts", ()), values, mesh)
+            elif _meshless_reshard(eqn):
+                outs = values
             else:
+                eqn = _on_stage_mesh(eqn)
                 outs = conv_with_reduced_weight(eqn, values, mesh)
                 if outs is None:
                     try:
                         outs = bind_equation(eqn, values, mesh)
                     except Exception as e:  # (JAX's ShardingTypeError)
-                        if "reshape is not supported" not in str(e):
-                            raise
                         with jax.sharding.use_abstract_mesh(mesh):
-                            outs = reshape_unaligned(eqn, values)
+                            outs = on_refusal(eqn, values, e)
                         if outs is None:
                             raise
             env.update(zip(eqn.outvars, outs))
@@ -174,6 +173,50 @@ def typed_eval(closed: Any) -> Any:
         return run(closed.jaxpr, closed.consts, args, mesh)
 
     return fn
+
+
+def _select_like_cases(values: Sequence[Any]) -> list[Any]:
+    """A `select_n`'s operands laid out alike: each dimension split as the first operand that
+    splits it (JAX asks for one sharding on an Explicit mesh; the user's trace, made on no
+    mesh, had no reason to)."""
+    shape = jax.typeof(values[-1]).shape
+    specs = [typed_spec(v) if jax.typeof(v).shape else None for v in values]
+    if any(s is not None and (s.reduced or s.unreduced) for s in specs):
+        return list(values)
+    known = [s for s in specs if s is not None]
+    if len({tuple(s) for s in known}) < 2:
+        return list(values)
+    merged: list[Any] = []
+    used: set[str] = set()
+    for d in range(len(shape)):
+        entry = next((s[d] for s in known if d < len(s) and s[d] is not None), None)
+        axes = {entry} if isinstance(entry, str) else set(entry or ())
+        merged.append(None if axes & used else entry)
+        used |= axes
+    want = P(*merged)
+    return [v if s is None or s == want else jax.reshard(v, want) for v, s in zip(values, specs)]
+
+
+def _on_stage_mesh(eqn: Any) -> Any:
+    """`eqn` with the output shardings it names on no mesh (a constant broadcast in the user's
+    trace, made with no mesh set) left to the typed trace to infer, as the stage's own mesh
+    leaves them."""
+    meshless = {
+        k: None
+        for k in ("sharding", "out_sharding")
+        if getattr(getattr(eqn.params.get(k), "mesh", None), "axis_names", True) == ()
+    }
+    return eqn.replace(params={**eqn.params, **meshless}) if meshless else eqn
+
+
+def _meshless_reshard(eqn: Any) -> bool:
+    """A `reshard` the user's trace made with no mesh set (JAX's random draws and `where` make
+    them): nothing on the stage's own mesh, and bound on an Explicit one it would type its
+    output on no mesh at all, so the typed trace passes its operand through."""
+    if eqn.primitive.name != "reshard":
+        return False
+    mesh = getattr(eqn.params.get("dst_sharding"), "mesh", None)
+    return mesh is not None and not mesh.axis_names
 
 
 # Calls with no rule of their own (their body is what they compute and differentiate as).

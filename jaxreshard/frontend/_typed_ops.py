@@ -21,6 +21,22 @@ which is exactly what a reduced weight's cotangent is. No weight-gradient all-re
 compiled; the accumulator sums the terms and the stage's `reduce` executable sums them across
 devices once a step. Anything else (split spatial dimensions, `batch_group_count > 1`, a
 grouped convolution with a split weight) is left to JAX, whose refusal the plan reports.
+
+[Note: refusals an Explicit mesh adds]
+Tracing a stage on an Explicit mesh also meets ops that JAX refuses there but compiles on the
+stage's own (Auto) mesh, whatever the parameters' types. Each rule below gives what the Auto
+program computes, laid out as it would be:
+- a matmul contracting dimensions split over the same axes ("Contracting dimensions are sharded
+  ... specify the output sharding": the row-parallel projection of a tensor-parallel layer):
+  bound again with the output split as its operands' other dimensions are, which sums the
+  devices' terms over the contracted axes (the Auto program's all-reduce);
+- a gather whose indices are split ("Use `.at[...].get(out_sharding=)`": an embedding lookup of
+  a data-split batch): a `shard_map` in which each device looks up its own rows in its copy of
+  the table; its backward scatters the rows' cotangents into a term of the table's gradient.
+  The terms are summed over the indices' axes (the Auto program's all-reduce), except those a
+  `reduced` table is reduced over: there the term is typed `unreduced`, as the convolution
+  rule's is (the indices must be split over every reduced axis, for the same reason);
+- a reshape that is not aligned with its input's splits (`reshape_unaligned`).
 """
 
 from __future__ import annotations
@@ -32,7 +48,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 
-def _spec(x: Any) -> Any:
+def typed_spec(x: Any) -> Any:
+    """`x`'s PartitionSpec in a typed trace; None for a Python or NumPy scalar."""
     try:
         return jax.typeof(x).sharding.spec
     except (AttributeError, TypeError):
@@ -43,7 +60,8 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def _plain(spec: P) -> P:
+def plain(spec: P) -> P:
+    """A PartitionSpec without `reduced`/`unreduced` axes."""
     return spec.update(reduced=frozenset(), unreduced=frozenset())
 
 
@@ -54,7 +72,7 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
     if eqn.primitive.name != "conv_general_dilated" or len(values) != 2:
         return None
     lhs, rhs = values
-    lspec, rspec = _spec(lhs), _spec(rhs)
+    lspec, rspec = typed_spec(lhs), typed_spec(rhs)
     if lspec is None or rspec is None or not rspec.reduced or lspec.reduced or lspec.unreduced:
         return None
     params = dict(eqn.params)
@@ -79,7 +97,7 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
     out_spec = [None] * len(dn.out_spec)
     out_spec[dn.out_spec[0]] = _entry(lspec.partitions[batch] if lsplit[batch] else None)
     out_spec[dn.out_spec[1]] = _entry(rspec.partitions[out_f] if model_out else None)
-    x_in, w_in, y_out = _plain(lspec), _plain(rspec), P(*out_spec)
+    x_in, w_in, y_out = plain(lspec), plain(rspec), P(*out_spec)
     conv = jax.lax.conv_general_dilated_p
 
     def bind(x: Any, w: Any) -> Any:
@@ -116,6 +134,208 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
 
     convolve.defvjp(forward, backward)
     return [convolve(lhs, rhs)]
+
+
+def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[Any] | None:
+    """`eqn`, a `gather` JAX refused on an Explicit mesh, bound to `values` in a `shard_map`
+    (see [Note: refusals an Explicit mesh adds]); None where the rule does not apply."""
+    if eqn.primitive.name != "gather" or len(values) != 2:
+        return None
+    table, idx = values
+    tspec, ispec = typed_spec(table), typed_spec(idx)
+    if tspec is None or ispec is None or tspec.unreduced or ispec.reduced or ispec.unreduced:
+        return None
+    params = dict(eqn.params)
+    dn = params["dimension_numbers"]
+    mode = params.get("mode")
+    mode_name = getattr(mode, "name", str(mode))
+    if mode_name not in ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
+        return None
+    shape = tuple(jax.typeof(table).shape)
+    trank, irank = len(shape), len(jax.typeof(idx).shape)
+    tsplit, isplit = _dim_axes(tspec, trank), _dim_axes(ispec, irank)
+    tbatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
+    collapsed, index_map = set(dn.collapsed_slice_dims), tuple(dn.start_index_map)
+    sizes = list(params["slice_sizes"])
+    by_index = tuple(d for d in index_map if tsplit[d])  # (dims looked up across devices)
+    rows = frozenset().union(*(isplit[d] for d in range(irank - 1) if d not in ibatch))
+    looked_up = frozenset().union(*(tsplit[d] for d in by_index))
+    reduced = frozenset(tspec.reduced)
+    if (
+        isplit[-1]  # (the index vector itself split)
+        or any(tsplit[a] != isplit[b] for a, b in zip(tbatch, ibatch))
+        or not reduced <= rows  # (rows whole over a reduced axis: each device's term is all)
+        or frozenset().union(*tsplit) & rows
+        or any(sizes[d] != 1 or d not in collapsed for d in by_index)
+        or any(
+            tsplit[d] and d not in by_index + tbatch and sizes[d] != shape[d] for d in range(trank)
+        )
+        or any(d in collapsed and tsplit[d] and d not in by_index for d in range(trank))
+    ):
+        return None
+    offsets = iter(d for d in range(trank) if d not in collapsed and d not in tbatch)
+    batch = iter(range(irank - 1))
+    out_spec: list[Any] = []
+    for o in range(irank - 1 + trank - len(collapsed) - len(tbatch)):
+        spec, d = (tspec, next(offsets)) if o in dn.offset_dims else (ispec, next(batch))
+        out_spec.append(_entry(spec.partitions[d]) if d < len(spec.partitions) else None)
+    local = dict(params)
+    local["slice_sizes"] = tuple(
+        size if d in by_index + tbatch else size // _mesh_size(mesh, tsplit[d])
+        for d, size in enumerate(sizes)
+    )
+    t_in, i_in, y_out = plain(tspec), plain(ispec), P(*out_spec)
+    summed = tuple(sorted(rows - reduced))
+    fill = params.get("fill_value")
+
+    def core(t: Any, i: Any) -> tuple[Any, Any]:
+        """This device's part of the lookup, and where it holds the rows looked up."""
+        mine = jax.numpy.ones(i.shape[:-1], bool)
+        columns = []
+        for k, d in enumerate(index_map):
+            column = i[..., k]
+            if d in by_index:
+                if mode_name == "CLIP":
+                    column = jax.numpy.clip(column, 0, shape[d] - 1)
+                n = shape[d] // _mesh_size(mesh, tsplit[d])
+                column = column - jax.lax.axis_index(_ordered_axes(tsplit[d], tspec)) * n
+                here = (column >= 0) & (column < n)
+                mine = mine & here
+                column = jax.numpy.where(here, column, 0)
+            columns.append(column)
+        y = eqn.primitive.bind(t, jax.numpy.stack(columns, -1), **local)
+        return y, jax.numpy.expand_dims(mine, tuple(dn.offset_dims))
+
+    def in_bounds(i: Any) -> Any:
+        ok = jax.numpy.ones(i.shape[:-1], bool)
+        for k, d in enumerate(index_map):
+            if d in by_index:
+                ok = ok & (i[..., k] >= 0) & (i[..., k] < shape[d])
+        return jax.numpy.expand_dims(ok, tuple(dn.offset_dims))
+
+    def masked(t: Any, i: Any) -> Any:
+        y, ok = core(t, i)
+        return jax.numpy.where(ok, y, jax.numpy.zeros((), y.dtype))
+
+    def local_forward(t: Any, i: Any) -> Any:
+        given = i
+        t, i = _varying(t, i)
+        if not by_index:
+            return eqn.primitive.bind(t, i, **local)
+        y = jax.lax.psum(masked(t, i), tuple(sorted(looked_up)))
+        if mode_name == "FILL_OR_DROP":  # (out of bounds: the fill value, as JAX's gather)
+            value = _fill_value(y.dtype) if fill is None else fill
+            y = jax.numpy.where(in_bounds(given), y, jax.numpy.asarray(value, y.dtype))
+        return y
+
+    def local_backward(t: Any, i: Any, g: Any) -> Any:
+        t, i, g = _varying(t, i, g)
+        fn = (lambda t: masked(t, i)) if by_index else (lambda t: eqn.primitive.bind(t, i, **local))
+        _, vjp = jax.vjp(fn, t)
+        (dt,) = vjp(g)
+        dt = jax.lax.psum(dt, summed) if summed else dt
+        return jax.lax.pcast(dt, tuple(sorted(reduced)), to="unreduced") if reduced else dt
+
+    def spread(fn: Any, ins: tuple[Any, ...], outs: Any) -> Any:
+        return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs)
+
+    @jax.custom_vjp
+    def look_up(t: Any, i: Any) -> Any:
+        return spread(local_forward, (t_in, i_in), y_out)(jax.reshard(t, t_in), i)
+
+    def forward(t: Any, i: Any) -> tuple[Any, tuple[Any, Any]]:
+        return look_up(t, i), (t, i)
+
+    def backward(res: tuple[Any, Any], g: Any) -> tuple[Any, None]:
+        t, i = res
+        dt_spec = P(*t_in.partitions, unreduced=reduced)
+        dt = spread(local_backward, (t_in, i_in, y_out), dt_spec)(
+            jax.reshard(t, t_in), i, jax.reshard(g, y_out)
+        )
+        return dt, None
+
+    look_up.defvjp(forward, backward)
+    return [look_up(table, idx)]
+
+
+def _fill_value(dtype: Any) -> Any:
+    """What JAX's gather fills out-of-bounds lookups with when given no fill value."""
+    if jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        return jax.numpy.nan
+    if jax.numpy.issubdtype(dtype, jax.numpy.signedinteger):
+        return jax.numpy.iinfo(dtype).min
+    if jax.numpy.issubdtype(dtype, jax.numpy.unsignedinteger):
+        return jax.numpy.iinfo(dtype).max
+    return True
+
+
+def _ordered_axes(axes: frozenset[str], spec: P) -> Any:
+    """`axes` as `spec` names them (a split over several axes is major first)."""
+    order = _ordered(axes, spec)
+    return order[0] if len(order) == 1 else tuple(order)
+
+
+def dot_contracting_split(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
+    """A `dot_general` JAX refuses on an Explicit mesh because both operands split a contracted
+    dimension: bound with the output split as the operands' other dimensions are (the split
+    contracted axes summed, as the Auto program does). None where `eqn` is not such a matmul.
+    Call under the stage's abstract mesh."""
+    if eqn.primitive.name != "dot_general" or len(values) != 2:
+        return None
+    lhs, rhs = values
+    lspec, rspec = typed_spec(lhs), typed_spec(rhs)
+    if lspec is None or rspec is None:
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = len(jax.typeof(lhs).shape), len(jax.typeof(rhs).shape)
+    lsplit, rsplit = _dim_axes(lspec, lrank), _dim_axes(rspec, rrank)
+    lfree = [d for d in range(lrank) if d not in set(lc) | set(lb)]
+    rfree = [d for d in range(rrank) if d not in set(rc) | set(rb)]
+    dims = [lsplit[a] or rsplit[b] for a, b in zip(lb, rb)]
+    dims += [lsplit[d] for d in lfree] + [rsplit[d] for d in rfree]
+    used: set[str] = set()
+    out: list[Any] = []
+    for split in dims:  # (a mesh axis splits one output dimension at most: the first keeps it)
+        kept = tuple(a for a in _ordered(split, lspec, rspec) if a not in used)
+        used.update(kept)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return [
+        jax.lax.dot_general(
+            lhs,
+            rhs,
+            eqn.params["dimension_numbers"],
+            precision=eqn.params.get("precision"),
+            preferred_element_type=eqn.params.get("preferred_element_type"),
+            out_sharding=P(*out),
+        )
+    ]
+
+
+def _ordered(axes: frozenset[str], *specs: P) -> list[str]:
+    """`axes` in the order the specs name them (a split over several axes is major first)."""
+    order = [a for spec in specs for e in spec.partitions for a in _entry_axes(e)]
+    return sorted(axes, key=lambda a: order.index(a) if a in order else len(order))
+
+
+def on_refusal(eqn: Any, values: Sequence[Any], error: Exception) -> list[Any] | None:
+    """The rule for an equation JAX refused on an Explicit mesh with `error`, bound to
+    `values` (see [Note: refusals an Explicit mesh adds]); None where none applies. Call under
+    the stage's abstract mesh."""
+    text = str(error)
+    if "reshape is not supported" in text:
+        return reshape_unaligned(eqn, values)
+    if "Contracting dimensions are sharded" in text:
+        return dot_contracting_split(eqn, values)
+    if eqn.primitive.name == "gather":
+        return gather_by_split_indices(eqn, values, jax.sharding.get_abstract_mesh())
+    return None
+
+
+def _mesh_size(mesh: Any, axes: frozenset[str]) -> int:
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
 
 
 def _varying(*xs: Any) -> list[Any]:
@@ -155,7 +375,7 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
         return None
     (x,) = values[:1]
-    spec = _spec(x)
+    spec = typed_spec(x)
     if spec is None:
         return None
     shape = tuple(jax.typeof(x).shape)

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
-from jaxreshard.frontend._backward import StageBackward, derive_backward, plain
+from jaxreshard.frontend._backward import StageBackward, derive_backward
 from jaxreshard.frontend._split import PARAM, StepGraph
+from jaxreshard.frontend._typed_ops import plain
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._around import quiet_donation
 from jaxreshard.runtime.step._backward import backward_functions, fan_in, stage_acc_params
@@ -450,6 +451,8 @@ class StageCompiler(StageFunctions):
 
         def on_mesh(struct: Any) -> Any:
             sharding = struct.sharding
+            if sharding is None:  # (JAX typed no sharding: XLA's choice, as on the plain path)
+                return None
             spec = sharding.spec
             if spec.unreduced or spec.reduced:
                 return sharding

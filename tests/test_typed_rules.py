@@ -1,0 +1,220 @@
+"""The rules the typed (Explicit-mesh) trace of a stage that sums its gradients once takes for
+ops JAX refuses there (see [Note: refusals an Explicit mesh adds]): each gives the values and
+gradients JAX gives on a mesh it does not refuse, and leaves a `reduced` table's gradient
+`unreduced`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxreshard.frontend._backward import typed_eval
+from jaxreshard.frontend._typed_ops import dot_contracting_split, gather_by_split_indices
+
+
+def _explicit_mesh():
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def _only(fn, *args):
+    (eqn,) = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name != "pjit"]
+    return eqn
+
+
+def _gather_eqn(fn, table, idx):
+    """The `gather` of `fn`, as a stage's jaxpr (traced with no mesh) holds it."""
+    closed = jax.make_jaxpr(fn)(table, idx)
+    (body,) = [e.params["jaxpr"] for e in closed.jaxpr.eqns]
+    (eqn,) = [e for e in body.jaxpr.eqns if e.primitive.name == "gather"]
+    return eqn
+
+
+def _check_gather(fn, table, idx, tspec, ispec, reduced=False):
+    """Values and the table's gradient of `fn` traced typed on the 2 x 2 Explicit mesh (where
+    JAX refuses its gather and the rule takes it), against `fn` and its gradient with no
+    mesh."""
+    typed = typed_eval(jax.make_jaxpr(fn)(table, idx))
+    cot = np.random.default_rng(1).normal(size=np.shape(fn(table, idx))).astype(np.float32)
+    want = np.asarray(fn(table, idx))
+    want_grad = np.asarray(jax.grad(lambda t: jnp.sum(jnp.nan_to_num(fn(t, idx)) * cot))(table))
+    mesh = _explicit_mesh()
+    with jax.set_mesh(mesh):
+        specs = {}
+
+        def through_rule(t, i):
+            (y,) = typed(t, i)
+            return y
+
+        def loss(t, i, c):
+            return jnp.sum(jnp.nan_to_num(through_rule(t, i)) * c)
+
+        def grad(t, i, c):
+            if reduced:  # (cast before differentiating, as a stage's parameters are)
+                t = jax.reshard(t, tspec.update(reduced={"data"}))
+            g = jax.grad(loss)(t, i, c)
+            specs["grad"] = jax.typeof(g).sharding.spec
+            return jax.reshard(g, tspec) if reduced else g
+
+        t = jax.device_put(table, NamedSharding(mesh, tspec))
+        i = jax.device_put(idx, NamedSharding(mesh, ispec))
+        with pytest.raises(Exception, match=r"out_sharding|dangerous"):
+            jax.jit(fn).lower(t, i)  # (JAX's own refusal)
+        got = jax.jit(through_rule)(t, i)
+        c = jax.device_put(cot, NamedSharding(mesh, jax.typeof(got).sharding.spec))
+        got_grad = jax.jit(grad)(t, i, c)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-5, atol=1e-6)
+    return specs
+
+
+TABLE = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+IDX = np.array([[0, 3, 15, 8, 7], [1, 9, 2, 14, 6], [5, 5, 12, 0, 11], [13, 4, 10, 3, 8]])
+
+
+@pytest.mark.parametrize("tspec", [P(), P("model", None), P(None, "model")], ids=str)
+@pytest.mark.parametrize("mode", ["fill", "clip", "wrap"])
+def test_an_embedding_lookup_by_split_tokens_equals_jax(cpu_devices, tspec, mode):
+    """Rows split over `data`; the table whole, vocabulary-parallel (each `model` device holds
+    a block of rows: masked lookups summed), or split by features."""
+    idx = IDX.astype(np.int32)
+    if mode != "wrap":  # (out of bounds: NaN for `fill`, the edge row for `clip`)
+        idx = idx.copy()
+        idx[0, 1], idx[2, 3] = 16, -3
+    fn = lambda t, i: jnp.take(t, i, axis=0, mode=mode)
+    _check_gather(fn, TABLE, idx, tspec, P("data", None))
+
+
+@pytest.mark.parametrize("tspec", [P(), P("model", None)], ids=str)
+def test_a_reduced_table_gets_an_unreduced_gradient(cpu_devices, tspec):
+    """A parameter typed `reduced` over `data`: the lookup's gradient is each device's term,
+    `unreduced` over `data` (no all-reduce); summed it is JAX's."""
+    fn = lambda t, i: jnp.take(t, i, axis=0)
+    specs = _check_gather(fn, TABLE, IDX.astype(np.int32), tspec, P("data", None), reduced=True)
+    assert specs["grad"].unreduced == frozenset({"data"}), specs
+
+
+def test_a_label_lookup_in_vocabulary_parallel_logits_equals_jax(cpu_devices):
+    """`take_along_axis` over split logits (batching dims split like the labels, the
+    vocabulary over `model`): cross-entropy's gather."""
+    logits = np.random.default_rng(2).normal(size=(4, 6, 16)).astype(np.float32)
+    labels = np.random.default_rng(3).integers(0, 16, size=(4, 6, 1)).astype(np.int32)
+    fn = lambda t, i: jnp.take_along_axis(t, i, axis=-1)
+    _check_gather(fn, logits, labels, P("data", None, "model"), P("data", None, None))
+
+
+def test_the_gather_rule_refuses_rows_whole_over_a_reduced_axis(cpu_devices):
+    eqn = _gather_eqn(lambda t, i: jnp.take(t, i, axis=0), TABLE, IDX.astype(np.int32))
+    taken = []
+
+    def typed(t, i):
+        i = i[..., None]
+        t = jax.reshard(t, P(None, None, reduced={"data"}))
+        taken.append(gather_by_split_indices(eqn, [t, i], jax.sharding.get_abstract_mesh()))
+        return i
+
+    mesh = _explicit_mesh()
+    with jax.set_mesh(mesh):
+        for spec in (P(), P("model", None), P("data", None)):
+            i = jax.device_put(IDX.astype(np.int32), NamedSharding(mesh, spec))
+            jax.jit(typed).lower(jax.device_put(TABLE, NamedSharding(mesh, P())), i)
+    assert taken[0] is None and taken[1] is None and taken[2] is not None, taken
+
+
+def test_a_row_parallel_matmul_sums_the_contracted_split(cpu_devices):
+    """x (rows over `data`, features over `model`) @ w (rows over `model`): JAX asks for an
+    out_sharding on an Explicit mesh; the rule gives the sum, split by rows, and the reduced
+    weight's gradient unreduced over `data`."""
+    x = np.random.default_rng(4).normal(size=(8, 6)).astype(np.float32)
+    w = np.random.default_rng(5).normal(size=(6, 4)).astype(np.float32)
+    eqn = _only(lambda a, b: a @ b, x, w)
+    mesh = _explicit_mesh()
+    seen = {}
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+        ws = jax.device_put(w, NamedSharding(mesh, P("model", None)))
+        with pytest.raises(Exception, match="Contracting dimensions are sharded"):
+            jax.jit(lambda a, b: a @ b).lower(xs, ws)
+
+        def loss(b, a):
+            (y,) = dot_contracting_split(eqn, [a, b])
+            seen["y"] = jax.typeof(y).sharding.spec
+            return jnp.sum(y**2)
+
+        def grad(b, a):
+            b = jax.reshard(b, P("model", None, reduced={"data"}))
+            g = jax.grad(loss)(b, a)
+            seen["grad"] = jax.typeof(g).sharding.spec
+            return jax.reshard(g, P("model", None))
+
+        got = jax.jit(grad)(ws, xs)
+    want = jax.grad(lambda b: jnp.sum((x @ b) ** 2))(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    assert seen["y"] == P("data", None), seen
+    assert seen["grad"].unreduced == frozenset({"data"}), seen
+
+
+# -- whole stages ---------------------------------------------------------------------------------
+
+ONCE = "once per step, over data"
+
+
+def test_a_tensor_parallel_gpt_sums_its_gradients_once(cpu_devices):
+    """The shipped GPT with Megatron-style weights (vocabulary-parallel embedding and logits,
+    column- then row-parallel matmuls) on two 2 x 2 stages: the typed traces take the gather
+    and matmul rules, both stages sum over `data` once (the tied embedding keeps its
+    per-micro-batch sum), and the step equals jax.jit."""
+    import optax
+
+    import jaxreshard as jr
+    from jaxreshard.models import gpt
+
+    cfg = gpt.GPTConfig(vocab=64, seq=16, hidden=32, layers=2, heads=2)
+    sgd = optax.sgd(0.1)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    params, opt_state = gpt.init_state(cfg, optimizer=sgd)
+    placed = jax.tree.map(
+        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+        params,
+        gpt.param_specs(cfg),
+    )
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=2,
+        num_micro_batches=4,
+        stage_mesh_shape=(2, 2),
+        mesh_axis_names=("data", "model"),
+    )
+    step = jr.parallelize(gpt.train_step(cfg, 2, sgd), config=config, batch_argnums=(2,))
+    batch = gpt.synthetic_batch(cfg, 16, 0)
+    reductions = step.pipeline(placed, opt_state, batch).layout.reductions
+    shared = f"{ONCE} (the 1 shared with other stages: every micro-batch)"
+    assert reductions == {0: shared, 1: shared}, reductions
+    got, _, got_loss = step(placed, opt_state, batch)
+    want, _, want_loss = jax.jit(gpt.train_step(cfg, 2, sgd))(params, opt_state, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_a_flax_nnx_lm_with_dropout_sums_its_gradients_once(cpu_devices):
+    """Flax NNX: the embedding's lookup by data-split tokens (the gather rule), dropout's
+    random draws and `where` (traced with no mesh: their reshards pass through, the mask is
+    laid out as the activations). Both stages sum once, and three AdamW steps equal jax.jit."""
+    nnx = pytest.importorskip("flax.nnx")
+    import optax
+    from test_libraries import NNXLM, assert_same, config, nnx_step, run, three_batches
+
+    import jaxreshard as jr
+
+    model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adamw(1e-2)
+    train = nnx_step(graphdef, tx)
+    state = (params, rest, tx.init(params))
+    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 1)), batch_argnums=(3,))
+    reductions = step.pipeline(*state, three_batches()[0]).layout.reductions
+    shared = f"{ONCE} (the 1 shared with other stages: every micro-batch)"
+    assert reductions == {0: shared, 1: shared}, reductions
+    assert_same(run(step, state, three_batches()), run(jax.jit(train), state, three_batches()))

@@ -218,3 +218,37 @@ def test_a_flax_nnx_lm_with_dropout_sums_its_gradients_once(cpu_devices):
     shared = f"{ONCE} (the 1 shared with other stages: every micro-batch)"
     assert reductions == {0: shared, 1: shared}, reductions
     assert_same(run(step, state, three_batches()), run(jax.jit(train), state, three_batches()))
+
+
+def test_a_matmul_split_on_one_side_slices_the_other_instead_of_gathering_a_weight(cpu_devices):
+    """x whole over `model` @ w split by rows over `model`: JAX on an Explicit mesh may gather
+    w (it did in GPT's typed stage: a weight all-gather every micro-batch); the rule slices x
+    (no transfer) and sums the products, as the Auto program does. Values and the gradients of
+    both equal JAX's."""
+    import re
+
+    from jaxreshard.frontend._typed_ops import dot_split_on_one_side
+
+    x = np.random.default_rng(6).normal(size=(8, 6)).astype(np.float32)
+    w = np.random.default_rng(7).normal(size=(6, 4)).astype(np.float32)
+    eqn = _only(lambda a, b: a @ b, x, w)
+    mesh = _explicit_mesh()
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P("model", None)))
+        gathers = lambda fn: len(
+            re.findall(r" all-gather(-start)?\(", fn.lower(xs, ws).compile().as_text())
+        )
+
+        def loss(a, b):
+            (y,) = dot_split_on_one_side(eqn, [a, b])
+            return jnp.sum(jnp.sin(y))
+
+        rule = jax.jit(lambda a, b: dot_split_on_one_side(eqn, [a, b])[0])
+        assert gathers(rule) == 0
+        got = rule(xs, ws)
+        got_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+    np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-6)
+    want = jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ b)), argnums=(0, 1))(x, w)
+    for g, r in zip(got_grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)

@@ -30,6 +30,7 @@ from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
 from jaxreshard.frontend._typed_ops import (
     conv_with_reduced_weight,
+    dot_split_on_one_side,
     on_refusal,
     plain,
     typed_spec,
@@ -157,6 +158,9 @@ def typed_eval(closed: Any) -> Any:
             else:
                 eqn = _on_stage_mesh(eqn)
                 outs = conv_with_reduced_weight(eqn, values, mesh)
+                if outs is None:
+                    with jax.sharding.use_abstract_mesh(mesh):
+                        outs = dot_split_on_one_side(eqn, values)
                 if outs is None:
                     try:
                         outs = bind_equation(eqn, values, mesh)

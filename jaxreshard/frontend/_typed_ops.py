@@ -277,38 +277,133 @@ def _ordered_axes(axes: frozenset[str], spec: P) -> Any:
 
 def dot_contracting_split(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     """A `dot_general` JAX refuses on an Explicit mesh because both operands split a contracted
-    dimension: bound with the output split as the operands' other dimensions are (the split
-    contracted axes summed, as the Auto program does). None where `eqn` is not such a matmul.
-    Call under the stage's abstract mesh."""
+    dimension, bound to `values` in a `shard_map` (see [Note: refusals an Explicit mesh adds]):
+    each device multiplies its parts and the terms are summed over the contracted axes, as the
+    Auto program does; an operand's cotangent sums its terms over the axes that split the other
+    operand's free dimensions, except those the operand is `reduced` over, where it stays
+    `unreduced`. None where the rule does not apply. Call under the stage's abstract mesh."""
     if eqn.primitive.name != "dot_general" or len(values) != 2:
         return None
     lhs, rhs = values
     lspec, rspec = typed_spec(lhs), typed_spec(rhs)
-    if lspec is None or rspec is None:
+    if lspec is None or rspec is None or lspec.unreduced or rspec.unreduced:
         return None
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lrank, rrank = len(jax.typeof(lhs).shape), len(jax.typeof(rhs).shape)
     lsplit, rsplit = _dim_axes(lspec, lrank), _dim_axes(rspec, rrank)
     lfree = [d for d in range(lrank) if d not in set(lc) | set(lb)]
     rfree = [d for d in range(rrank) if d not in set(rc) | set(rb)]
-    dims = [lsplit[a] or rsplit[b] for a, b in zip(lb, rb)]
-    dims += [lsplit[d] for d in lfree] + [rsplit[d] for d in rfree]
-    used: set[str] = set()
-    out: list[Any] = []
-    for split in dims:  # (a mesh axis splits one output dimension at most: the first keeps it)
-        kept = tuple(a for a in _ordered(split, lspec, rspec) if a not in used)
-        used.update(kept)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return [
-        jax.lax.dot_general(
-            lhs,
-            rhs,
-            eqn.params["dimension_numbers"],
-            precision=eqn.params.get("precision"),
-            preferred_element_type=eqn.params.get("preferred_element_type"),
-            out_sharding=P(*out),
+    lred, rred = frozenset(lspec.reduced), frozenset(rspec.reduced)
+    # A contracted dim split on one side only: the other side's is sliced alike (it is whole
+    # over those axes, so each device takes its part with no transfer), as the Auto program
+    # does; JAX on an Explicit mesh gathers the split side instead (a weight, each micro-batch).
+    sliced = False
+    for a, b in zip(lc, rc):
+        if lsplit[a] != rsplit[b] and not (lsplit[a] and rsplit[b]):
+            if (lsplit[a] | rsplit[b]) & (lred | rred):
+                return None
+            lsplit[a] = rsplit[b] = lsplit[a] | rsplit[b]
+            sliced = True
+    lspec = _with_dims(lspec, lsplit, lc) if sliced else lspec
+    rspec = _with_dims(rspec, rsplit, rc) if sliced else rspec
+    summed = frozenset().union(*(lsplit[d] for d in lc))
+    free_l = frozenset().union(*(lsplit[d] for d in lfree))
+    free_r = frozenset().union(*(rsplit[d] for d in rfree))
+    batch = frozenset().union(*(lsplit[d] for d in lb))
+    groups = [summed, free_l, free_r, batch]
+    if (
+        not summed
+        or any(lsplit[a] != rsplit[b] for a, b in zip(lc, rc))
+        or any(lsplit[a] != rsplit[b] for a, b in zip(lb, rb))
+        or sum(len(g) for g in groups) != len(frozenset().union(*groups))  # (an axis twice)
+        or not lred <= free_r  # (a reduced operand's term must be split by the other's rows)
+        or not rred <= free_l
+    ):
+        return None
+    out = [_entry(lspec.partitions[d]) if d < len(lspec.partitions) else None for d in lb]
+    out += [_entry(lspec.partitions[d]) if d < len(lspec.partitions) else None for d in lfree]
+    out += [_entry(rspec.partitions[d]) if d < len(rspec.partitions) else None for d in rfree]
+    l_in, r_in, y_out = plain(lspec), plain(rspec), P(*out)
+    params = dict(eqn.params)
+    params.pop("out_sharding", None)
+    contracted = tuple(sorted(summed))
+
+    def bind(x: Any, w: Any) -> Any:
+        return jax.lax.dot_general_p.bind(x, w, **params, out_sharding=None)
+
+    def local_forward(x: Any, w: Any) -> Any:
+        return jax.lax.psum(bind(*_varying(x, w)), contracted)
+
+    def local_backward(x: Any, w: Any, g: Any) -> tuple[Any, Any]:
+        x, w, g = _varying(x, w, g)
+        _, vjp = jax.vjp(bind, x, w)
+        dx, dw = vjp(g)
+        return _term(dx, free_r, lred), _term(dw, free_l, rred)
+
+    def spread(fn: Any, ins: tuple[Any, ...], outs: Any) -> Any:
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs)
+
+    @jax.custom_vjp
+    def multiply(x: Any, w: Any) -> Any:
+        return spread(local_forward, (l_in, r_in), y_out)(
+            jax.reshard(x, l_in), jax.reshard(w, r_in)
         )
-    ]
+
+    def forward(x: Any, w: Any) -> tuple[Any, tuple[Any, Any]]:
+        return multiply(x, w), (x, w)
+
+    def backward(res: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
+        x, w = res
+        outs = (P(*l_in.partitions, unreduced=lred), P(*r_in.partitions, unreduced=rred))
+        dx, dw = spread(local_backward, (l_in, r_in, y_out), outs)(
+            jax.reshard(x, l_in), jax.reshard(w, r_in), jax.reshard(g, y_out)
+        )
+        # (a side sliced for the product gets its cotangent laid out as the side itself)
+        return _laid_as(dx, x, lred), _laid_as(dw, w, rred)
+
+    multiply.defvjp(forward, backward)
+    return [multiply(lhs, rhs)]
+
+
+def dot_split_on_one_side(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
+    """`dot_contracting_split` for a `dot_general` whose contracted dims are split on one side
+    only (which JAX binds by gathering that side); None for any other equation. Call under the
+    stage's abstract mesh."""
+    if eqn.primitive.name != "dot_general" or len(values) != 2:
+        return None
+    specs = [typed_spec(v) for v in values]
+    if any(spec is None for spec in specs):
+        return None
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    lsplit, rsplit = (_dim_axes(sp, len(jax.typeof(v).shape)) for sp, v in zip(specs, values))
+    if not any(bool(lsplit[a]) != bool(rsplit[b]) for a, b in zip(lc, rc)):
+        return None
+    return dot_contracting_split(eqn, values)
+
+
+def _with_dims(spec: P, split: list[frozenset[str]], dims: Sequence[int]) -> P:
+    """`spec` with `dims` split over `split[d]` (in `spec`'s axis order)."""
+    parts = list(spec.partitions) + [None] * (len(split) - len(spec.partitions))
+    for d in dims:
+        if split[d] and not parts[d]:
+            order = sorted(split[d])
+            parts[d] = order[0] if len(order) == 1 else tuple(order)
+    return P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)
+
+
+def _laid_as(ct: Any, primal: Any, reduced: frozenset[str]) -> Any:
+    want = plain(typed_spec(primal))
+    want = P(*want.partitions, unreduced=reduced) if reduced else want
+    return ct if typed_spec(ct) == want else jax.reshard(ct, want)
+
+
+def _term(ct: Any, other_rows: frozenset[str], reduced: frozenset[str]) -> Any:
+    """An operand's cotangent from its device's term: summed over the axes the other operand's
+    free dimensions are split over, left `unreduced` over the operand's reduced axes."""
+    summed = tuple(sorted(other_rows - reduced))
+    ct = jax.lax.psum(ct, summed) if summed else ct
+    return jax.lax.pcast(ct, tuple(sorted(reduced)), to="unreduced") if reduced else ct
 
 
 def _ordered(axes: frozenset[str], *specs: P) -> list[str]:

@@ -26,7 +26,8 @@ class Event:
     """A timed thing that happened during a step (for profiles).
 
     Kinds: `F`, `B`, `W` (compute; `FB` is a forward and backward run as one executable), `A`
-    (an optimizer segment run after the pipeline), `send` (a transfer, on the sender's lane,
+    (an optimizer segment run after the pipeline, or a stage's once-a-step gradient reduction,
+    named `{stage}R`), `send` (a transfer, on the sender's lane,
     `dst` its receiver), `arrive` (the same transfer complete at its receiver, where receiving
     is a job of its own: on Ray) and `wait` (a stage blocked in a RECV). Times are
     `time.perf_counter()` seconds of the process that ran the stage.

@@ -37,7 +37,14 @@ from jaxreshard.pipeline._emit import (
 )
 from jaxreshard.pipeline._emit import PARAM as PARAM_COPY
 from jaxreshard.runtime.engine._channels import MISSING, Channels
-from jaxreshard.runtime.engine._events import WAIT, Event, PipelineError, Stopped, transfer_name
+from jaxreshard.runtime.engine._events import (
+    APPLY_EVENT,
+    WAIT,
+    Event,
+    PipelineError,
+    Stopped,
+    transfer_name,
+)
 from jaxreshard.runtime.step._compile import StageCompiler
 from jaxreshard.runtime.step._layout import PipelineLayout, Transfer
 from jaxreshard.runtime.step._programs import (
@@ -361,9 +368,14 @@ class StageProgram:
                 ch.applied, ch.acc = result, []
             else:
                 ch.acc = result
+        reduced_at = None
         if comp.reduced and ch.acc and call.backward == self.last_backward[c]:
             # The step's one reduction of this chunk's gradients over its batch axes (see
-            # [Note: gradients reduced once] in `step/_reduction.py`).
+            # [Note: gradients reduced once] in `step/_reduction.py`). A recorded step times it
+            # apart: it runs once a step, after the chunk's last backward, as the optimizer does.
+            if self.record is not None:
+                jax.block_until_ready((done, ch.acc))
+                reduced_at = time.perf_counter()
             ch.acc = comp.call("reduce", ch.acc)  # (donates the unreduced ones)
             kept = [
                 x for x in jax.tree.leaves(done) if isinstance(x, jax.Array) and not x.is_deleted()
@@ -378,4 +390,7 @@ class StageProgram:
         if self.record is not None:
             jax.block_until_ready(done)
             label = f"{c}FB{mb}" if fb else str(action)
-            self.record(Event(c, "FB" if fb else kind, mb, start, time.perf_counter(), label))
+            end = time.perf_counter()
+            self.record(Event(c, "FB" if fb else kind, mb, start, reduced_at or end, label))
+            if reduced_at is not None:
+                self.record(Event(c, APPLY_EVENT, -1, reduced_at, end, f"{c}R"))

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend._backward import typed_eval
-from jaxreshard.frontend._typed_ops import dot_contracting_split, gather_by_split_indices
+from jaxreshard.frontend._typed_contract import dot_contracting_split, gather_by_split_indices
 
 
 def _explicit_mesh():
@@ -227,7 +227,7 @@ def test_a_matmul_split_on_one_side_slices_the_other_instead_of_gathering_a_weig
     both equal JAX's."""
     import re
 
-    from jaxreshard.frontend._typed_ops import dot_split_on_one_side
+    from jaxreshard.frontend._typed_contract import dot_split_on_one_side
 
     x = np.random.default_rng(6).normal(size=(8, 6)).astype(np.float32)
     w = np.random.default_rng(7).normal(size=(6, 4)).astype(np.float32)

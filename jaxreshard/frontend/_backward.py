@@ -28,13 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
-from jaxreshard.frontend._typed_ops import (
-    conv_with_reduced_weight,
-    dot_split_on_one_side,
-    on_refusal,
-    plain,
-    typed_spec,
-)
+from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusal
+from jaxreshard.frontend._typed_ops import conv_with_reduced_weight, plain, typed_spec
 
 
 @dataclasses.dataclass(frozen=True)

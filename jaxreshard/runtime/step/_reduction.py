@@ -29,10 +29,11 @@ A stage keeps the per-micro-batch reduction, and the plan says why, when: the st
 micro-batch (nothing to save); a parameter is shared with another stage (its gradient
 contribution arrives as a reduced value); no mesh axis splits the stage's inputs while leaving
 its parameters whole; `PipelineConfig.reduce_gradients="every_micro_batch"`; or JAX refuses the
-typed trace (an op whose sharding is ambiguous on an Explicit mesh, such as a model-parallel
-matmul, or a sharding constraint of the step's own mesh): the error is kept in the plan. A
-convolution, which JAX has no reduced rule for, takes ours (see [Note: convolutions with reduced
-weights] in `frontend/_typed_ops.py`).
+typed trace and no rule of ours takes the op (a sort along the split rows, a sharding
+constraint of the step's own mesh): the error is kept in the plan. A convolution, which JAX has
+no reduced rule for, takes ours (see [Note: convolutions with reduced weights] in
+`frontend/_typed_ops.py`), and so do contracted matmuls and gathers JAX refuses on an Explicit
+mesh (see [Note: refusals an Explicit mesh adds] in `frontend/_typed_contract.py`).
 Measured on jax 0.10.2 (see docs/design.md): the backward derived once at trace time cannot
 simply be evaluated on an Explicit mesh (its transposed matmul contracts two `data`-sharded
 operands, which JAX refuses as ambiguous), hence the second derivation.

@@ -11,7 +11,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard.frontend._backward import typed_eval
-from jaxreshard.frontend._typed_contract import dot_contracting_split, gather_by_split_indices
+from jaxreshard.frontend._typed_contract import (
+    dot_contracting_split,
+    dot_split_on_one_side,
+    gather_by_split_indices,
+)
 
 
 def _explicit_mesh():
@@ -227,8 +231,6 @@ def test_a_matmul_split_on_one_side_slices_the_other_instead_of_gathering_a_weig
     both equal JAX's."""
     import re
 
-    from jaxreshard.frontend._typed_contract import dot_split_on_one_side
-
     x = np.random.default_rng(6).normal(size=(8, 6)).astype(np.float32)
     w = np.random.default_rng(7).normal(size=(6, 4)).astype(np.float32)
     eqn = _only(lambda a, b: a @ b, x, w)
@@ -252,3 +254,43 @@ def test_a_matmul_split_on_one_side_slices_the_other_instead_of_gathering_a_weig
     want = jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ b)), argnums=(0, 1))(x, w)
     for g, r in zip(got_grads, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_splits_over_several_axes_keep_their_order(cpu_devices):
+    """A contracted dim split over ('model', 'data') on one side only: the other side is sliced
+    in that order, not alphabetically (else the devices multiply different blocks); a gather
+    whose batching dims are split in different orders is left to JAX."""
+    x = np.random.default_rng(8).normal(size=(2, 64)).astype(np.float32)
+    w = np.random.default_rng(9).normal(size=(64, 3)).astype(np.float32)
+    eqn = _only(lambda a, b: a @ b, x, w)
+    logits = np.random.default_rng(10).normal(size=(4, 6, 16)).astype(np.float32)
+    labels = np.random.default_rng(11).integers(0, 16, size=(4, 6, 1)).astype(np.int32)
+    take = _gather_eqn(lambda t, i: jnp.take_along_axis(t, i, axis=-1), logits, labels)
+    mesh = _explicit_mesh()
+    taken = []
+    with jax.set_mesh(mesh):
+        for order in [("data", "model"), ("model", "data")]:
+            xs = jax.device_put(x, NamedSharding(mesh, P(None, order)))
+            ws = jax.device_put(w, NamedSharding(mesh, P()))
+            got = jax.jit(lambda a, b: dot_split_on_one_side(eqn, [a, b])[0])(xs, ws)
+            np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-5)
+
+        def typed(t, i):
+            taken.append(
+                gather_by_split_indices(take, [t, i[..., None]], jax.sharding.get_abstract_mesh())
+            )
+            return t
+
+        for order in [("data", "model"), ("model", "data")]:
+            t = jax.device_put(logits, NamedSharding(mesh, P(("data", "model"))))
+            i = jax.device_put(labels, NamedSharding(mesh, P(order)))
+            jax.jit(typed).lower(t, i)
+    assert taken[0] is not None and taken[1] is None, taken
+
+
+def test_an_index_out_of_bounds_is_clamped_as_jax_does(cpu_devices):
+    """`t[i]` promises in-bounds indices; XLA clamps one that is not, and so does the rule for
+    a vocabulary-split table (masking it everywhere would give a row of zeros)."""
+    idx = IDX.astype(np.int32).copy()
+    idx[1, 2] = 40
+    _check_gather(lambda t, i: jnp.asarray(t)[i], TABLE, idx, P("model", None), P("data", None))

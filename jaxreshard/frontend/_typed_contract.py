@@ -18,7 +18,12 @@ program computes, laid out as it would be:
   the table; its backward scatters the rows' cotangents into a term of the table's gradient.
   The terms are summed over the indices' axes (the Auto program's all-reduce), except those a
   `reduced` table is reduced over: there the term is typed `unreduced`, as the convolution
-  rule's is (the indices must be split over every reduced axis, for the same reason);
+  rule's is (the indices must be split over every reduced axis, for the same reason). A table
+  split along a looked-up dim (vocabulary-parallel) is looked up masked: each device answers
+  for its own rows, zero elsewhere, and the answers are summed. Out-of-bounds indices come out
+  as JAX's: `clip` and a promise of bounds clamp first (XLA clamps a gather's start index),
+  `fill` fills after the sum, and only `clip` sends their gradient to a row (JAX's scatter
+  drops the others). Splits over several axes must match in order, not only as sets;
 - a reshape that is not aligned with its input's splits (`reshape_unaligned`).
 """
 
@@ -69,7 +74,7 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
     reduced = frozenset(tspec.reduced)
     if (
         isplit[-1]  # (the index vector itself split)
-        or any(tsplit[a] != isplit[b] for a, b in zip(tbatch, ibatch))
+        or any(_axes_of(tspec, a) != _axes_of(ispec, b) for a, b in zip(tbatch, ibatch))
         or not reduced <= rows  # (rows whole over a reduced axis: each device's term is all)
         or frozenset().union(*tsplit) & rows
         or any(sizes[d] != 1 or d not in collapsed for d in by_index)
@@ -86,6 +91,8 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
         spec, d = (tspec, next(offsets)) if o in dn.offset_dims else (ispec, next(batch))
         out_spec.append(_entry(spec.partitions[d]) if d < len(spec.partitions) else None)
     local = dict(params)
+    if by_index:  # (masked rows all read local row 0: neither unique nor sorted any more)
+        local["unique_indices"] = local["indices_are_sorted"] = False
     local["slice_sizes"] = tuple(
         size if d in by_index + tbatch else size // _mesh_size(mesh, tsplit[d])
         for d, size in enumerate(sizes)
@@ -94,17 +101,19 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
     summed = tuple(sorted(rows - reduced))
     fill = params.get("fill_value")
 
-    def core(t: Any, i: Any) -> tuple[Any, Any]:
-        """This device's part of the lookup, and where it holds the rows looked up."""
+    def core(t: Any, i: Any, clamp: bool) -> tuple[Any, Any]:
+        """This device's part of the lookup, and where it holds the rows looked up; `clamp`:
+        out-of-bounds indices clamped first (else they are nobody's rows)."""
         mine = jax.numpy.ones(i.shape[:-1], bool)
         columns = []
         for k, d in enumerate(index_map):
             column = i[..., k]
             if d in by_index:
-                if mode_name == "CLIP":
+                if clamp:
                     column = jax.numpy.clip(column, 0, shape[d] - 1)
                 n = shape[d] // _mesh_size(mesh, tsplit[d])
-                column = column - jax.lax.axis_index(_ordered_axes(tsplit[d], tspec)) * n
+                first = jax.lax.axis_index(_ordered_axes(tsplit[d], tspec)) * n
+                column = column - first.astype(column.dtype)
                 here = (column >= 0) & (column < n)
                 mine = mine & here
                 column = jax.numpy.where(here, column, 0)
@@ -119,8 +128,8 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
                 ok = ok & (i[..., k] >= 0) & (i[..., k] < shape[d])
         return jax.numpy.expand_dims(ok, tuple(dn.offset_dims))
 
-    def masked(t: Any, i: Any) -> Any:
-        y, ok = core(t, i)
+    def masked(t: Any, i: Any, clamp: bool) -> Any:
+        y, ok = core(t, i, clamp)
         return jax.numpy.where(ok, y, jax.numpy.zeros((), y.dtype))
 
     def local_forward(t: Any, i: Any) -> Any:
@@ -128,7 +137,8 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
         t, i = _varying(t, i)
         if not by_index:
             return eqn.primitive.bind(t, i, **local)
-        y = jax.lax.psum(masked(t, i), tuple(sorted(looked_up)))
+        # (XLA clamps an out-of-bounds start index of a gather, `clip` or promised in bounds)
+        y = jax.lax.psum(masked(t, i, mode_name != "FILL_OR_DROP"), tuple(sorted(looked_up)))
         if mode_name == "FILL_OR_DROP":  # (out of bounds: the fill value, as JAX's gather)
             value = _fill_value(y.dtype) if fill is None else fill
             y = jax.numpy.where(in_bounds(given), y, jax.numpy.asarray(value, y.dtype))
@@ -136,7 +146,10 @@ def gather_by_split_indices(eqn: Any, values: Sequence[Any], mesh: Any) -> list[
 
     def local_backward(t: Any, i: Any, g: Any) -> Any:
         t, i, g = _varying(t, i, g)
-        fn = (lambda t: masked(t, i)) if by_index else (lambda t: eqn.primitive.bind(t, i, **local))
+        if by_index:  # (its scatter drops out-of-bounds updates unless it clips, as JAX's does)
+            fn = lambda t: masked(t, i, mode_name == "CLIP")
+        else:
+            fn = lambda t: eqn.primitive.bind(t, i, **local)
         _, vjp = jax.vjp(fn, t)
         (dt,) = vjp(g)
         dt = jax.lax.psum(dt, summed) if summed else dt
@@ -203,15 +216,16 @@ def dot_contracting_split(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     # A contracted dim split on one side only: the other side's is sliced alike (it is whole
     # over those axes, so each device takes its part with no transfer), as the Auto program
     # does; JAX on an Explicit mesh gathers the split side instead (a weight, each micro-batch).
-    sliced = False
+    lparts = list(lspec.partitions) + [None] * (lrank - len(lspec.partitions))
+    rparts = list(rspec.partitions) + [None] * (rrank - len(rspec.partitions))
     for a, b in zip(lc, rc):
-        if lsplit[a] != rsplit[b] and not (lsplit[a] and rsplit[b]):
+        if bool(lsplit[a]) != bool(rsplit[b]):
             if (lsplit[a] | rsplit[b]) & (lred | rred):
                 return None
+            lparts[a] = rparts[b] = lparts[a] or rparts[b]  # (the split side's axes, in order)
             lsplit[a] = rsplit[b] = lsplit[a] | rsplit[b]
-            sliced = True
-    lspec = _with_dims(lspec, lsplit, lc) if sliced else lspec
-    rspec = _with_dims(rspec, rsplit, rc) if sliced else rspec
+    lspec = P(*lparts, reduced=lspec.reduced)
+    rspec = P(*rparts, reduced=rspec.reduced)
     summed = frozenset().union(*(lsplit[d] for d in lc))
     free_l = frozenset().union(*(lsplit[d] for d in lfree))
     free_r = frozenset().union(*(rsplit[d] for d in rfree))
@@ -219,8 +233,8 @@ def dot_contracting_split(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     groups = [summed, free_l, free_r, batch]
     if (
         not summed
-        or any(lsplit[a] != rsplit[b] for a, b in zip(lc, rc))
-        or any(lsplit[a] != rsplit[b] for a, b in zip(lb, rb))
+        or any(_axes_of(lspec, a) != _axes_of(rspec, b) for a, b in zip(lc, rc))
+        or any(_axes_of(lspec, a) != _axes_of(rspec, b) for a, b in zip(lb, rb))
         or sum(len(g) for g in groups) != len(frozenset().union(*groups))  # (an axis twice)
         or not lred <= free_r  # (a reduced operand's term must be split by the other's rows)
         or not rred <= free_l
@@ -288,14 +302,9 @@ def dot_split_on_one_side(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     return dot_contracting_split(eqn, values)
 
 
-def _with_dims(spec: P, split: list[frozenset[str]], dims: Sequence[int]) -> P:
-    """`spec` with `dims` split over `split[d]` (in `spec`'s axis order)."""
-    parts = list(spec.partitions) + [None] * (len(split) - len(spec.partitions))
-    for d in dims:
-        if split[d] and not parts[d]:
-            order = sorted(split[d])
-            parts[d] = order[0] if len(order) == 1 else tuple(order)
-    return P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)
+def _axes_of(spec: P, d: int) -> tuple[str, ...]:
+    """The mesh axes `spec` splits dim `d` over, in order (major first)."""
+    return _entry_axes(spec.partitions[d]) if d < len(spec.partitions) else ()
 
 
 def _laid_as(ct: Any, primal: Any, reduced: frozenset[str]) -> Any:

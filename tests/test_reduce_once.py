@@ -364,6 +364,10 @@ def test_a_convolutional_model_sums_its_gradients_once(cpu_devices):
     assert set(pipeline.layout.reductions.values()) == {ONCE}, pipeline.layout.reductions
     for compiler in pipeline.compiled.engine.compilers.values():
         ready = compiler._ready.items()
+        # The weight gradients' convolutions stay in W, which the schedule can delay (the
+        # rule's backward once computed both cotangents in one program, all of it in B).
+        texts = {name: c.as_text() for (name, _), c in ready}
+        assert len(re.findall(r" convolution\(", texts["w_part"])) >= 1, compiler.s
         counts = {name: _tensor_all_reduces(c.as_text()) for (name, _), c in ready}
         assert counts.pop("reduce") >= 1, counts
         assert set(counts.values()) == {0}, counts  # (forward, backward / fb, b_part, w_part)

@@ -276,9 +276,11 @@ def dot_contracting_split(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     def backward(res: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
         x, w = res
         outs = (P(*l_in.partitions, unreduced=lred), P(*r_in.partitions, unreduced=rred))
-        dx, dw = spread(local_backward, (l_in, r_in, y_out), outs)(
-            jax.reshard(x, l_in), jax.reshard(w, r_in), jax.reshard(g, y_out)
-        )
+        args = (jax.reshard(x, l_in), jax.reshard(w, r_in), jax.reshard(g, y_out))
+        # (two programs, so that a split backward can hold the weight's cotangent back to W)
+        ins = (l_in, r_in, y_out)
+        dx = spread(lambda *a: local_backward(*a)[0], ins, outs[0])(*args)
+        dw = spread(lambda *a: local_backward(*a)[1], ins, outs[1])(*args)
         # (a side sliced for the product gets its cotangent laid out as the side itself)
         return _laid_as(dx, x, lred), _laid_as(dw, w, rred)
 

@@ -112,9 +112,13 @@ def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list
     def backward(res: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
         x, w = res
         dw_spec = P(*w_in.partitions, unreduced=axes)
-        return spread(local_backward, (x_in, w_in, y_out), (x_in, dw_spec))(
-            x, jax.reshard(w, w_in), jax.reshard(g, y_out)
-        )
+        args = (x, jax.reshard(w, w_in), jax.reshard(g, y_out))
+        # Two programs, not one: a split backward (ZB-H1, weight delay) keeps the input's
+        # cotangent in B and can hold the weight's back to W (each drops the other's half).
+        ins = (x_in, w_in, y_out)
+        dx = spread(lambda *a: local_backward(*a)[0], ins, x_in)(*args)
+        dw = spread(lambda *a: local_backward(*a)[1], ins, dw_spec)(*args)
+        return dx, dw
 
     convolve.defvjp(forward, backward)
     return [convolve(lhs, rhs)]

@@ -126,9 +126,10 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
 def typed_eval(closed: Any) -> Any:
     """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
     equation's operands go through `_reconciled` first, a convolution of a reduced weight takes
-    the rule JAX lacks (see [Note: convolutions with reduced weights]), so does a gather by split
-    indices, ops JAX refuses only on an Explicit mesh take the rules of [Note: refusals an
-    Explicit mesh adds], and plain calls (`jit`:
+    the rule JAX lacks (see [Note: convolutions with reduced weights]), a matmul whose contracted
+    dim is split on one side only slices the other, ops JAX refuses only on an Explicit mesh
+    (split contractions, gathers by split indices, unaligned reshapes) take the rules of [Note:
+    refusals an Explicit mesh adds], and plain calls (`jit`:
     `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on the step's own
     mesh and would return its outputs unsplit. Custom derivatives are bound as they are: their
     rules are what the gradient must follow."""

@@ -294,3 +294,127 @@ def test_an_index_out_of_bounds_is_clamped_as_jax_does(cpu_devices):
     idx = IDX.astype(np.int32).copy()
     idx[1, 2] = 40
     _check_gather(lambda t, i: jnp.asarray(t)[i], TABLE, idx, P("model", None), P("data", None))
+
+
+@jax.custom_jvp
+def _tanh_clipped_gradient(z):
+    return jnp.tanh(z)
+
+
+@_tanh_clipped_gradient.defjvp
+def _(primals, tangents):  # not tanh's derivative: only the rule gives these gradients
+    (z,), (dz,) = primals, tangents
+    y = _tanh_clipped_gradient(z)
+    return y, jnp.where(jnp.abs(z) < 0.5, 1.0 - y**2, 0.0) * dz
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        jax.nn.relu,  # the rule's gradient at 0 is 0; `max`'s own would be 0.5
+        jax.nn.softplus,  # `logaddexp`: a literal operand, and a `where` in the rule
+        jax.nn.relu6,  # a rule that calls the function again
+        lambda z: _tanh_clipped_gradient(z),
+    ],
+    ids=["relu", "softplus", "relu6", "own_rule"],
+)
+def test_a_custom_jvp_keeps_its_rule_in_the_typed_trace(cpu_devices, act):
+    """A `custom_jvp_call` traced on the step's own (Auto) mesh: the typed trace binds it again
+    with its body and its JVP rule evaluated there, and the gradients are the rule's (JAX
+    refused the call as it was; evaluating the body alone changes relu's gradient at 0)."""
+    auto = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    explicit = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+
+    def f(x, w):
+        return jnp.sum(act(x @ w) ** 2)
+
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(4, 4)).astype(np.float32)
+    w[:, 0] = 0.0  # relu's input is exactly 0 in a column
+    typed = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(auto, P("data"))),
+        jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(auto, P())),
+    ]
+    with jax.set_mesh(auto):
+        closed = jax.make_jaxpr(f)(*typed)
+    assert "custom_jvp_call" in str(closed)
+    with jax.set_mesh(explicit):
+        grad = jax.jit(jax.grad(lambda x, w: typed_eval(closed)(x, w)[0], argnums=(0, 1)))
+        got = grad(
+            jax.device_put(x, NamedSharding(explicit, P("data"))),
+            jax.device_put(w, NamedSharding(explicit, P())),
+        )
+    want = jax.grad(f, argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
+
+
+def test_an_equinox_mlp_with_relu_and_dropout_sums_its_gradients_once(cpu_devices):
+    """The Equinox example's classifier (relu, a `custom_jvp`; dropout) on data-split meshes:
+    both stages sum once (they fell back while the typed trace could not bind relu), and three
+    Adam steps equal eqx.filter_jit."""
+    eqx = pytest.importorskip("equinox")
+    import optax
+
+    import jaxreshard as jr
+
+    class Classifier(eqx.Module):
+        first: eqx.nn.Linear
+        head: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.first = eqx.nn.Linear(8, 16, key=k1)
+            self.head = eqx.nn.Linear(16, 4, key=k2)
+            self.dropout = eqx.nn.Dropout(0.2)
+
+        def __call__(self, x, key):
+            h = self.dropout(jax.nn.relu(self.first(x)), key=key)
+            h = jr.stage_boundary(h)
+            return self.head(jax.nn.relu(h))
+
+    def loss_fn(model, x, y, key):
+        logits = jax.vmap(model)(x, jax.random.split(key, x.shape[0]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    tx = optax.adam(1e-2)
+
+    def make_step(value_and_grad):
+        def train_step(model, opt_state, x, y, key):
+            loss, grads = value_and_grad(loss_fn)(model, x, y, key)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        return train_step
+
+    model = Classifier(jax.random.key(0))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 4, 16).astype(np.int32))
+        for _ in range(3)
+    ]
+
+    def steps(step):
+        state, losses = (model, opt_state), []
+        for i, (x, y) in enumerate(batches):
+            *state, loss = step(*state, x, y, jax.random.key(i))
+            losses.append(loss)
+        return eqx.filter((state, losses), eqx.is_array)
+
+    config = jr.PipelineConfig(
+        backend="local",
+        num_micro_batches=4,
+        stage_mesh_shape=(2,),
+        mesh_axis_names=("data",),
+    )
+    step = jr.parallelize(make_step(jr.filter_value_and_grad), config=config, batch_argnums=(2, 3))
+    x, y = batches[0]
+    reductions = step.pipeline(model, opt_state, x, y, jax.random.key(0)).layout.reductions
+    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    got, want = steps(step), steps(eqx.filter_jit(make_step(eqx.filter_value_and_grad)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)

@@ -29,7 +29,12 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard._jax_compat import bind_equation, new_jaxpr
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
 from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusal
-from jaxreshard.frontend._typed_ops import conv_with_reduced_weight, plain, typed_spec
+from jaxreshard.frontend._typed_ops import (
+    conv_with_reduced_weight,
+    custom_jvp_retyped,
+    plain,
+    typed_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,14 @@ def _broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
     return len(shape) == len(target) and all(a in (b, 1) for a, b in zip(shape, target))
 
 
+# The n-ary elementwise primitives, whose operands broadcast against each other (`_reconciled`
+# applies to them only: a weight of a split activation's shape is not its bias in a matmul).
+_ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
+    "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "complex",
+})  # fmt: skip
+
+
 def _reconciled(values: Sequence[Any]) -> list[Any]:
     """One equation's operands, each typed `reduced` over axes that another operand of its
     (broadcast) shape is split over widened and resharded to that operand's spec: JAX refuses
@@ -124,35 +137,40 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
 
 
 def typed_eval(closed: Any) -> Any:
-    """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: each
-    equation's operands go through `_reconciled` first, a convolution of a reduced weight takes
+    """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters: an
+    elementwise equation's operands go through `_reconciled` first, a convolution of a reduced weight takes
     the rule JAX lacks (see [Note: convolutions with reduced weights]), a matmul whose contracted
     dim is split on one side only slices the other, ops JAX refuses only on an Explicit mesh
     (split contractions, gathers by split indices, unaligned reshapes) take the rules of [Note:
     refusals an Explicit mesh adds], and plain calls (`jit`:
     `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on the step's own
-    mesh and would return its outputs unsplit. Custom derivatives are bound as they are: their
-    rules are what the gradient must follow."""
+    mesh and would return its outputs unsplit. A `custom_jvp` (`jax.nn.relu`) is bound again
+    with its body and rule evaluated here (`custom_jvp_retyped`): its rule is what the gradient
+    must follow. Other custom derivatives are bound as they are."""
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], mesh: Any) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(_untyped, consts)))
         env.update(zip(jaxpr.invars, args))
 
         def read(v: Any) -> Any:
-            return v.val if isinstance(v, jc.Literal) else env[v]
+            return _untyped(v.val) if isinstance(v, jc.Literal) else env[v]
 
         for eqn in jaxpr.eqns:
-            values = _reconciled([read(v) for v in eqn.invars])
+            values = [read(v) for v in eqn.invars]
+            if eqn.primitive.name in _ELEMENTWISE:
+                values = _reconciled(values)
             if eqn.primitive.name == "select_n":
                 values = _select_like_cases(values)
             body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
             if body is not None:
                 inner = getattr(body, "jaxpr", body)
                 outs = run(inner, getattr(body, "consts", ()), values, mesh)
-            elif _meshless_reshard(eqn):
+            elif _meshless_reshard(eqn, mesh):
                 outs = values
+            elif eqn.primitive.name == "custom_jvp_call":
+                outs = custom_jvp_retyped(eqn, values, lambda j, c, a: run(j, c, a, mesh))
             else:
-                eqn = _on_stage_mesh(eqn)
+                eqn = _on_stage_mesh(eqn, mesh)
                 outs = conv_with_reduced_weight(eqn, values, mesh)
                 if outs is None:
                     with jax.sharding.use_abstract_mesh(mesh):
@@ -197,26 +215,35 @@ def _select_like_cases(values: Sequence[Any]) -> list[Any]:
     return [v if s is None or s == want else jax.reshard(v, want) for v, s in zip(values, specs)]
 
 
-def _on_stage_mesh(eqn: Any) -> Any:
-    """`eqn` with the output shardings it names on no mesh (a constant broadcast in the user's
-    trace, made with no mesh set) left to the typed trace to infer, as the stage's own mesh
-    leaves them."""
-    meshless = {
-        k: None
-        for k in ("sharding", "out_sharding")
-        if getattr(getattr(eqn.params.get(k), "mesh", None), "axis_names", True) == ()
-    }
-    return eqn.replace(params={**eqn.params, **meshless}) if meshless else eqn
+def _on_stage_mesh(eqn: Any, mesh: Any) -> Any:
+    """`eqn` with the output shardings it names on another mesh than `mesh` (the typed trace's)
+    left to the typed trace to infer: on no mesh (a constant broadcast in the user's trace, made
+    with no mesh set), as the stage's own mesh leaves them; on the step's own Auto mesh (a
+    custom rule's zeros, traced where the rule's operands were typed), whose specs name no Auto
+    axis anyway."""
+
+    def foreign(sharding: Any) -> bool:
+        on = getattr(sharding, "mesh", None)
+        return on is not None and (on.axis_names == () or getattr(on, "abstract_mesh", on) != mesh)
+
+    named = {k: None for k in ("sharding", "out_sharding") if foreign(eqn.params.get(k))}
+    return eqn.replace(params={**eqn.params, **named}) if named else eqn
 
 
-def _meshless_reshard(eqn: Any) -> bool:
+def _meshless_reshard(eqn: Any, mesh: Any) -> bool:
     """A `reshard` the user's trace made with no mesh set (JAX's random draws and `where` make
-    them): nothing on the stage's own mesh, and bound on an Explicit one it would type its
-    output on no mesh at all, so the typed trace passes its operand through."""
+    them), or on the step's own mesh with only Auto axes (a custom rule's `where`, traced where
+    its operands were typed): nothing on the stage's own mesh, and bound on an Explicit one it
+    would type its output on another mesh, so the typed trace passes its operand through."""
     if eqn.primitive.name != "reshard":
         return False
-    mesh = getattr(eqn.params.get("dst_sharding"), "mesh", None)
-    return mesh is not None and not mesh.axis_names
+    on = getattr(eqn.params.get("dst_sharding"), "mesh", None)
+    if on is None:
+        return False
+    auto = jax.sharding.AxisType.Auto
+    return not on.axis_names or (
+        getattr(on, "abstract_mesh", on) != mesh and all(t == auto for t in on.axis_types)
+    )
 
 
 # Calls with no rule of their own (their body is what they compute and differentiate as).

@@ -25,6 +25,7 @@ grouped convolution with a split weight) is left to JAX, whose refusal the plan 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -208,3 +209,53 @@ def _axes_size(entry: Any) -> int:
     for a in _entry_axes(entry):
         size *= mesh.shape[a]
     return size
+
+
+def custom_jvp_retyped(eqn: Any, values: Sequence[Any], run: Any) -> list[Any] | None:
+    """A `custom_jvp_call` (`jax.nn.relu`, `jax.nn.softplus`, `logsumexp`, ...) bound again with
+    its body and its JVP rule evaluated by `run(jaxpr, consts, args)` (the typed trace's own
+    interpreter), or None for any other equation. Both were traced on the step's own mesh, and
+    JAX refuses to bind them as they are among operands typed on the Explicit one; evaluating the
+    body alone would drop the rule (relu's gradient at 0 would become JAX's 0.5 for `max`). The
+    rule's closed-over constants (its first `num_consts` operands) are never differentiated, as
+    JAX's own JVP of the call leaves them, and neither are operands that are constants of the
+    trace (a literal `0.0`): their tangents are zeros made here, on the typed trace's mesh."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return None
+    body, rule = eqn.params["call_jaxpr"], eqn.params["jvp_jaxpr_fun"]
+    consts = list(values[: eqn.params["num_consts"]])
+    operands = list(values[len(consts) :])
+    traced = [i for i, v in enumerate(operands) if isinstance(v, jax.core.Tracer)]
+
+    def full(args: Sequence[Any], constant: Any = lambda v: v) -> list[Any]:
+        """The operands with the traced ones replaced by `args`, and each constant by
+        `constant(it)`."""
+        given = dict(zip(traced, args))
+        return [given[i] if i in given else constant(v) for i, v in enumerate(operands)]
+
+    def zeros(v: Any) -> Any:
+        return jax.numpy.zeros(jax.numpy.shape(v), jax.numpy.result_type(v))
+
+    @jax.custom_jvp
+    def call(*args: Any) -> list[Any]:
+        return run(body.jaxpr, body.consts, [*consts, *full(args)])
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        with _traced_on(body.in_avals):  # (the rule is traced on its first call)
+            jaxpr, rule_consts, zero = rule.call_wrapped(*[False] * len(operands))
+        out = run(jaxpr, rule_consts, [*full(primals), *full(tangents, zeros)])
+        outs, nonzero = out[: len(zero)], iter(out[len(zero) :])
+        return outs, [jax.numpy.zeros_like(o) if z else next(nonzero) for o, z in zip(outs, zero)]
+
+    call.defjvp(jvp)
+    return list(call(*[operands[i] for i in traced]))
+
+
+def _traced_on(avals: Sequence[Any]) -> Any:
+    """A context of the mesh `avals` were typed on (the step's own), where JAX traces a custom
+    rule for them; no change where they name none."""
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return jax.sharding.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()

@@ -300,7 +300,7 @@ def test_a_typed_trace_reshards_a_reduced_bias_against_a_split_activation(cpu_de
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxreshard.frontend._backward import _reconciled
+    from jaxreshard.frontend._typed_eval import _reconciled
     from jaxreshard.frontend._typed_ops import typed_spec
 
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))

@@ -10,12 +10,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.frontend._backward import typed_eval
 from jaxreshard.frontend._typed_contract import (
     dot_contracting_split,
     dot_split_on_one_side,
     gather_by_split_indices,
 )
+from jaxreshard.frontend._typed_eval import typed_eval
 
 
 def _explicit_mesh():
@@ -418,3 +418,60 @@ def test_an_equinox_mlp_with_relu_and_dropout_sums_its_gradients_once(cpu_device
     got, want = steps(step), steps(eqx.filter_jit(make_step(eqx.filter_value_and_grad)))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def _layer(h, w, b):
+    return jnp.tanh(h @ w + b)
+
+
+def _second_stage(kind, h, p):
+    if kind == "remat":  # gradient checkpointing
+        return jax.checkpoint(_layer)(h, p["w1"], p["b1"])
+    if kind == "scan":  # a scan over a stack of layers
+        return jax.lax.scan(lambda c, wb: (_layer(c, *wb), None), h, (p["ws"], p["bs"]))[0]
+    if kind == "cond":
+        return jax.lax.cond(h.shape[0] > 0, lambda h: _layer(h, p["w1"], p["b1"]), jnp.sin, h)
+    assert kind == "scaled"  # a weight times a constant
+    return _layer(h, p["w1"] * 0.5, p["b1"])
+
+
+@pytest.mark.parametrize("kind", ["remat", "scan", "cond", "scaled"])
+def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices, kind):
+    """Bodies of `jax.checkpoint`, `lax.scan` and `lax.cond` were typed on the step's own mesh
+    (JAX refused them as they were); the typed trace binds each again with its body evaluated
+    by its own rules. A constant beside a reduced weight is cast reduced. The second stage sums
+    once, and three steps equal jax.jit."""
+    from test_parallelize import assert_same, make_batch, make_params, run_steps
+
+    import jaxreshard as jr
+
+    def make_step():
+        def step(params, batch):
+            def loss_fn(p):
+                h = jnp.tanh(batch["x"] @ p["emb"])
+                h = _second_stage(kind, jr.stage_boundary(h), p)
+                return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+            loss, grads = jr.value_and_grad(loss_fn)(params)
+            return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+        return step
+
+    def params():
+        p = make_params(2)
+        p["ws"] = np.stack([p["w1"], 0.5 * p["w1"]])
+        p["bs"] = np.stack([p["b1"], -p["b1"]])
+        return p
+
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=2,
+        num_micro_batches=4,
+        stage_mesh_shape=(2,),
+        mesh_axis_names=("data",),
+    )
+    step = jr.parallelize(make_step(), config=config, batch_argnums=(1,))
+    reductions = step.pipeline(params(), make_batch(16)).layout.reductions
+    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    out = run_steps(step, params(), make_batch(16), 3)
+    assert_same(*out, *run_steps(jax.jit(make_step()), params(), make_batch(16), 3), tol=2e-5)

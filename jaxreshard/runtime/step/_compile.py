@@ -227,7 +227,9 @@ class StageCompiler(StageFunctions):
         out_avals = self.bw.stage.jaxpr.out_avals
         self._output_specs = [self._spec_of(x, a) for x, a in zip(outs, out_avals)]
         if self.reduced:  # typed residuals (a `reduced` parameter among them) keep their type
-            self.residual_specs = [plain(r.sharding.spec) for r in self.bw.residuals]
+            self.residual_specs = [  # (a residual JAX types on no mesh, `cond`'s index: whole)
+                P() if r.sharding is None else plain(r.sharding.spec) for r in self.bw.residuals
+            ]
         else:
             computed = iter(res)
             self.residual_specs = [

@@ -12,8 +12,9 @@ import jax
 from jax.extend import core as jc
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.frontend._backward import StageBackward, inlined_eval
+from jaxreshard.frontend._backward import StageBackward
 from jaxreshard.frontend._split import CONST, PARAM
+from jaxreshard.frontend._typed_eval import inlined_eval
 from jaxreshard.frontend._typed_ops import plain
 from jaxreshard.runtime.step._programs import base_name
 from jaxreshard.runtime.step._specs import spec_of

@@ -431,16 +431,22 @@ def _second_stage(kind, h, p):
         return jax.lax.scan(lambda c, wb: (_layer(c, *wb), None), h, (p["ws"], p["bs"]))[0]
     if kind == "cond":
         return jax.lax.cond(h.shape[0] > 0, lambda h: _layer(h, p["w1"], p["b1"]), jnp.sin, h)
+    if kind == "exp":  # an op JAX has no reduced rule for, of a parameter
+        return _layer(h, p["w1"], p["b1"]) * jnp.exp(p["b1"])
+    if kind == "regularised":  # (a parameter's own term is added to the loss)
+        return _layer(h, p["w1"], p["b1"])
     assert kind == "scaled"  # a weight times a constant
     return _layer(h, p["w1"] * 0.5, p["b1"])
 
 
-@pytest.mark.parametrize("kind", ["remat", "scan", "cond", "scaled"])
+@pytest.mark.parametrize("kind", ["remat", "scan", "cond", "scaled", "exp", "regularised"])
 def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices, kind):
     """Bodies of `jax.checkpoint`, `lax.scan` and `lax.cond` were typed on the step's own mesh
     (JAX refused them as they were); the typed trace binds each again with its body evaluated
-    by its own rules. A constant beside a reduced weight is cast reduced. The second stage sums
-    once, and three steps equal jax.jit."""
+    by its own rules. A constant beside a reduced weight is cast reduced; `exp` of a parameter
+    takes our rule. The second stage sums once, and three steps equal jax.jit. A parameter's
+    own term added to the loss (a value of reduced parameters alone, leaving the stage) keeps
+    the per-micro-batch sum, and says why: summed once its gradient came out N times over."""
     from test_parallelize import assert_same, make_batch, make_params, run_steps
 
     import jaxreshard as jr
@@ -450,7 +456,8 @@ def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices,
             def loss_fn(p):
                 h = jnp.tanh(batch["x"] @ p["emb"])
                 h = _second_stage(kind, jr.stage_boundary(h), p)
-                return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+                loss = jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+                return loss + 1e-3 * jnp.sum(p["w1"] ** 2) if kind == "regularised" else loss
 
             loss, grads = jr.value_and_grad(loss_fn)(params)
             return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
@@ -472,6 +479,9 @@ def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices,
     )
     step = jr.parallelize(make_step(), config=config, batch_argnums=(1,))
     reductions = step.pipeline(params(), make_batch(16)).layout.reductions
-    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    if kind == "regularised":
+        assert reductions[0] == ONCE and "counted once per device" in reductions[1], reductions
+    else:
+        assert reductions == {0: ONCE, 1: ONCE}, reductions
     out = run_steps(step, params(), make_batch(16), 3)
     assert_same(*out, *run_steps(jax.jit(make_step()), params(), make_batch(16), 3), tol=2e-5)

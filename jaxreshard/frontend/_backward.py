@@ -113,11 +113,28 @@ def _forward(
         for i, v in zip(diff, d):
             full[i] = v
         outs = fn(*full)
+        if reduced:
+            _whole_outputs(stage, outs)
         return [outs[i] for i in kept], list(outs)
 
     _, vjp, outputs = jax.vjp(on_diff, *[inputs[i] for i in diff], has_aux=True)
     leaves, treedef = jax.tree.flatten(vjp)
     return list(outputs), list(leaves), treedef
+
+
+def _whole_outputs(stage: Stage, outs: Sequence[Any]) -> None:
+    """Refuse a typed stage output that is `reduced` or `unreduced` (a value a `reduced`
+    parameter reached with nothing split beside it: `jnp.sum(w)` returned as is). Its cotangent
+    would be taken as a term on every device, N times the gradient, and the runtime moves
+    stage outputs as plain arrays."""
+    for ref, out in zip(stage.outputs, outs):
+        spec = getattr(getattr(jax.typeof(out), "sharding", None), "spec", None)
+        if spec is not None and (spec.reduced or spec.unreduced):
+            raise ValueError(
+                f"stage output {ref} is typed {spec}: a value computed from `reduced` "
+                "parameters alone leaves the stage; its gradient would be counted once per "
+                "device"
+            )
 
 
 def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:

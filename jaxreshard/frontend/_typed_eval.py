@@ -19,6 +19,7 @@ from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusa
 from jaxreshard.frontend._typed_ops import (
     conv_with_reduced_weight,
     custom_jvp_retyped,
+    elementwise_of_reduced,
     plain,
     typed_spec,
 )
@@ -61,14 +62,26 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
                 wide = v if shape == target else jax.numpy.broadcast_to(v, target)
                 out[i] = jax.reshard(wide, plain(other))
                 break
-    reduced = {a for spec in specs if spec is not None for a in spec.reduced}
-    if reduced and all(out[i] is values[i] for i, s in enumerate(specs) if s and s.reduced):
-        # A reduced operand kept as it is (`w * 0.5`): constants beside it are cast reduced
-        # too (free; JAX refuses to mix replicated and reduced), and get no cotangent anyway.
-        for i, v in enumerate(values):
-            if not isinstance(v, jax.core.Tracer):
-                const = jax.numpy.asarray(v)
-                out[i] = jax.reshard(const, P(*[None] * const.ndim, reduced=frozenset(reduced)))
+    kept = [
+        i
+        for i, spec in enumerate(specs)
+        if spec is not None and spec.reduced and out[i] is values[i]
+    ]
+    if not kept:
+        return out
+    axes = frozenset(a for i in kept for a in specs[i].reduced)
+    if any(isinstance(v, jax.core.Tracer) and i not in kept for i, v in enumerate(values)):
+        # A reduced operand beside a whole one (a regulariser added to the data loss) is left
+        # to JAX, which refuses it. Casting it plain is not the way: that cast's transpose
+        # gives every device the whole cotangent as its term, N times the gradient once the
+        # step's `reduce` sums them (measured).
+        return out
+    # A reduced operand beside constants only (`w * 0.5`): the constants are cast reduced too
+    # (free; JAX refuses to mix replicated and reduced), and get no cotangent anyway.
+    for i, v in enumerate(values):
+        if not isinstance(v, jax.core.Tracer):
+            const = jax.numpy.asarray(v)
+            out[i] = jax.reshard(const, P(*[None] * const.ndim, reduced=axes))
     return out
 
 
@@ -120,6 +133,10 @@ def typed_eval(closed: Any) -> Any:
                     except Exception as e:  # (JAX's ShardingTypeError)
                         with jax.sharding.use_abstract_mesh(mesh):
                             outs = on_refusal(eqn, values, e)
+                            if outs is None:
+                                outs = elementwise_of_reduced(
+                                    eqn, values, lambda v, e=eqn: bind_equation(e, v, mesh)
+                                )
                         if outs is None:
                             raise
             env.update(zip(eqn.outvars, outs))

@@ -259,3 +259,59 @@ def _traced_on(avals: Sequence[Any]) -> Any:
         if mesh is not None and not mesh.empty:
             return jax.sharding.use_abstract_mesh(mesh)
     return contextlib.nullcontext()
+
+
+# Elementwise primitives of one array operand (others constant) whose derivative is diagonal.
+_UNARY = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sinh",
+    "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
+    "integer_pow", "square", "abs", "neg", "sign", "erf", "erfc", "erf_inv", "lgamma",
+    "digamma", "floor", "ceil", "round", "pow", "mul", "div", "add", "sub", "max", "min",
+    "reduce_precision", "convert_element_type",
+})  # fmt: skip
+
+
+def elementwise_of_reduced(eqn: Any, values: Sequence[Any], bind: Any) -> list[Any] | None:
+    """An elementwise op JAX has no reduced rule for ("unreduced/reduced rule for integer_pow
+    is not implemented": an L2 term `sum(w ** 2)` in the loss, `exp(log_scale)`) applied to a
+    `reduced` parameter and constants, or None where `eqn` is not one. The op runs on the
+    parameter's plain value and its result is cast `reduced` again (free: the value is whole on
+    every device). Its cotangent comes `unreduced` (each device a term), and so must the
+    parameter's: each term times the op's derivative, a `reduced` factor, is a term of the
+    parameter's cotangent, the sum JAX would all-reduce. `bind(values)`: the equation bound."""
+    traced = [i for i, v in enumerate(values) if isinstance(v, jax.core.Tracer)]
+    if eqn.primitive.name not in _UNARY or eqn.primitive.multiple_results or len(traced) != 1:
+        return None
+    (at,) = traced
+    spec = typed_spec(values[at])
+    shape = jax.typeof(values[at]).shape
+    out = eqn.outvars[0].aval
+    if spec is None or not spec.reduced or spec.unreduced or tuple(out.shape) != tuple(shape):
+        return None
+    if not jax.numpy.issubdtype(out.dtype, jax.numpy.inexact):
+        return None
+    axes = frozenset(spec.reduced)
+
+    def op(x: Any) -> Any:
+        return bind([x if i == at else v for i, v in enumerate(values)])[0]
+
+    def whole(x: Any) -> Any:
+        return jax.reshard(x, plain(spec))
+
+    def as_reduced(y: Any) -> Any:
+        return jax.reshard(y, P(*typed_spec(y).partitions, reduced=axes))
+
+    @jax.custom_vjp
+    def apply(x: Any) -> Any:
+        return as_reduced(op(whole(x)))
+
+    def forward(x: Any) -> tuple[Any, Any]:
+        return apply(x), x
+
+    def backward(x: Any, g: Any) -> tuple[Any]:
+        y, vjp = jax.vjp(op, whole(x))
+        (slope,) = vjp(jax.numpy.ones_like(y))  # (elementwise: the diagonal of its Jacobian)
+        return (g * as_reduced(slope.astype(g.dtype)),)
+
+    apply.defvjp(forward, backward)
+    return [apply(values[at])]

@@ -327,8 +327,10 @@ def test_a_custom_jvp_keeps_its_rule_in_the_typed_trace(cpu_devices, act):
         (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
     )
 
-    def f(x, w):
-        return jnp.sum(act(x @ w) ** 2)
+    c = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
+
+    def f(x, w):  # (linear in act: its gradient at 0 is the rule's, whatever it is)
+        return jnp.sum(act(x @ w) * c)
 
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     w = np.random.default_rng(1).normal(size=(4, 4)).astype(np.float32)
@@ -431,22 +433,25 @@ def _second_stage(kind, h, p):
         return jax.lax.scan(lambda c, wb: (_layer(c, *wb), None), h, (p["ws"], p["bs"]))[0]
     if kind == "cond":
         return jax.lax.cond(h.shape[0] > 0, lambda h: _layer(h, p["w1"], p["b1"]), jnp.sin, h)
-    if kind == "exp":  # an op JAX has no reduced rule for, of a parameter
+    if kind == "exp":  # an op of a parameter with JAX's own reduced rule
         return _layer(h, p["w1"], p["b1"]) * jnp.exp(p["b1"])
+    if kind == "cubed":  # one without (integer_pow): ours
+        return _layer(h, p["w1"] ** 3, p["b1"])
     if kind == "regularised":  # (a parameter's own term is added to the loss)
         return _layer(h, p["w1"], p["b1"])
     assert kind == "scaled"  # a weight times a constant
     return _layer(h, p["w1"] * 0.5, p["b1"])
 
 
-@pytest.mark.parametrize("kind", ["remat", "scan", "cond", "scaled", "exp", "regularised"])
+@pytest.mark.parametrize("kind", ["remat", "scan", "cond", "scaled", "exp", "cubed", "regularised"])
 def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices, kind):
     """Bodies of `jax.checkpoint`, `lax.scan` and `lax.cond` were typed on the step's own mesh
     (JAX refused them as they were); the typed trace binds each again with its body evaluated
-    by its own rules. A constant beside a reduced weight is cast reduced; `exp` of a parameter
-    takes our rule. The second stage sums once, and three steps equal jax.jit. A parameter's
-    own term added to the loss (a value of reduced parameters alone, leaving the stage) keeps
-    the per-micro-batch sum, and says why: summed once its gradient came out N times over."""
+    by its own rules. A constant beside a reduced weight is cast reduced; a cube of a parameter
+    (`integer_pow`, with no reduced rule in JAX) takes ours. The second stage sums once, and
+    three steps equal jax.jit. A parameter's own term added to the loss (a value of reduced
+    parameters alone, leaving the stage) keeps the per-micro-batch sum, and says why: summed
+    once, its gradient came out N times over."""
     from test_parallelize import assert_same, make_batch, make_params, run_steps
 
     import jaxreshard as jr

@@ -127,7 +127,8 @@ def _whole_outputs(stage: Stage, outs: Sequence[Any]) -> None:
     parameter reached with nothing split beside it: `jnp.sum(w)` returned as is). Its cotangent
     would be taken as a term on every device, N times the gradient, and the runtime moves
     stage outputs as plain arrays."""
-    for ref, out in zip(stage.outputs, outs):
+    for i in _differentiated(stage):  # (an aux output is not differentiated: any type will do)
+        ref, out = stage.outputs[i], outs[i]
         spec = getattr(getattr(jax.typeof(out), "sharding", None), "spec", None)
         if spec is not None and (spec.reduced or spec.unreduced):
             raise ValueError(

@@ -57,6 +57,13 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
         for u, other in zip(values, specs):
             if u is v or other is None or not _split_over(other) & set(spec.reduced):
                 continue
+            if not set(spec.reduced) <= _split_over(other):
+                # (split over some reduced axes only: the slice would drop the others'
+                # reducedness, and that cast's transpose counts the gradient once per device)
+                raise ValueError(
+                    f"an operand reduced over {sorted(spec.reduced)} meets one split over "
+                    f"{sorted(_split_over(other))} only"
+                )
             target = jax.typeof(u).shape
             if _broadcasts(shape, target):
                 wide = v if shape == target else jax.numpy.broadcast_to(v, target)
@@ -253,9 +260,16 @@ _PLAIN_CALLS = {
 
 
 def _untyped(x: Any) -> Any:
-    """A constant of the user's trace (typed on the step's own mesh) as plain host data."""
+    """A constant of the user's trace (typed on the step's own mesh) as plain host data, of
+    its own dtype (a typed float literal would otherwise become float64). A PRNG key, which
+    has no host form, stays as it is."""
     typed = isinstance(x, jax.Array) or hasattr(x, "aval")  # (or a TypedNdArray)
-    return np.asarray(x) if typed else x
+    if not typed:
+        return x
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return x
+    return np.asarray(x, dtype=dtype)
 
 
 # Calls whose body can be evaluated in place of the call where nothing differentiates it (a

@@ -261,20 +261,19 @@ def _traced_on(avals: Sequence[Any]) -> Any:
     return contextlib.nullcontext()
 
 
-# Elementwise primitives of one array operand (others constant) whose derivative is diagonal.
+# Unary elementwise primitives (their derivative is diagonal).
 _UNARY = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sinh",
     "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
     "integer_pow", "square", "abs", "neg", "sign", "erf", "erfc", "erf_inv", "lgamma",
-    "digamma", "floor", "ceil", "round", "pow", "mul", "div", "add", "sub", "max", "min",
-    "reduce_precision", "convert_element_type",
+    "digamma", "floor", "ceil", "round", "reduce_precision", "convert_element_type",
 })  # fmt: skip
 
 
 def elementwise_of_reduced(eqn: Any, values: Sequence[Any], bind: Any) -> list[Any] | None:
-    """An elementwise op JAX has no reduced rule for ("unreduced/reduced rule for integer_pow
-    is not implemented": an L2 term `sum(w ** 2)` in the loss, `exp(log_scale)`) applied to a
-    `reduced` parameter and constants, or None where `eqn` is not one. The op runs on the
+    """A unary elementwise op JAX has no reduced rule for ("unreduced/reduced rule for
+    integer_pow is not implemented": `w ** 3`, an L2 term's `w ** 2`) applied to a `reduced`
+    parameter, or None where `eqn` is not one. The op runs on the
     parameter's plain value and its result is cast `reduced` again (free: the value is whole on
     every device). Its cotangent comes `unreduced` (each device a term), and so must the
     parameter's: each term times the op's derivative, a `reduced` factor, is a term of the
@@ -311,7 +310,7 @@ def elementwise_of_reduced(eqn: Any, values: Sequence[Any], bind: Any) -> list[A
     def backward(x: Any, g: Any) -> tuple[Any]:
         y, vjp = jax.vjp(op, whole(x))
         (slope,) = vjp(jax.numpy.ones_like(y))  # (elementwise: the diagonal of its Jacobian)
-        return (g * as_reduced(slope.astype(g.dtype)),)
+        return ((g * as_reduced(slope)).astype(jax.typeof(x).dtype),)
 
     apply.defvjp(forward, backward)
     return [apply(values[at])]

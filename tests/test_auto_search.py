@@ -24,7 +24,7 @@ BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", 
 def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
     flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out),
-             "--auto-cuts", "keep", "--auto-virtual", "keep"]  # fmt: skip
+             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2"]  # fmt: skip
     assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
@@ -61,7 +61,7 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     config = tmp_path / "capped.toml"
     config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
     flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out),
-             "--auto-cuts", "keep", "--auto-virtual", "keep"]  # fmt: skip
+             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2"]  # fmt: skip
     assert main([*BASE, "--config", str(config), *flags]) == 0
     capped = json.loads(out.read_text())
     assert capped["over_memory_cap"] and capped["predicted"]

@@ -26,10 +26,16 @@ SCHEDULES = [
 
 
 def gpt_config(**pipeline):
+    # GPT `tiny` with a layer per stage (the fewest to compile).
+    layers = max(2, pipeline.get("num_stages", 2))
     return load_profile_config(
         "gpt",
         None,
-        {"run": {"steps": 4, "batch_size": 8}, "pipeline": {"num_micro_batches": 4, **pipeline}},
+        {
+            "model": {"layers": layers},
+            "run": {"steps": 4, "batch_size": 8},
+            "pipeline": {"num_micro_batches": 4, **pipeline},
+        },
     )
 
 

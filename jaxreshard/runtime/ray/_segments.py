@@ -24,7 +24,7 @@ import jax
 from jaxreshard._jax_compat import abstract_mesh
 from jaxreshard.frontend._trace import fingerprint, trace_step
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._partition import SegmentCost, segment_cost
+from jaxreshard.runtime.step._segment_cost import SegmentCost, segment_cost
 
 
 def host_segment_costs(

@@ -46,12 +46,11 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend import core as jc
 from jax.sharding import NamedSharding
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
-from jaxreshard.frontend._backward import _differentiated, residual_inputs
-from jaxreshard.frontend._split import ACT, PARAM, StepGraph
+from jaxreshard.frontend._backward import residual_inputs
+from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._memory import (
@@ -62,29 +61,18 @@ from jaxreshard.runtime.step._memory import (
     device_limit,
     exports_of,
     mesh_bytes,
-    scratch_bytes,
     segment_memory,
     size,
 )
+from jaxreshard.runtime.step._segment_cost import SegmentCost, segment_cost
 from jaxreshard.runtime.step._specs import batch_spec
 
 MAX_CHOICES = 20_000
-TIMING_RUNS = 3
 TRIAL_WARMUP = 2  # steps run before a measured choice (`partition_trials`) is timed
 TRIAL_ROUNDS = 5  # rounds that time every measured choice in turn (the median is kept)
 TRIAL_BURST = 2  # steps per choice and round, called back to back
 # The factors on every choice's compute that `fit_compute_scale` tries: 1/4 to 8, 5% apart.
 COMPUTE_SCALES = tuple(0.25 * 1.05**i for i in range(72))
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentCost:
-    """Measured seconds of one segment, per micro-batch."""
-
-    forward: float
-    backward: float  # B + W
-    weight_grad: float  # W
-    apply: float = 0.0  # the post-gradient code (optimizer) placed on it: seconds per step
 
 
 class NoCutFits(ValueError):
@@ -469,102 +457,6 @@ def _simulated(config: PipelineConfig, costs: Costs, k: float = 1.0) -> float:
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
     return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
-
-
-def segment_cost(graph: StepGraph, s: int, device: Any, split: int) -> tuple[SegmentCost, int]:
-    """Forward, whole backward and weight-gradient seconds of segment `s` per micro-batch, and
-    of the post-gradient code placed on it per step (see the Note), and the XLA scratch bytes
-    of its larger executable on one device."""
-    stage = graph.loss.stages[s]
-    closed = stage.jaxpr
-    fun = jc.jaxpr_as_fun(closed)
-    args = _zeros(closed.in_avals, device)
-    scratch = 0
-
-    def timed(program: Any, inputs: Sequence[Any]) -> tuple[float, Any]:
-        nonlocal scratch
-        compiled = jax.jit(program).lower(*inputs).compile()
-        scratch = max(scratch, scratch_bytes(compiled))
-        return _best(compiled, inputs), compiled
-
-    apply = 0.0
-    for seg in graph.segments:  # (the optimizer's part for this segment's parameters)
-        if seg.stage == s:
-            seg_args = _zeros(seg.jaxpr.in_avals, device)
-            apply += _best(jax.jit(jc.jaxpr_as_fun(seg.jaxpr)).lower(*seg_args).compile(),
-                           seg_args)  # fmt: skip
-    inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.in_avals]
-    acts = [i for i, r in enumerate(stage.inputs) if r.kind == ACT and inexact[i]]
-    params = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and inexact[i]]
-    if graph.forward_only or not acts + params:
-        forward = timed(fun, args)[0]
-        return SegmentCost(forward / split, 0.0, 0.0, apply), scratch
-    # Each part as the runtime runs it: F makes the outputs and the residuals; the backward
-    # reads those residuals and an output cotangent, and adds the parameter gradients to the
-    # step's accumulators; B of a split backward is its input gradients alone (XLA drops the
-    # rest), W the remainder.
-    forward, compiled = timed(_vjp_forward(fun, acts + params, closed, stage), args)
-    outputs, backward = compiled(*args)
-    cotangents = [jax.numpy.zeros_like(o) for o in outputs]
-    accumulators = [jax.numpy.zeros_like(args[i]) for i in params]
-    n = len(acts)
-
-    def accumulate(f: Any, cts: Any, acc: Any) -> Any:
-        grads = f(cts)
-        return grads[:n], [a + g for a, g in zip(acc, grads[n:])]
-
-    inputs = (backward, cotangents, accumulators)
-    whole = timed(accumulate, inputs)[0]
-    weight = whole
-    if acts:
-        only = timed(lambda f, cts, acc: f(cts)[:n], inputs)[0] if params else whole
-        weight = max(whole - only, 0.0)
-    return SegmentCost(forward / split, whole / split, weight / split, apply), scratch
-
-
-def _zeros(avals: Sequence[Any], device: Any) -> list[Any]:
-    """Arguments of these avals to time a program with (zeros; typed PRNG keys too, which
-    numpy cannot make)."""
-    out = []
-    for a in avals:
-        if not hasattr(a, "shape"):
-            out.append(a)
-        elif jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            out.append(jax.device_put(jax.numpy.zeros(a.shape, a.dtype), device))
-        else:
-            out.append(jax.device_put(np.zeros(a.shape, a.dtype), device))
-    return out
-
-
-def _vjp_forward(fun: Any, wrt: Sequence[int], closed: Any, stage: Any) -> Any:
-    """`fun`'s outputs that the backward starts from (inexact, not aux outputs) and its VJP
-    with respect to inputs `wrt` (whose residuals are what a forward action keeps for its
-    backward)."""
-    inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in closed.out_avals]
-    starts = set(_differentiated(stage))
-    chosen_outputs = [i for i, f in enumerate(inexact) if f and i in starts]
-
-    def forward(*args: Any) -> Any:
-        def part(*chosen: Any) -> Any:
-            full = list(args)
-            for i, x in zip(wrt, chosen):
-                full[i] = x
-            outs = fun(*full)
-            return [outs[i] for i in chosen_outputs]
-
-        return jax.vjp(part, *[args[i] for i in wrt])
-
-    return forward
-
-
-def _best(compiled: Any, args: Sequence[Any]) -> float:
-    jax.block_until_ready(compiled(*args))  # compile and warm
-    best = math.inf
-    for _ in range(TIMING_RUNS):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _sharding(mesh: Any, spec: Any) -> Any:

@@ -7,7 +7,9 @@ sizes; Adam) with a `jr.stage_candidate` after every layer (`train_step(candidat
 Each is trained as 2 stages, `--micro-batches` micro-batches, `--schedule`, on an emulated
 cluster (`jaxreshard.cluster.emulated`: 2 hosts, one pinned core and one device each,
 `--nic-gbps` NICs; root only). For each candidate as the hand-placed cut, and for
-`partition="auto"`, the steady step is measured (median of `--steps` after 2 warm-up steps),
+`partition="auto"` with the prediction alone (`partition_trials=0`) and then with
+`partition_trials=--trials` (the default, 1: the predicted fastest measured and the prediction
+refitted to it), the steady step is measured (median of `--steps` after 2 warm-up steps),
 beside the partitioner's prediction for that cut. The table marks the equal-layer-count cut and
 the compute-balanced one (the partitioner's measured segment times: the cut whose slower side
 computes least).
@@ -132,8 +134,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--nic-gbps", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--trials", type=int, default=3,
-                        help="partition_trials of a second auto run (1: none)")  # fmt: skip
+    parser.add_argument("--trials", type=int, default=1,
+                        help="partition_trials of a second auto run, after one with the "
+                             "prediction alone (partition_trials=0); 0: no second run")  # fmt: skip
     parser.add_argument("--name", default="apart")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -152,11 +155,12 @@ def main() -> None:
         hosts=2, nic_gbps=args.nic_gbps, cpus_per_host=1, devices_per_host=1, name=args.name
     ) as cluster:
         jr.init(backend="ray", address=cluster.address, timeout_s=300, distributed=False)
-        auto_s, plan = measure(problem, jr.PipelineConfig(partition="auto", **base), args.steps)
+        predicted_only = jr.PipelineConfig(partition="auto", partition_trials=0, **base)
+        auto_s, plan = measure(problem, predicted_only, args.steps)
         report = plan.partition
         auto_losses = measure.losses
         trial = None
-        if args.trials > 1:
+        if args.trials > 0:
             config = jr.PipelineConfig(partition="auto", partition_trials=args.trials, **base)
             trial_s, trial_plan = measure(problem, config, args.steps)
             trial = trial_plan.partition

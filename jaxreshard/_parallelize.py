@@ -394,7 +394,8 @@ class Parallelized:
                 timer = time_on_host(runtime, self.fun, static, config, in_tree, leaves,
                                      batch_leaves, input_specs, donated)  # fmt: skip
             partition = self._partition(trace, on_ray, leaves, timer)
-            if config.partition_trials > 1:  # (the chosen one's pipeline serves, if it can)
+            if config.partition_trials and sum(c.fits for c in partition.tried) > 1:
+                # (the chosen one's pipeline serves, if it can)
                 kept = measure_choices(partition, config, build, leaves, not (donated or recorded))
             config = dataclasses.replace(
                 config, cuts=partition.chosen, **partition.placement_costs(config)
@@ -512,8 +513,8 @@ class Parallelized:
     @api_boundary
     def plan(self, *args: Any) -> PipelinePlan:
         """What the step will do for these arguments, without running it (except that
-        `partition="auto"` with `partition_trials` > 1 runs the measured choices' steps, as
-        the first call would)."""
+        `partition="auto"` runs the measured choices' steps, as the first call would, unless
+        `partition_trials=0`)."""
         entry, _ = self._entry(args)
         return PipelinePlan(entry.graph, entry.pipeline, entry.partition)
 

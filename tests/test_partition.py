@@ -101,8 +101,8 @@ def test_cuts_choose_candidates_by_number():
 def test_auto_charges_the_transfer_of_every_cut():
     """On 1 MB/s links a cut's transfer dominates its segments' compute: the partitioner
     cuts where the least crosses (after a 32-wide layer), its report gives every choice's
-    predicted step, and the step equals jax.jit."""
-    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001)
+    predicted step, and the step equals jax.jit (the prediction alone: `partition_trials=0`)."""
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, partition_trials=0)
     step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
     plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
     report = plan.partition
@@ -112,8 +112,29 @@ def test_auto_charges_the_transfer_of_every_cut():
     wide = [report.crossing[i][0] for i in (0, 2, 4)]
     assert max(narrow) * 8 < min(wide)
     assert "automatic partition: 6 segments between 5 markers" in str(plan)
-    assert "predicted only: partition_trials=3 would run" in str(plan)
+    assert "predicted only, partition_trials=0: 1, the default, runs the fastest" in str(plan)
+    assert not report.trials and report.compute_scale is None
     assert plan.graph.num_stages == 2
+    assert_equal_to_jit(step)
+
+
+def test_by_default_the_predicted_fastest_runs_and_the_prediction_is_refitted_to_it():
+    """`partition_trials=1` (the default) measures the predicted fastest choice, fits the
+    factor on compute to its step, and measures the refitted prediction's fastest too if that
+    is another choice; the fastest measured is chosen, and the step equals jax.jit."""
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001)
+    assert cfg.partition_trials == 1
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    report = plan.partition
+    assert report.trials and report.trials[0].cuts == report.tried[0].cuts
+    assert report.compute_scale is not None and report.refitted
+    # One more trial exactly when the refit prefers another choice.
+    refit_best = report.refitted[0][0]
+    assert [t.cuts for t in report.trials[1:]] == ([] if refit_best == report.trials[0].cuts
+                                                    else [refit_best])  # fmt: skip
+    assert report.chosen == min(report.trials, key=lambda t: t.measured).cuts
+    assert "the fastest measured is chosen" in str(plan)
     assert_equal_to_jit(step)
 
 
@@ -179,8 +200,9 @@ def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
     assert "measured (side by side, median of 5 rounds of 2 steps" in str(plan)
     assert len(report.to_json()["trials"]) == len(report.trials)
     assert_equal_to_jit(step)
-    with pytest.raises(ValueError, match=r"partition_trials=0\): must be an int from 1"):
-        jr.PipelineConfig(partition_trials=0)
+    with pytest.raises(ValueError, match=r"partition_trials=-1\): must be an int from 0"):
+        jr.PipelineConfig(partition_trials=-1)
+    assert jr.PipelineConfig(partition_trials=0).partition_trials == 0  # (the prediction alone)
     with pytest.raises(ValueError, match=r"partition_trials=2\): trials measure the choices"):
         jr.PipelineConfig(partition_trials=2)
 

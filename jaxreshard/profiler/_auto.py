@@ -10,13 +10,14 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    host can beat a stage spanning hosts over slow links: see docs/benchmarks.md).
 2. Calibrate each layout, once per cut option (`cut_options`): with `cuts`, the model marks a
    `jr.stage_candidate` after every layer and the first calibration run lets
-   `partition="auto"` choose the cut on the layout's meshes (for the configured schedule and
-   micro-batch count; if no cut fits `memory_cap_gib` there, without the cap, which the
-   predictions then check at every count); every later run of the layout takes that cut
-   (`cuts=...`). A stage count with more ways to cut than the partitioner tries cuts evenly.
-   With `virtual`, a second option cuts the model into 2 model stages per mesh (1 for a config
-   of more), whose calibration (with a split backward, so that W is measured) predicts the
-   virtual-stage schedules. Each runs its warm-up and
+   `partition="auto"` choose the cut on the layout's meshes by its prediction alone
+   (`partition_trials=0`: the search measures its best configurations itself; for the
+   configured schedule and micro-batch count; if no cut fits `memory_cap_gib` there,
+   without the cap, which the predictions then check at every count); every later run of
+   the layout takes that cut (`cuts=...`). A stage count with more ways to cut than the
+   partitioner tries cuts evenly. With `virtual`, a second option cuts the model into 2 model
+   stages per mesh (1 for a config of more), whose calibration (with a split backward, so
+   that W is measured) predicts the virtual-stage schedules. Each runs its warm-up and
    timed steps, recorded, at its micro-batch count and at twice (or half) it; each stage's
    measured F, B, W and transfer times (`measured_costs`; a stage's own collectives are inside
    its F, B and W) are fitted as
@@ -114,7 +115,8 @@ def auto_search(
             else:
                 if chosen is not None:  # partition="auto" chose; every later run takes its cut
                     entry["cuts"] = list(chosen)
-                    entry["changes"] = {**changes, "partition": "manual", "cuts": chosen}
+                    kept = {k: v for k, v in changes.items() if k != "partition_trials"}
+                    entry["changes"] = {**kept, "partition": "manual", "cuts": chosen}
             calibrated.append(entry)
     predictions = []
     memory: dict[str, int | None] = {}  # label -> estimated peak bytes per device
@@ -275,8 +277,8 @@ def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, 
 
     def cut(stages: int, configured: bool) -> dict[str, Any]:
         auto = cuts and stages >= 2 and math.comb(units - 1, stages - 1) <= MAX_CHOICES
-        if auto:
-            return {"partition": "auto", "cuts": None}
+        if auto:  # (the prediction alone: the search measures its best configurations itself)
+            return {"partition": "auto", "cuts": None, "partition_trials": 0}
         if configured and not cuts:
             return {}  # (as configured: even, or the config's own cuts)
         # (A configured `cuts` is for the configured stage count; too many choices: even.)

@@ -109,7 +109,9 @@ class PipelineConfig:
             each) on the first call's own arguments (nothing donated, the outputs dropped). A
             factor on compute fitted to those steps predicts every choice again, and the fastest
             of that joins them if it was not measured; the fastest measured wins. 1 (the
-            default): the prediction alone decides. Measuring costs a compile and a few steps
+            default): the predicted fastest is measured, and the factor fitted to it decides
+            whether another joins (where the prediction is right, one trial and no other
+            compile). 0: the prediction alone decides. Measuring costs a compile and a few steps
             per choice, keeps every measured choice's pipeline (with a copy of the state) alive
             until the choice is made (under a memory cap, only as many run as fit together), and
             corrects what the prediction leaves out (each action's fixed cost on the host,
@@ -188,7 +190,7 @@ class PipelineConfig:
             )
         _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
         _positive_int("steps_in_flight", self.steps_in_flight, 64)
-        _positive_int("partition_trials", self.partition_trials, MAX_PARTITION_TRIALS)
+        _positive_int("partition_trials", self.partition_trials, MAX_PARTITION_TRIALS, low=0)
         if self.partition_trials > 1 and self.partition != "auto":
             raise ValueError(
                 f"PipelineConfig(partition_trials={self.partition_trials}): trials measure the "
@@ -400,10 +402,10 @@ def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     return floats if listed else floats[0]
 
 
-def _positive_int(name: str, value: Any, high: int) -> None:
+def _positive_int(name: str, value: Any, high: int, low: int = 1) -> None:
     integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    if not integral or not 1 <= value <= high:
-        raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from 1 to {high:,}")
+    if not integral or not low <= value <= high:
+        raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from {low} to {high:,}")
 
 
 def _is_index(value: Any) -> bool:

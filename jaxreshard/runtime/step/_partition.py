@@ -24,10 +24,12 @@ schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its 
 plus their residuals times the micro-batches the schedule keeps alive there, plus scratch. The
 fastest choice under the memory cap (`memory_cap_gib`, else the local device's own limit where
 JAX reports one) wins; if none fits, the error says what the least needs and what to change.
-With `partition_trials=N` > 1, the N fastest that fit are compiled and run on the first call's
-arguments (`measure_choices` in `_trials.py`); one factor on compute fitted to those steps
-(`fit_compute_scale`) predicts every choice again, its fastest is run too if it was not, and the
-fastest measured wins: the segments are timed alone, and a running pipeline's actions also pay
+With `partition_trials=N` (1 by default; where more than one choice fits), the N fastest that
+fit are compiled and run on the first call's arguments (`measure_choices` in `_trials.py`);
+one factor on compute fitted to those steps (`fit_compute_scale`: with one trial, the factor
+that predicts its step, to the grid's 5%) predicts every choice again, its fastest is run too
+if it was not, and the fastest measured wins (so by default a right prediction costs one
+trial, and a wrong one two); the segments are timed alone, and a running pipeline's actions also pay
 their host's dispatch, receives and other threads. The choice, every tried one's prediction and
 memory, and the trials are in `train_step.plan(...)`. Choices are
 enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
@@ -110,7 +112,7 @@ class PartitionReport:
     seconds: float  # spent measuring and choosing
     memory: list[list[SegmentMemory]] = dataclasses.field(default_factory=list)  # [seg][mesh]
     cap: int | None = None  # bytes per device; None: no cap
-    trials: list[Trial] = dataclasses.field(default_factory=list)  # `partition_trials` > 1
+    trials: list[Trial] = dataclasses.field(default_factory=list)  # `partition_trials` >= 1
     compute_scale: float | None = None  # fitted to the trials (see `fit_compute_scale`)
     trials_note: list[str] = dataclasses.field(default_factory=list)  # choices left out
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
@@ -201,10 +203,9 @@ class PartitionReport:
                 f"{slowest.step * 1e3:.2f} ms"
             )
         if not self.trials and len(fitting) > 1:
-            n = min(len(fitting), 3)
             lines.append(
-                f"  (predicted only: partition_trials={n} would run the {n} fastest and keep "
-                "the fastest measured)"
+                "  (predicted only, partition_trials=0: 1, the default, runs the fastest and "
+                "refits the prediction to it; N runs the N fastest)"
             )
         if self.trials:
             lines.append(

@@ -94,11 +94,14 @@ def measure_choices(
             entry = running.pop(cuts, (None,))[0]
             if entry is not None:
                 close_entry(entry)
-            if cuts == first:  # (the prediction's own: the step would fail without trials too)
-                raise
+            if cuts == first and config.partition_trials > 1:
+                raise  # (the prediction's own, with trials asked for: it would fail alone too)
+            # (The default's one trial runs without donation, with a copy of the state: where
+            # that fails, the step itself may still fit; the prediction decides.)
             text = f"candidates {list(cuts)} failed to run ({type(e).__name__}: {e})"
             partition.trials_note.append(text)
-            warnings.warn(f"partition_trials: {text}; choosing among the others", stacklevel=6)
+            rest = "choosing among the others" if cuts != first else "the prediction decides"
+            warnings.warn(f"partition_trials: {text}; {rest}", stacklevel=6)
             return
         held[0] += need
 
@@ -108,6 +111,9 @@ def measure_choices(
         first = fitting[0]
         for cuts in fitting:
             try_start(cuts)
+        if not running:  # (the default's one trial failed: the prediction's choice stands)
+            partition.seconds += time.perf_counter() - began
+            return None
         measured = measure()
         partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
         fit_compute_scale(partition, config)

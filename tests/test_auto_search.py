@@ -135,7 +135,7 @@ def test_cut_options():
     from jaxreshard.profiler._auto import cut_options
 
     pc = load_profile_config("gpt", None, {"model": {"layers": 4}})
-    auto = {"partition": "auto", "cuts": None}
+    auto = {"partition": "auto", "cuts": None, "partition_trials": 0}  # (the prediction alone)
     even = {"partition": "manual", "cuts": None}
     # The other count is calibrated with a split backward, so its Ws are measured.
     v2 = {"num_stages": 4, "virtual_stages": 2, "schedule": "eager_interleaved_1f1b",

@@ -116,6 +116,8 @@ def auto_search(
                 if chosen is not None:  # partition="auto" chose; every later run takes its cut
                     entry["cuts"] = list(chosen)
                     kept = {k: v for k, v in changes.items() if k != "partition_trials"}
+                    if pc.pipeline.partition_trials > 1:  # (trials are partition='auto''s)
+                        kept["partition_trials"] = 1
                     entry["changes"] = {**kept, "partition": "manual", "cuts": chosen}
             calibrated.append(entry)
     predictions = []

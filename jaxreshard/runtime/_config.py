@@ -110,10 +110,12 @@ class PipelineConfig:
             factor on compute fitted to those steps predicts every choice again, and the fastest
             of that joins them if it was not measured; the fastest measured wins. 1 (the
             default): the predicted fastest is measured, and the factor fitted to it decides
-            whether another joins (where the prediction is right, one trial and no other
-            compile). 0: the prediction alone decides. Measuring costs a compile and a few steps
-            per choice, keeps every measured choice's pipeline (with a copy of the state) alive
-            until the choice is made (under a memory cap, only as many run as fit together), and
+            whether another joins (where the prediction is right, one trial, and without
+            donation or recording no other compile; if that one trial fails to run, the
+            prediction decides, with a warning). 0: the prediction alone decides. Measuring
+            costs a compile and a few steps per choice, keeps every measured choice's pipeline
+            (with a copy of the state) alive until the choice is made (under a memory cap, only
+            as many run as fit together), and
             corrects what the prediction leaves out (each action's fixed cost on the host,
             contention).
         reduce_gradients: how often a stage whose mesh splits its batch (a `data` axis) sums
@@ -188,19 +190,19 @@ class PipelineConfig:
                 f"PipelineConfig(partition='auto', num_stages={self.num_stages!r}): say how many "
                 "stages to cut the step into (num_stages >= 2)"
             )
-        _positive_int("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
-        _positive_int("steps_in_flight", self.steps_in_flight, 64)
-        _positive_int("partition_trials", self.partition_trials, MAX_PARTITION_TRIALS, low=0)
+        _int_in_range("num_micro_batches", self.num_micro_batches, MAX_MICRO_BATCHES)
+        _int_in_range("steps_in_flight", self.steps_in_flight, 64)
+        _int_in_range("partition_trials", self.partition_trials, MAX_PARTITION_TRIALS, low=0)
         if self.partition_trials > 1 and self.partition != "auto":
             raise ValueError(
                 f"PipelineConfig(partition_trials={self.partition_trials}): trials measure the "
                 "choices of partition='auto'; set partition='auto' (with num_stages), or leave "
-                "partition_trials at 1"
+                "partition_trials at 0 or 1 (the default)"
             )
         if self.num_stages is not None:
-            _positive_int("num_stages", self.num_stages, MAX_STAGES)
+            _int_in_range("num_stages", self.num_stages, MAX_STAGES)
         if self.devices_per_host is not None:
-            _positive_int("devices_per_host", self.devices_per_host, MAX_MESH_DEVICES)
+            _int_in_range("devices_per_host", self.devices_per_host, MAX_MESH_DEVICES)
         for name in ("num_micro_batches", "steps_in_flight", "num_stages", "devices_per_host"):
             value = getattr(self, name)
             if value is not None:  # (a numpy integer is taken as the int it is)
@@ -402,7 +404,7 @@ def _costs(name: str, value: Any, positive: bool) -> float | tuple[float, ...]:
     return floats if listed else floats[0]
 
 
-def _positive_int(name: str, value: Any, high: int, low: int = 1) -> None:
+def _int_in_range(name: str, value: Any, high: int, low: int = 1) -> None:
     integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
     if not integral or not low <= value <= high:
         raise ValueError(f"PipelineConfig({name}={value!r}): must be an int from {low} to {high:,}")

@@ -221,6 +221,9 @@ class PartitionReport:
         lines.extend(f"  ({note})" for note in self.trials_note)
         if self.compute_scale is not None:
             top = ", ".join(f"{list(c)} {t * 1e3:.2f} ms" for c, t in self.refitted[:3])
+            measured_best = bool(self.refitted) and any(
+                t.cuts == self.refitted[0][0] for t in self.trials
+            )
             if self.compute_scale in (COMPUTE_SCALES[0], COMPUTE_SCALES[-1]):
                 lines.append(
                     f"  (the compute factor is at the end of the {COMPUTE_SCALES[0]:.2f}-"
@@ -228,7 +231,8 @@ class PartitionReport:
                 )
             lines.append(
                 f"  compute x {self.compute_scale:.2f} fits the measured steps best; with it the "
-                f"fastest predictions are {top} (the fastest of them is measured too)"
+                f"fastest predictions are {top}"
+                + (" (the fastest of them is measured too)" if measured_best else "")
             )
         over = [c for c in self.tried if not c.fits]
         if over:

@@ -6,7 +6,7 @@ again here, among operands typed on the Explicit mesh, with the rules JAX lacks 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -92,6 +92,20 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _environment(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
+) -> tuple[dict[Any, Any], Callable[[Any], Any]]:
+    """An interpreter's values of `jaxpr`'s variables (its consts and arguments bound), and the
+    function that reads one (a literal as host data)."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(_untyped, consts)))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v: Any) -> Any:
+        return _untyped(v.val) if isinstance(v, jc.Literal) else env[v]
+
+    return env, read
+
+
 def typed_eval(closed: Any) -> Any:
     """`jaxpr_as_fun(closed)` for typed (Explicit-mesh) tracing with `reduced` parameters.
     An elementwise equation's operands go through `_reconciled` first. A convolution of a
@@ -106,12 +120,7 @@ def typed_eval(closed: Any) -> Any:
     derivatives (`custom_vjp`) are bound as they are."""
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], mesh: Any) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(_untyped, consts)))
-        env.update(zip(jaxpr.invars, args))
-
-        def read(v: Any) -> Any:
-            return _untyped(v.val) if isinstance(v, jc.Literal) else env[v]
-
+        env, read = _environment(jaxpr, consts, args)
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
             if eqn.primitive.name in _ELEMENTWISE:
@@ -293,12 +302,7 @@ def inlined_eval(closed: Any) -> Any:
     mesh = None
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, map(_untyped, consts)))
-        env.update(zip(jaxpr.invars, args))
-
-        def read(v: Any) -> Any:
-            return _untyped(v.val) if isinstance(v, jc.Literal) else env[v]
-
+        env, read = _environment(jaxpr, consts, args)
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
             body = eqn.params.get(_CALL_BODIES.get(eqn.primitive.name, ""))

@@ -10,11 +10,11 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    host can beat a stage spanning hosts over slow links: see docs/benchmarks.md).
 2. Calibrate each layout, once per cut option (`cut_options`): with `cuts`, the model marks a
    `jr.stage_candidate` after every layer and the first calibration run lets
-   `partition="auto"` choose the cut on the layout's meshes by its prediction alone
-   (`partition_trials=0`: the search measures its best configurations itself; for the
-   configured schedule and micro-batch count; if no cut fits `memory_cap_gib` there,
-   without the cap, which the predictions then check at every count); every later run of
-   the layout takes that cut (`cuts=...`). A stage count with more ways to cut than the
+   `partition="auto"` choose the cut on the layout's meshes, for the configured schedule and
+   micro-batch count (if no cut fits `memory_cap_gib` there, without the cap, which the
+   predictions then check at every count). It chooses by its prediction alone
+   (`partition_trials=0`): the search measures its best configurations itself. Every later
+   run of the layout takes that cut (`cuts=...`). A stage count with more ways to cut than the
    partitioner tries cuts evenly. With `virtual`, a second option cuts the model into 2 model
    stages per mesh (1 for a config of more), whose calibration (with a split backward, so
    that W is measured) predicts the virtual-stage schedules. Each runs its warm-up and

@@ -2,6 +2,7 @@
 `cuts=` chooses among them by hand, `partition="auto"` by the simulated step (measured segment
 compute, the planner's transfer time of every cut); either way the step equals jax.jit."""
 
+import dataclasses
 import time
 
 import jax
@@ -26,7 +27,10 @@ def init_params():
     return params
 
 
-def make_step(pipelined=True, forced=()):
+def make_step(pipelined=True, forced=(), tied=False):
+    """The step; `tied`: the last segment reads the first layer's weight again (as a tied
+    embedding's output head does)."""
+
     def step(params, state, batch):
         def loss_fn(p):
             h = batch["x"]
@@ -36,6 +40,8 @@ def make_step(pipelined=True, forced=()):
                     h = jr.stage_boundary(h)
                 elif pipelined and i < len(WIDTHS) - 1:
                     h = jr.stage_candidate(h)
+            if tied:
+                h = h + 0.1 * jnp.tanh(h @ p["l0"]) @ p["l0"].T
             return jnp.mean((h - batch["y"]) ** 2)
 
         grad = jr.value_and_grad if pipelined else jax.value_and_grad
@@ -121,6 +127,35 @@ def test_auto_charges_the_transfer_of_every_cut():
     assert not report.trials and report.compute_scale is None
     assert plan.graph.num_stages == 2
     assert_equal_to_jit(step)
+
+
+def test_auto_charges_a_parameter_shared_across_the_cut():
+    """The first layer's weight, read by the first and the last segment, sits on both sides of
+    every cut: each choice's prediction carries its copy out and its gradient back
+    (`Costs.shared`, the planner's time at 1 MB/s), which lengthens every predicted step."""
+    from jaxreshard.pipeline import simulate
+    from jaxreshard.pipeline._costs import SharedCost
+    from jaxreshard.runtime.step._partition import _schedule
+
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001)
+    step = jr.parallelize(make_step(tied=True), config=cfg, batch_argnums=2)
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    report = plan.partition
+    held = 32 * 512 * 4
+    assert report.shared == [(0, held, (0, 5))]
+    assert "parameter 0 (0.06 MiB) is read by segments [0, 5]" in str(plan)
+    for choice in report.tried:
+        ((shared),) = choice.costs.shared
+        assert (shared.owner, shared.user, shared.grad) == (0, 1, True)
+        assert shared.seconds >= held / 1e6  # (1 MB/s)
+        alone = dataclasses.replace(choice.costs, shared=())
+        without = simulate(_schedule(cfg, alone).with_apply(), alone).makespan
+        assert choice.step >= without + shared.seconds
+    # Untied, nothing is shared.
+    untied = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    report = untied.plan(init_params(), OPT.init(init_params()), make_batch()).partition
+    assert report.shared == [] and all(c.costs.shared == () for c in report.tried)
+    assert isinstance(SharedCost(0, 1, 0.0), SharedCost)
 
 
 def test_by_default_the_predicted_fastest_runs_and_the_prediction_is_refitted_to_it():

@@ -329,3 +329,30 @@ def test_a_process_without_the_runtime_token_cannot_join_its_local_ray(ray_runti
         timeout=120,
     )
     assert intruder.returncode != 0 and "joined" not in intruder.stdout
+
+
+def test_a_host_puts_an_array_together_from_its_shards_once(cpu_devices):
+    """A host actor (its body, in this process) asked for an array the driver put, as one
+    `jax.Array` of a sharding, builds it once and hands the same array to later steps; new
+    shards under that id, or another sharding, build it again; freeing drops it."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    from jaxreshard.runtime.ray._actor import HostActor
+
+    actor = HostActor(0, 0, None, "cpu", enable_x64=jax.config.jax_enable_x64)
+    mesh = Mesh(np.array(list(actor.devices.values())[:2]), ("data",))
+    rows = NamedSharding(mesh, P("data"))
+    actor.put_shards("a", "float32", {0: np.zeros((2, 3)), 1: np.ones((2, 3))})
+    first = actor.assembled("a", rows, (4, 3))
+    assert actor.assembled("a", rows, (4, 3)) is first
+    np.testing.assert_array_equal(np.asarray(first), np.r_[np.zeros((2, 3)), np.ones((2, 3))])
+    actor.put_shards("a", "float32", {0: np.full((2, 3), 2.0), 1: np.ones((2, 3))})
+    second = actor.assembled("a", rows, (4, 3))
+    assert second is not first and float(np.asarray(second)[0, 0]) == 2.0
+    one = NamedSharding(Mesh(np.array(list(actor.devices.values())[:1]), ("data",)), P())
+    actor.put_shards("b", "float32", {0: np.arange(3.0)})
+    assert actor.assembled("b", one, (3,)) is not actor.assembled("a", rows, (4, 3))
+    actor.free_many(["a", "b"])
+    assert actor.array_ids() == [] and not actor._assembled
+    assert isinstance(second, jax.Array)

@@ -1,9 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jaxreshard._files import InputError
 from jaxreshard.pipeline import (
     SCHEDULE_NAMES,
     Action,
@@ -14,6 +16,8 @@ from jaxreshard.pipeline import (
     check_schedule,
     simulate,
 )
+from jaxreshard.pipeline._costs import SharedCost
+from jaxreshard.pipeline._formats import costs_from_json
 from jaxreshard.pipeline._schedules import PEAK_BOUNDS
 from jaxreshard.pipeline._virtual import PLACEMENTS
 from jaxreshard.pipeline._visualize import format_timeline
@@ -266,6 +270,59 @@ def test_apply_step_comes_last():
     assert timeline.stages[0][-1].end - timeline.stages[0][-1].start == 0.5
     with pytest.raises(ScheduleError, match="after the stage's last B/W"):
         check_schedule(broken(["0F0 0A 0B0", "1F0 1B0"]))
+
+
+def test_a_shared_parameter_delays_its_readers_first_action_and_its_owners_apply():
+    """A parameter chunk 0 keeps and chunk 2 also reads (a tied embedding): its copy leaves at
+    the start, before the activations on that link, and chunk 2's first action waits for it;
+    chunk 2's gradient contribution goes back after its last action, and chunk 0's apply
+    waits for it. Chunks on one rank (a V) share it for free."""
+    schedule = build_schedule("1f1b", 3, 4).with_apply()
+    plain = Costs.make(3, forward=1, backward=2, comm=0.5, apply=1)
+    shared = dataclasses.replace(plain, shared=(SharedCost(0, 2, 10.0),))
+    before, after = simulate(schedule, plain), simulate(schedule, shared)
+    first = {s: stage[0].start for s, stage in enumerate(after.stages)}
+    assert first[2] >= 10.0 > before.stages[2][0].start
+    back = next(t for t in after.transfers if t.transfer.kind == "param_grad")
+    last_of_2 = max(t.end for t in after.stages[2] if t.action.kind != "A")
+    assert (back.start, back.end) == (last_of_2, last_of_2 + 10.0)
+    assert after.stages[0][-1].start >= back.end  # 0A
+    copy = next(t for t in after.transfers if t.transfer.kind == "param")
+    assert (copy.start, copy.end) == (0.0, 10.0)
+    assert after.makespan >= before.makespan + 10.0
+    # A read without a gradient (grad=False) sends nothing back; two chunks of one rank pay
+    # nothing.
+    no_grad = (SharedCost(0, 2, 10.0, grad=False),)
+    timeline = simulate(schedule, dataclasses.replace(shared, shared=no_grad))
+    assert [t.transfer.kind for t in timeline.transfers].count("param_grad") == 0
+    assert timeline.makespan < after.makespan
+    v = build_schedule("zbv", 2, 4).with_apply()  # chunks 0 and 3 on rank 0
+    costs = Costs.make(4, forward=1, backward=2, comm=0.5, apply=1)
+    assert simulate(v, dataclasses.replace(costs, shared=(SharedCost(0, 3, 10.0),))).makespan == (
+        simulate(v, costs).makespan
+    )
+    # JSON: written and read back.
+    assert costs_from_json(shared.to_json(), 3, "t") == shared
+
+
+def test_shared_costs_are_checked():
+    plain = Costs.make(2)
+    for bad, match in [
+        ((SharedCost(0, 0, 1.0),), "two different chunks"),
+        ((SharedCost(0, 5, 1.0),), "two different chunks"),
+        ((SharedCost(0, 1, -1.0),), "must take 0 to"),
+        ((SharedCost(0, 1, 1.0), SharedCost(0, 1, 2.0)), "names chunks 0 -> 1 twice"),
+        (((0, 1, 1.0),), "every entry must be a SharedCost"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(plain, shared=bad)
+    schedule = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="overlapping transfers only; pass overlap=True"):
+        simulate(
+            schedule, dataclasses.replace(plain, shared=(SharedCost(0, 1, 1.0),)), overlap=False
+        )
+    with pytest.raises(InputError, match="must be an object with owner, user, seconds"):
+        costs_from_json({"forward": 1, "shared": [{"owner": 0}]}, 2, "t")
 
 
 def test_bad_arguments():

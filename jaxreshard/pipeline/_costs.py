@@ -38,6 +38,23 @@ def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SharedCost:
+    """Parameters that chunk `owner` keeps and chunk `user` also reads (a tied embedding): the
+    owner sends them at the start of the step, taking `seconds` on the link from owner to user,
+    and the user's first action waits for them; with `grad`, the user sends its gradient
+    contribution back after its last action, as long again, and the owner's apply waits for it
+    (the runtime's `param` and `param_grad` transfers; see [Note: instructions])."""
+
+    owner: int
+    user: int
+    seconds: float
+    grad: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Costs:
     """Per-stage compute times and per-boundary transfer times (any time unit, e.g. seconds).
 
@@ -49,6 +66,8 @@ class Costs:
         comm: transfer time of one micro-batch's tensors across each boundary (stage b to b+1,
             and its gradient back), per boundary.
         apply: apply-gradient (optimizer) time, per stage.
+        shared: parameters read by chunks other than their owner (`SharedCost`), at most one
+            per (owner, user) pair; none by default.
     """
 
     forward: tuple[float, ...]
@@ -56,11 +75,28 @@ class Costs:
     weight_grad: tuple[float, ...]
     comm: tuple[float, ...]
     apply: tuple[float, ...]
+    shared: tuple[SharedCost, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if n < 1:
             raise ValueError("Costs: need at least one stage")
+        pairs = set()
+        for x in self.shared:
+            if not isinstance(x, SharedCost):
+                raise ValueError(f"Costs: shared holds {show(x)}; every entry must be a SharedCost")
+            if not (0 <= x.owner < n and 0 <= x.user < n) or x.owner == x.user:
+                raise ValueError(
+                    f"Costs: shared {x} must name two different chunks of the {n} (0 to {n - 1})"
+                )
+            if not 0 <= x.seconds <= MAX_COST:
+                raise ValueError(f"Costs: shared {x} must take 0 to {MAX_COST:g} seconds")
+            if (x.owner, x.user) in pairs:
+                raise ValueError(
+                    f"Costs: shared names chunks {x.owner} -> {x.user} twice; give one entry "
+                    "per pair (the seconds of all the parameters they share, summed)"
+                )
+            pairs.add((x.owner, x.user))
         for name in ("backward", "weight_grad", "apply"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Costs: {name} must have one entry per stage ({n})")
@@ -133,4 +169,4 @@ class Costs:
             "weight_grad": compact(self.weight_grad),
             "comm": compact(self.comm) if self.comm else 0.0,
             "apply": compact(self.apply),
-        }
+        } | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})

@@ -17,6 +17,7 @@ may hold different numbers of chunks.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 from collections import Counter, defaultdict
@@ -404,6 +405,26 @@ def read_json_with_costs(path: str | Path, *, blocking: bool = False) -> tuple[S
     return schedule, costs_from_json(data.get("costs"), schedule.num_chunks, str(path))
 
 
+def _shared_cost(value: Any) -> Any:
+    """One `SharedCost` from its `to_json` form."""
+    from jaxreshard.pipeline._costs import SharedCost
+
+    fields = ("owner", "user", "seconds", "grad")
+    if not isinstance(value, dict) or set(value) - set(fields) or not set(fields[:3]) <= set(value):
+        raise ValueError(
+            f"shared entry {show(value)} must be an object with owner, user, seconds (and grad)"
+        )
+    owner, user, seconds, grad = (value.get(k, True) for k in fields)
+    for name, x in (("owner", owner), ("user", user)):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"shared entry's {name}={show(x)} must be a chunk index")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"shared entry's seconds={show(seconds)} must be a number")
+    if not isinstance(grad, bool):
+        raise ValueError(f"shared entry's grad={show(grad)} must be true or false")
+    return SharedCost(owner, user, float(seconds), grad)
+
+
 def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
     """The `costs` of a timeline (per chunk; `Costs.to_json`'s form), checked; None if absent."""
     from jaxreshard.pipeline._costs import Costs
@@ -413,9 +434,13 @@ def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
     where = f"{source}: costs"
     costs = _files.expect_dict(value, where, "the costs the timeline was simulated with")
     keys = ("forward", "backward", "weight_grad", "comm", "apply")
-    _files.reject_unknown_keys(costs, keys, where)
+    _files.reject_unknown_keys(costs, (*keys, "shared"), where)
     try:
-        return Costs.make(num_chunks, **{k: costs[k] for k in keys if k in costs})
+        made = Costs.make(num_chunks, **{k: costs[k] for k in keys if k in costs})
+        shared = costs.get("shared", [])
+        if not isinstance(shared, list):
+            raise ValueError(f"shared={show(shared)} must be a list")
+        return dataclasses.replace(made, shared=tuple(_shared_cost(x) for x in shared))
     except (ValueError, TypeError) as e:
         raise _files.InputError(f"{where}: {e}; fix the file, or give the costs as flags") from None
 

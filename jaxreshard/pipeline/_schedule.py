@@ -10,6 +10,9 @@ from jaxreshard.pipeline._limits import check_counts
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
+# A shared parameter's copy to a chunk that reads it, and that chunk's gradient contribution
+# back (`Costs.shared`; the runtime's kinds, which measured timelines carry too).
+PARAM_COPY, PARAM_GRAD = "param", "param_grad"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -10,6 +10,10 @@ calls, the sends of that action and the receive the next F/B needs (as Megatron-
 sender and its receiver have posted it, and a stage leaves its batch only when every transfer in
 it is done, so both ends are blocked for its duration. A set of stages that all wait in batches
 whose peers never post is a deadlock.
+A parameter that chunk o keeps and chunk u also reads (`Costs.shared`) is sent at the start, on
+the link from o to u before anything else on it, and u's first action waits for it; u's
+gradient contribution goes back after u's last action, and o's apply waits for it (overlap
+only).
 With virtual stages (see [Note: chunks and ranks] in `_schedule.py`) "stage" above means rank,
 a link serves one chunk boundary and direction, and a transfer between two chunks of one rank is
 local: it arrives when its producer ends, takes no time, and is in no batch.
@@ -31,7 +35,14 @@ from typing import Any
 
 from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT, Action
 from jaxreshard.pipeline._costs import Costs
-from jaxreshard.pipeline._schedule import Schedule, Transfer, transfer_from, transfer_into
+from jaxreshard.pipeline._schedule import (
+    PARAM_COPY,
+    PARAM_GRAD,
+    Schedule,
+    Transfer,
+    transfer_from,
+    transfer_into,
+)
 
 SCHEDULE_FORMAT = "jaxreshard-schedule/2"
 
@@ -182,6 +193,11 @@ def simulate(schedule: Schedule, costs: Costs, *, overlap: bool = True) -> Timel
             f"costs are for {costs.num_stages} stages but the schedule has "
             f"{schedule.num_chunks} {what}; give one cost per chunk"
         )
+    if costs.shared and not overlap:
+        raise ValueError(
+            "simulate: costs.shared (parameters shared between chunks) is simulated with "
+            "overlapping transfers only; pass overlap=True, or costs without shared"
+        )
     engine = _simulate_overlapped if overlap else _simulate_blocking
     stages, transfers = engine(schedule, costs)
     return Timeline(schedule, costs, overlap, stages, transfers)
@@ -207,6 +223,41 @@ def _units(schedule: Schedule, rank: int) -> list[tuple[tuple[Action, ...], list
     return [(u, _external_inputs(u, n), _outputs(u, n)) for u in schedule.groups(rank)]
 
 
+def _add_shared(
+    schedule: Schedule, costs: Costs, units: list[list[tuple[Any, list, list]]], link_free: dict
+) -> dict[Any, Any]:
+    """Add `costs.shared`'s transfers to the ranks' `units` (in place): each copy is needed by
+    the first unit of its user chunk, and sent at the start on the owner's link to it (those
+    links are busy until then: `link_free`); each gradient contribution is sent by the user
+    chunk's last unit and needed by the owner's apply, where the schedule has one. Returns the
+    gradients' seconds by transfer, and under "copies" each copy's (start, arrival)."""
+    seconds: dict[Any, Any] = {}
+    copies: dict[Transfer, tuple[float, float]] = {}
+    for x in costs.shared:
+        o, u = x.owner, x.user
+        own, use = units[schedule.rank_of(o)], units[schedule.rank_of(u)]
+        of_user = [i for i, (unit, _, _) in enumerate(use)
+                   if any(a.stage_index == u and a.kind != APPLY for a in unit)]  # fmt: skip
+        copy = Transfer(PARAM_COPY, -1, o, u)
+        if of_user:
+            use[of_user[0]][1].append(copy)
+        t0 = t1 = 0.0
+        if not schedule.is_local(copy):
+            t0 = link_free.get((o, u), 0.0)
+            t1 = link_free[(o, u)] = t0 + x.seconds
+        copies[copy] = (t0, t1)
+        if x.grad and of_user:
+            back = Transfer(PARAM_GRAD, -1, u, o)
+            seconds[back] = x.seconds
+            use[of_user[-1]][2].append(back)
+            applies = [i for i, (unit, _, _) in enumerate(own) if Action(o, APPLY) in unit]
+            apply = applies[0] if applies else None
+            if apply is not None:
+                own[apply][1].append(back)
+    seconds["copies"] = copies
+    return seconds
+
+
 def _run_unit(
     unit: tuple[Action, ...], start: float, costs: Costs, split: bool
 ) -> list[TimedAction]:
@@ -228,7 +279,7 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
     order that polling found them: by round (a unit runs in its rank's round, one later if an
     input came from a higher rank), then rank, then position.
     """
-    p, split, num_chunks = schedule.num_stages, schedule.split_backward, schedule.num_chunks
+    p, split = schedule.num_stages, schedule.split_backward
     units = [_units(schedule, r) for r in range(p)]
     # [Note: event-driven simulation] keys are ints, round * p + rank (and a count after it
     # for a transfer), not tuples: an int is no object the cyclic GC tracks, and tuples per
@@ -242,6 +293,12 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
     limit = 2 * sum(map(len, schedule.actions)) + 1
     position, free, rounds = [0] * p, [0.0] * p, [0] * p
     waiting: dict[Transfer, int] = {}  # a transfer not sent yet -> the rank waiting for it
+    seconds = _add_shared(schedule, costs, units, link_free)
+    for copy, (t0, t1) in seconds.pop("copies").items():  # (sent at the start, in order)
+        rank = schedule.rank_of(copy.src)
+        arrival[copy], sent_by[copy] = t1, rank
+        found.append(rank * limit + len(transfers))
+        transfers.append(TimedTransfer(copy, t0, t1))
     ready = deque(range(p))
     while ready:
         r = ready.popleft()
@@ -269,7 +326,9 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
                     else:
                         link = (sent.src, sent.dst)
                         t0 = max(end, link_free.get(link, 0.0))
-                        t1 = link_free[link] = t0 + costs.comm[sent.boundary]
+                        took = seconds.get(sent)
+                        took = costs.comm[sent.boundary] if took is None else took
+                        t1 = link_free[link] = t0 + took
                     arrival[sent], sent_by[sent] = t1, k * p + r
                     transfers.append(TimedTransfer(sent, t0, t1))
                     found.append(order)
@@ -281,10 +340,7 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
         rounds[r] = k
     heads = {r: units[r][position[r]][0] for r in range(p) if position[r] < len(units[r])}
     if heads:
-        waits = {
-            r: next(t for t in _external_inputs(unit, num_chunks) if t not in arrival)
-            for r, unit in heads.items()
-        }
+        waits = {r: next(t for t in units[r][position[r]][1] if t not in arrival) for r in heads}
         raise ScheduleError(
             f"{schedule.describe()} cannot finish: its ranks wait on each other in a cycle.\n"
             + _explain_wait(schedule, heads, waits)

@@ -14,12 +14,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from jaxreshard.runtime.ray._host_arrays import HostArrays
 from jaxreshard.runtime.ray._naive import NaiveBaseline
 
 
-class HostActor(NaiveBaseline):
+class HostActor(HostArrays, NaiveBaseline):
     """Ray actor body (wrapped with `ray.remote` by the driver; threaded, so deliveries from
     peers arrive while a plan runs)."""
 
@@ -52,6 +51,8 @@ class HostActor(NaiveBaseline):
             self._take_devices()
         self.arrays: dict[str, dict[int, Any]] = {}  # id -> shards by global device id
         self.whole: dict[str, Any] = {}  # id -> a jax.Array a pipeline step kept as it is
+        # id -> (sharding, its shards, the array a step put together from them): see `assembled`
+        self._assembled: dict[str, tuple[Any, tuple[Any, ...], Any]] = {}
         self.peers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._transport: Any = None  # the CPU point-to-point transport in use
@@ -194,51 +195,6 @@ class HostActor(NaiveBaseline):
                 book = lambda peer, nbytes: book_link(emulator, self.host, peer, nbytes)
             self._stream.connect(addresses, book)
             self._transport = self._stream
-
-    # -- arrays --------------------------------------------------------------------------------
-
-    def put_shards(self, array_id: str, dtype: str, shards: Mapping[int, Any]) -> None:
-        """Store `shards` (global device id -> host data) on this host's devices."""
-        import jax
-
-        out = {}
-        for gid, data in shards.items():
-            out[gid] = jax.device_put(
-                np.asarray(data, dtype=jax.numpy.dtype(dtype)), self.devices[gid]
-            )
-        with self._lock:
-            self.arrays.setdefault(array_id, {}).update(out)
-
-    def put_many_shards(self, arrays: list[tuple[str, str, Mapping[int, Any]]]) -> None:
-        """`put_shards` for each `(array_id, dtype, shards)`, in one call."""
-        for array_id, dtype, shards in arrays:
-            self.put_shards(array_id, dtype, shards)
-
-    def fetch_shards(self, array_id: str, devices: list[int]) -> dict[int, np.ndarray]:
-        shards = self._array(array_id)
-        return {gid: np.asarray(shards[gid]) for gid in devices}
-
-    def free_many(self, array_ids: list[str]) -> None:
-        with self._lock:
-            for array_id in array_ids:
-                self.arrays.pop(array_id, None)
-                self.whole.pop(array_id, None)
-
-    def array_ids(self) -> list[str]:
-        return sorted({*self.arrays, *self.whole})
-
-    def _array(self, array_id: str) -> dict[int, Any]:
-        """An array's shards by global device id."""
-        whole = self.whole.get(array_id)
-        if whole is not None:
-            gid = {d: g for g, d in self.devices.items()}
-            return {gid[s.device]: s.data for s in whole.addressable_shards}
-        try:
-            return self.arrays[array_id]
-        except KeyError:
-            raise KeyError(
-                f"host {self.host} holds no array {array_id!r} (freed, or never put here)"
-            ) from None
 
     # -- checkpoints (jaxreshard/storage/_host.py) ---------------------------------------------
 

@@ -163,7 +163,6 @@ class HostPipeline:
             compiler.progress = self.watch  # type: ignore[attr-defined]
         self.compilers = self.engine.compilers
         self.channels: _WatchedChannels | None = None
-        self._gid = {d: g for g, d in actor.devices.items()}
         self._step_id = ""
         self._running = 0  # step calls under way
         self.dropped = False
@@ -265,9 +264,7 @@ class HostPipeline:
                 return whole
             if whole.sharding.device_set == sharding.device_set:
                 return jax.device_put(whole, sharding)
-        shards = self.actor._array(array_id)
-        arrays = [shards[self._gid[d]] for d in sharding.mesh.devices.flat if d in self._gid]
-        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+        return self.actor.assembled(array_id, sharding, tuple(shape))
 
     def _value(self, item: tuple[str, Any], aval: Any, mesh: Mesh) -> Any:
         """A value a driver call describes, for a stage on `mesh`: an array this host keeps

@@ -17,6 +17,11 @@ For each segment:
   chunks it could sit between: chunk k's mesh to chunk k + 1's, where the configured schedule
   places them (with virtual stages, several chunks share a mesh: round robin, or a V), the
   tensors batch-sharded as the pipeline lays micro-batches out;
+- each parameter that several segments read (a tied embedding) gets a copy time per pair of
+  meshes (`_cut_transfers.py`): where a choice puts its readers in several chunks, the first
+  keeps it, and its copies out at the step's start and the gradient contributions back before
+  that chunk's optimizer are simulated (`Costs.shared`; a tiny GPT's tied embedding at 0.01
+  GB/s was a fifth of its measured step, and left out it made every prediction ~50% short);
 - its memory per device on each mesh ([Note: stage memory estimate] in `_memory.py`).
 Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Costs` (each
 chunk the sum of its segments, each boundary its crossing tensors' time) for the configured
@@ -48,13 +53,13 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from jaxreshard.comm import VirtualSharding, plan_reshard
 from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._cut_transfers import SharedParams, crossing_seconds
 from jaxreshard.runtime.step._memory import (
     GIB,
     SegmentMemory,
@@ -67,7 +72,6 @@ from jaxreshard.runtime.step._memory import (
     size,
 )
 from jaxreshard.runtime.step._segment_cost import SegmentCost, segment_cost
-from jaxreshard.runtime.step._specs import batch_spec
 
 MAX_CHOICES = 20_000
 TRIAL_WARMUP = 2  # steps run before a measured choice (`partition_trials`) is timed
@@ -116,6 +120,8 @@ class PartitionReport:
     compute_scale: float | None = None  # fitted to the trials (see `fit_compute_scale`)
     trials_note: list[str] = dataclasses.field(default_factory=list)  # choices left out
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
+    # Parameters read by more than one segment: (index, bytes, segments reading it)
+    shared: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -143,6 +149,9 @@ class PartitionReport:
             "markers": [m if m == "forced" else int(m) for m in self.markers],
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
+            "shared_params": [
+                {"param": k, "bytes": held, "segments": list(segs)} for k, held, segs in self.shared
+            ],
             "memory_cap_bytes": self.cap,
             "tried": [
                 {
@@ -189,6 +198,12 @@ class PartitionReport:
                 f"  {i:7d} {seg.forward * 1e3:8.2f} ms {seg.backward * 1e3:8.2f} ms "
                 f"{seg.weight_grad * 1e3:7.2f} ms  {size(mem.state):>9} {size(mem.residuals):>9}"
                 f"     {after}"
+            )
+        for k, held, segs in self.shared:
+            lines.append(
+                f"  parameter {k} ({size(held)}) is read by segments {list(segs)}: where a cut "
+                "separates them, its copy to the later chunks and their gradients back are "
+                "charged"
             )
         fitting = [c for c in self.tried if c.fits]
         lines.append("  fastest choices (predicted step, peak memory per device):")
@@ -321,29 +336,32 @@ def choose_cuts(
     }
     crossing = {
         i: [
-            _crossing_seconds(graph, i, meshes[a], meshes[b], config, cluster)
+            crossing_seconds(graph, i, meshes[a], meshes[b], config, cluster)
             if a != b
             else 0.0  # two chunks on one mesh (a V's turn): nothing moves
             for a, b in itertools.pairwise(mesh_of)
         ]
         for i in range(len(markers))
     }
+    shared = SharedParams(graph, specs, config, cluster, meshes, mesh_of)
     tried = []
     positions = {m: i for i, m in enumerate(markers) if m != "forced"}
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
-        step, schedule, costs = _predict(config, segments, crossing, bounds)
+        step, schedule, costs = _predict(config, segments, crossing, bounds, shared.costs(bounds))
         need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
         fits = cap is None or max(need) <= cap
         tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
     tried.sort(key=lambda c: (not c.fits, c.step))
     if not tried[0].fits:
         raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of))
-    return PartitionReport(
+    report = PartitionReport(
         list(markers), segments, crossing, tried, tried[0].cuts, time.perf_counter() - start,
         memory, cap,
     )  # fmt: skip
+    report.shared = shared.listed()
+    return report
 
 
 def _schedule(config: PipelineConfig, costs: Costs | None) -> Any:
@@ -394,9 +412,11 @@ def _predict(
     segments: Sequence[SegmentCost],
     crossing: dict[int, list[float]],
     bounds: Sequence[int],
+    shared: tuple[SharedCost, ...] = (),
 ) -> tuple[float, Any, Costs]:
     """The simulated step of the chunks that `bounds` (boundary positions) make, their
-    schedule, and the costs it was built and simulated with."""
+    schedule, and the costs it was built and simulated with (`shared`: their parameters
+    read by several chunks)."""
     stages = chunks_of(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
@@ -410,6 +430,7 @@ def _predict(
         weight_grad=tuple(min(max(w, 0.0), max(b, 2 * tiny)) for w, b in zip(weight, backward)),
         comm=comm,
         apply=apply,
+        shared=shared,
     )
     schedule = _schedule(config, costs)
     return simulate(schedule.with_apply(), costs).makespan, schedule, costs
@@ -462,34 +483,3 @@ def _simulated(config: PipelineConfig, costs: Costs, k: float = 1.0) -> float:
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
     return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
-
-
-def _sharding(mesh: Any, spec: Any) -> Any:
-    if isinstance(mesh, jax.sharding.Mesh):
-        return NamedSharding(mesh, spec)
-    return VirtualSharding(mesh, spec)  # a Ray runtime's mesh
-
-
-def _crossing_seconds(
-    graph: StepGraph, position: int, src_mesh: Any, dst_mesh: Any, config: PipelineConfig,
-    cluster: Any,
-) -> float:  # fmt: skip
-    """Seconds to move what crosses boundary `position` (made at or before it, used after it)
-    from `src_mesh` to `dst_mesh`: one direction, as `Costs.comm` wants it (the simulator
-    charges the same for the gradients' way back)."""
-    total = 0.0
-    for act in graph.loss.activations:
-        if act.home <= position < max(act.consumers):
-            shape, dtype = tuple(act.aval.shape), act.aval.dtype
-            spec_src = batch_spec(dict(src_mesh.shape), shape, config.batch_axis)
-            spec_dst = batch_spec(dict(dst_mesh.shape), shape, config.batch_axis)
-            plan = plan_reshard(
-                shape,
-                dtype,
-                _sharding(src_mesh, spec_src),
-                _sharding(dst_mesh, spec_dst),
-                cluster=cluster,
-                strategy=config.resharding,
-            )
-            total += plan.seconds  # (the simulator charges it again for the gradient back)
-    return total

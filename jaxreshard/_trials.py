@@ -27,9 +27,11 @@ def measure_choices(
 ) -> Any:
     """Measure the `config.partition_trials` fastest predicted choices under the memory cap,
     side by side (each compiled, warmed by `TRIAL_WARMUP` steps, then timed in rounds; see
-    `measure`), on the call's own arguments, nothing donated, the outputs dropped. One factor
-    on compute, fitted to them (`fit_compute_scale`), predicts every choice again; if the
-    fastest of those was not measured, it joins and all are measured again. The fastest
+    `measure`), on the call's own arguments, nothing donated, the outputs dropped. Each then
+    runs one recorded step, and each action's cost (a factor on compute and a fixed cost),
+    fitted to its actions (`fit_actions`; see [Note: action costs fitted to a recorded step]
+    in `runtime/step/_refit.py`), predicts every choice again; if the fastest of those was not
+    measured, it joins and all are measured again. The fastest
     measured is chosen: `partition.trials` and `partition.chosen` say so. A prediction leaves
     out what makes an action slower in a running pipeline than its segments timed alone (its
     fixed cost on the host, contention), and where the choices are close that decides. Every
@@ -44,6 +46,7 @@ def measure_choices(
         TRIAL_ROUNDS,
         TRIAL_WARMUP,
         Trial,
+        fit_actions,
         fit_compute_scale,
     )
 
@@ -105,6 +108,27 @@ def measure_choices(
             return
         held[0] += need
 
+    recorded: dict[tuple[int, ...], list[Any]] = {}
+
+    def refit() -> None:
+        """Record one step of each running choice not recorded yet (the first recorded call
+        compiles what recording needs, so the second's events count), and fit each action's
+        cost to them (`fit_actions`); where that fails, one factor to the step times."""
+        for cuts, (entry, placed) in running.items():
+            if cuts in recorded:
+                continue
+            try:
+                for _ in range(2):
+                    entry.pipeline.run(placed, record=True)
+                recorded[cuts] = list(entry.pipeline.last_events)
+            except Exception as e:  # (the step times still fit the factor)
+                partition.trials_note.append(
+                    f"candidates {list(cuts)}: a recorded step failed ({type(e).__name__}: "
+                    f"{e}); its actions are not fitted"
+                )
+        if not fit_actions(partition, config, recorded):
+            fit_compute_scale(partition, config)
+
     kept = None
     try:
         fitting = [c.cuts for c in partition.tried if c.fits][: config.partition_trials]
@@ -116,13 +140,13 @@ def measure_choices(
             return None
         measured = measure()
         partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
-        fit_compute_scale(partition, config)
+        refit()
         if partition.refitted and partition.refitted[0][0] not in measured:
             try_start(partition.refitted[0][0])  # (the refitted prediction's fastest)
             if len(running) > len(measured):
                 measured = measure()  # (all again, side by side)
                 partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
-                fit_compute_scale(partition, config)  # (to the steps the report shows)
+                refit()  # (with the new choice's actions too)
         partition.chosen = min(partition.trials, key=lambda t: t.measured).cuts
         kept = running.pop(partition.chosen)[0] if keep else None
     finally:

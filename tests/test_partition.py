@@ -178,6 +178,9 @@ def test_by_default_the_predicted_fastest_runs_and_the_prediction_is_refitted_to
         assert report.trials[1].cuts != report.trials[0].cuts
     assert report.chosen == min(report.trials, key=lambda t: t.measured).cuts
     assert "the fastest measured is chosen" in str(plan)
+    # The refit: each action's cost fitted to the trial's recorded step.
+    assert report.action_points >= 4 and report.action_cost is not None
+    assert "fits the recorded steps' actions best" in str(plan)
     assert_equal_to_jit(step)
 
 
@@ -355,6 +358,46 @@ def test_compute_scale_is_fitted_to_measured_steps(schedule):
     assert report.compute_scale != pytest.approx(1.0, rel=0.05)
     assert [c for c, _ in report.refitted] == sorted(doubled, key=doubled.get)
     assert "compute x 2.0" in report.summary() or "compute x 1.9" in report.summary()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_action_costs_are_fitted_to_a_recorded_step(schedule):
+    """A recorded step whose actions each take 2x their predicted compute plus 0.5 ms (a
+    simulated one) gives back k = 2 and c = 0.5 ms, and every choice is predicted again with
+    them: fastest first, as those costs simulate. Actions that show one predicted time only
+    give no fit (the step times then fit the factor alone)."""
+    from jaxreshard.pipeline import simulate
+    from jaxreshard.runtime.engine._events import Event
+    from jaxreshard.runtime.step._partition import Trial, _schedule
+    from jaxreshard.runtime.step._refit import _simulated, calibrated, fit_actions
+
+    cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, schedule=schedule)
+    _, report = auto_report(schedule=schedule)
+    choice = report.tried[0]
+    sched = _schedule(cfg, choice.costs).with_apply()
+    timed = simulate(sched, calibrated(choice.costs, 2.0, 5e-4, sched.split_backward))
+    events = [
+        Event(t.action.stage_index, t.action.kind, t.action.microbatch_index, t.start, t.end,
+              "apply" if t.action.kind == "A" else str(t.action))
+        for stage in timed.stages for t in stage
+    ]  # fmt: skip
+    # The trial's plain step measured 10% over its recorded actions' simulation: every
+    # refitted step is 1.1x its simulation.
+    report.trials = [Trial(choice.cuts, choice.step, 1.1 * timed.makespan)]
+    assert fit_actions(report, cfg, {choice.cuts: events})
+    assert report.compute_scale == pytest.approx(2.0, rel=1e-3)
+    assert report.action_cost == pytest.approx(5e-4, rel=1e-2)
+    assert report.step_scale == pytest.approx(1.1, rel=1e-2)
+    want = {c.cuts: 1.1 * _simulated(cfg, c.costs, 2.0, 5e-4) for c in report.tried}
+    assert [c for c, _ in report.refitted] == sorted(want, key=want.get)
+    for cuts, predicted in report.refitted:
+        assert predicted == pytest.approx(want[cuts], rel=2e-2)
+    assert "each action as compute x 2.00 + 0.50 ms fits the recorded steps' actions" in (
+        report.summary()
+    )
+    assert "and the step x 1.10 the measured ones" in report.summary()
+    one_kind = [e for e in events if e.kind == "F" and e.stage == 0]
+    assert not fit_actions(report, cfg, {choice.cuts: one_kind})
 
 
 def auto_report(step_fn=None, **overrides):

@@ -30,12 +30,13 @@ plus their residuals times the micro-batches the schedule keeps alive there, plu
 fastest choice under the memory cap (`memory_cap_gib`, else the local device's own limit where
 JAX reports one) wins; if none fits, the error says what the least needs and what to change.
 With `partition_trials=N` (1 by default; where more than one choice fits), the N fastest that
-fit are compiled and run on the first call's arguments (`measure_choices` in `_trials.py`);
-one factor on compute fitted to those steps (`fit_compute_scale`: with one trial, the factor
-that predicts its step, to the grid's 5%) predicts every choice again, its fastest is run too
-if it was not, and the fastest measured wins (so by default a right prediction costs one
-trial, and a wrong one two); the segments are timed alone, and a running pipeline's actions also pay
-their host's dispatch, receives and other threads. The choice, every tried one's prediction and
+fit are compiled and run on the first call's arguments (`measure_choices` in `_trials.py`),
+and each runs one recorded step; each action's cost, a factor on compute plus a fixed cost,
+fitted to those steps' actions ([Note: action costs fitted to a recorded step] in
+`_refit.py`), predicts every choice again, its fastest is run too if it was not, and the
+fastest measured wins (so by default a right prediction costs one trial, and a wrong one two):
+the segments are timed alone, and a running pipeline's actions also pay their host's
+dispatch, receives and other threads. The choice, every tried one's prediction and
 memory, and the trials are in `train_step.plan(...)`. Choices are
 enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
 (`stage_placement`, the runtime's cluster model), and the segments are timed on the first host
@@ -56,7 +57,7 @@ import numpy as np
 
 from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._split import StepGraph
-from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline import Costs, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._cut_transfers import SharedParams, crossing_seconds
@@ -71,14 +72,19 @@ from jaxreshard.runtime.step._memory import (
     segment_memory,
     size,
 )
+from jaxreshard.runtime.step._refit import (  # noqa: F401 (re-exported for the trials and tests)
+    COMPUTE_SCALES,
+    _schedule,
+    _simulated,
+    fit_actions,
+    fit_compute_scale,
+)
 from jaxreshard.runtime.step._segment_cost import SegmentCost, segment_cost
 
 MAX_CHOICES = 20_000
 TRIAL_WARMUP = 2  # steps run before a measured choice (`partition_trials`) is timed
 TRIAL_ROUNDS = 5  # rounds that time every measured choice in turn (the median is kept)
 TRIAL_BURST = 2  # steps per choice and round, called back to back
-# The factors on every choice's compute that `fit_compute_scale` tries: 1/4 to 8, 5% apart.
-COMPUTE_SCALES = tuple(0.25 * 1.05**i for i in range(72))
 
 
 class NoCutFits(ValueError):
@@ -117,7 +123,10 @@ class PartitionReport:
     memory: list[list[SegmentMemory]] = dataclasses.field(default_factory=list)  # [seg][mesh]
     cap: int | None = None  # bytes per device; None: no cap
     trials: list[Trial] = dataclasses.field(default_factory=list)  # `partition_trials` >= 1
-    compute_scale: float | None = None  # fitted to the trials (see `fit_compute_scale`)
+    compute_scale: float | None = None  # fitted to the trials (see `_refit.py`)
+    action_cost: float | None = None  # seconds each action adds, fitted with it
+    step_scale: float | None = None  # the factor on those predicted steps, from the trials
+    action_points: int = 0  # (chunk, action kind) medians `fit_actions` fitted; 0: step times
     trials_note: list[str] = dataclasses.field(default_factory=list)  # choices left out
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
     # Parameters read by more than one segment: (index, bytes, segments reading it)
@@ -163,6 +172,8 @@ class PartitionReport:
                 for c in self.tried
             ],
             "compute_scale": self.compute_scale,
+            "action_cost_seconds": self.action_cost,
+            "step_scale": self.step_scale,
             "trials_note": list(self.trials_note),
             "refitted": [
                 {"cuts": list(cuts), "predicted_seconds": step} for cuts, step in self.refitted
@@ -244,9 +255,17 @@ class PartitionReport:
                     f"  (the compute factor is at the end of the {COMPUTE_SCALES[0]:.2f}-"
                     f"{COMPUTE_SCALES[-1]:.1f} it tries: the steps are not compute's)"
                 )
+            if self.action_points:
+                fitted = (
+                    f"each action as compute x {self.compute_scale:.2f} + "
+                    f"{(self.action_cost or 0.0) * 1e3:.2f} ms fits the recorded steps' "
+                    f"actions best ({self.action_points} medians), and the step x "
+                    f"{self.step_scale or 1.0:.2f} the measured ones"
+                )
+            else:
+                fitted = f"compute x {self.compute_scale:.2f} fits the measured steps best"
             lines.append(
-                f"  compute x {self.compute_scale:.2f} fits the measured steps best; with it the "
-                f"fastest predictions are {top}"
+                f"  {fitted}; with it the fastest predictions are {top}"
                 + (" (the fastest of them is measured too)" if measured_best else "")
             )
         over = [c for c in self.tried if not c.fits]
@@ -364,18 +383,6 @@ def choose_cuts(
     return report
 
 
-def _schedule(config: PipelineConfig, costs: Costs | None) -> Any:
-    assert config.num_stages is not None
-    return build_schedule(
-        config.schedule,
-        config.num_meshes(config.num_stages),
-        config.num_micro_batches,
-        virtual_stages=config.chunks_per_mesh,
-        weight_delay=config.weight_delay,
-        costs=costs,
-    )
-
-
 def _cap(config: PipelineConfig, device: Any) -> int | None:
     """Bytes per device the stages must fit in: `memory_cap_gib`, else the device's own
     limit where JAX reports one, else none."""
@@ -434,51 +441,6 @@ def _predict(
     )
     schedule = _schedule(config, costs)
     return simulate(schedule.with_apply(), costs).makespan, schedule, costs
-
-
-def fit_compute_scale(report: PartitionReport, config: PipelineConfig) -> None:
-    """Fit one factor on the compute of every choice to the measured trials (least squares
-    of the log error, over `COMPUTE_SCALES`), and predict every choice under the cap again
-    with it (`report.compute_scale`, `report.refitted`, fastest first).
-
-    The segments are timed alone, on an idle device; in a running pipeline each action also
-    pays its host's dispatch, its receives and the host's other threads, which on a small host
-    can double it. Transfers are the planner's, under the cluster's measured or shaped links.
-    A factor on compute alone changes how a cut's imbalance weighs against its transfers,
-    which is where the choices differ."""
-    by_cuts = {c.cuts: c.costs for c in report.tried if c.costs is not None}
-    trials = [t for t in report.trials if t.cuts in by_cuts and t.measured > 0]
-    if not trials:
-        return
-    # (each choice's schedule is the one its pipeline runs: placed by the unscaled costs)
-    schedules = {t.cuts: _schedule(config, by_cuts[t.cuts]).with_apply() for t in trials}
-
-    def error(k: float) -> float:
-        return sum(
-            math.log(simulate(schedules[t.cuts], _scaled(by_cuts[t.cuts], k)).makespan / t.measured)
-            ** 2
-            for t in trials
-        )
-
-    k = min(COMPUTE_SCALES, key=error)
-    report.compute_scale = k
-    report.refitted = sorted(
-        ((c.cuts, _simulated(config, c.costs, k)) for c in report.tried
-         if c.fits and c.costs is not None),
-        key=lambda item: item[1],
-    )  # fmt: skip
-
-
-def _scaled(costs: Costs, k: float) -> Costs:
-    """`costs` with every compute time times `k` (transfers as they are)."""
-    times = ("forward", "backward", "weight_grad", "apply")
-    return dataclasses.replace(costs, **{f: tuple(k * x for x in getattr(costs, f)) for f in times})
-
-
-def _simulated(config: PipelineConfig, costs: Costs, k: float = 1.0) -> float:
-    """The step of the schedule `costs` place (as the runtime is given them), simulated with
-    its compute times `k`."""
-    return simulate(_schedule(config, costs).with_apply(), _scaled(costs, k)).makespan
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:

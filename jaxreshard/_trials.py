@@ -122,6 +122,7 @@ def measure_choices(
                     entry.pipeline.run(placed, record=True)
                 recorded[cuts] = list(entry.pipeline.last_events)
             except Exception as e:  # (the step times still fit the factor)
+                recorded[cuts] = []  # (not tried again)
                 partition.trials_note.append(
                     f"candidates {list(cuts)}: a recorded step failed ({type(e).__name__}: "
                     f"{e}); its actions are not fitted"

@@ -184,6 +184,30 @@ def test_by_default_the_predicted_fastest_runs_and_the_prediction_is_refitted_to
     assert_equal_to_jit(step)
 
 
+def test_a_recorded_trial_step_that_fails_leaves_the_step_times_to_fit(monkeypatch):
+    """Where a trial's recorded step fails, the plan says so and one factor on compute is
+    fitted to the trials' step times instead (as before action costs were fitted)."""
+    from jaxreshard.runtime.driver._driver import PipelineDriver
+
+    real = PipelineDriver.run
+
+    def no_recording(self, leaves, *, record=False, signal_only=False):
+        if record:
+            raise RuntimeError("no recording here")
+        return real(self, leaves, record=record, signal_only=signal_only)
+
+    monkeypatch.setattr(PipelineDriver, "run", no_recording)
+    cfg = jr.PipelineConfig(partition="auto", num_stages=2, emulate_network_gbps=0.001, **BASE)
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    report = step.plan(init_params(), OPT.init(init_params()), make_batch()).partition
+    assert report.trials and report.compute_scale is not None
+    assert report.action_points == 0 and report.action_cost is None
+    failed = [n for n in report.trials_note if "a recorded step failed" in n]
+    assert failed and "no recording here" in failed[0]
+    assert len(failed) == len(report.trials)  # (each tried once)
+    assert "fits the measured steps best" in report.summary()
+
+
 def test_auto_keeps_forced_boundaries():
     cfg = config(partition="auto", num_stages=3, emulate_network_gbps=0.001)
     step = jr.parallelize(make_step(forced=(2,)), config=cfg, batch_argnums=2)

@@ -162,4 +162,4 @@ def fit_compute_scale(report: Any, config: PipelineConfig) -> None:
         )
 
     _refit(report, config, min(COMPUTE_SCALES, key=error), 0.0)
-    report.action_points = 0
+    report.action_points, report.action_cost, report.step_scale = 0, None, None

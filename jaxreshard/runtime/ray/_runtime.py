@@ -1,6 +1,6 @@
-"""The Ray runtime's driver: remote arrays, multi-host plan execution, NCCL communicators and
-pipelines' lifetime (starting the host actors: `ray/_start.py`; waiting for them:
-`ray/_wait.py`).
+"""The Ray runtime's driver: remote arrays, multi-host plan execution and NCCL communicators
+(starting the host actors: `ray/_start.py`; waiting for them: `ray/_wait.py`; pipelines'
+lifetime: `ray/_drops.py`).
 
 [Note: Ray runtime]
 One `HostActor` per host owns that host's devices. The driver plans (the planner sees the
@@ -15,7 +15,6 @@ and the op.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -23,7 +22,6 @@ import os
 import queue
 import threading
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -35,6 +33,7 @@ from jax.sharding import PartitionSpec
 from jaxreshard.cluster._describe import links_of
 from jaxreshard.comm import Cluster, Layout, VirtualMesh, VirtualSharding
 from jaxreshard.comm._cluster import PAPER_LATENCY_S
+from jaxreshard.runtime.ray._drops import PipelineDrops
 from jaxreshard.runtime.ray._remote import RemoteArray
 from jaxreshard.runtime.ray._resharding import HostResharding
 from jaxreshard.runtime.ray._start import (
@@ -59,7 +58,7 @@ MAX_HOSTS = 4096
 MAX_DEVICES_PER_HOST = 1024
 
 
-class RayRuntime(HostStartup, HostWaits, HostResharding):
+class RayRuntime(HostStartup, HostWaits, HostResharding, PipelineDrops):
     """Host actors on a Ray cluster (or a local Ray instance that emulates one)."""
 
     backend = "ray"
@@ -337,51 +336,6 @@ class RayRuntime(HostStartup, HostWaits, HostResharding):
             if items:
                 self.actors[h].free_many.remote([array_id for array_id, _ in items])
 
-    # -- pipelines' lifetime -----------------------------------------------------------------------
-
-    def start_dropper(self) -> None:
-        """Start the thread that sends the drops of pipelines the driver let go (before the
-        first one can be: a finalizer must not start threads)."""
-        with self._dropper_lock:
-            if self._dropper is None and not self._closed:
-                self._dropper = threading.Thread(
-                    target=_send_drops,
-                    args=(weakref.ref(self), self._drops),
-                    name="jaxreshard-drops",
-                    daemon=True,
-                )
-                self._dropper.start()
-
-    def drop_pipeline(
-        self, key: str, hosts: Sequence[int], wait_s: float | None = None, watch: Any = None
-    ) -> None:
-        """Have `hosts` drop pipeline `key` (`HostActor.pipeline_drop`: its threads end, its
-        executables and buffers go). Without `wait_s`, return at once: the messages go from the
-        drop thread (`start_dropper`), so this is safe in a finalizer; that thread first waits
-        for the steps `watch` (the pipeline's `StepWatch`) still watches, then ends it. With
-        `wait_s`, send them now and wait at most `wait_s` for the hosts to have dropped it.
-        Never raises; nothing to do once the runtime is shut down (the actors are gone with
-        their pipelines)."""
-        if self._closed:
-            if watch is not None:
-                watch.close(join_s=None)
-            return
-        if wait_s is None:
-            self._drops.put((key, tuple(hosts), watch))  # (SimpleQueue.put: finalizer-safe)
-            return
-        refs = _tell_drop(self, key, hosts)
-        if not refs:
-            return
-        try:
-            import ray
-
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-            for ref in ready:  # an error (a dead actor) is read, so that Ray does not log it
-                with contextlib.suppress(Exception):
-                    ray.get(ref, timeout=0)
-        except Exception:  # Ray is going down
-            logging.getLogger(__name__).debug("waiting for the drop of %s failed", key)
-
     # -- waiting, failures, shutdown -------------------------------------------------------------
 
     def _check_usable(self) -> None:
@@ -493,32 +447,3 @@ class _AllDone:
     def done(self) -> bool:
         self.futures = [f for f in self.futures if not f.done()]
         return not self.futures
-
-
-def _tell_drop(runtime: RayRuntime, key: str, hosts: Sequence[int]) -> list[Any]:
-    """Send pipeline `key`'s drop to `hosts`; the calls' references (none that cannot go)."""
-    refs = []
-    for h in hosts:
-        try:
-            refs.append(runtime.actors[h].pipeline_drop.remote(key))
-        except Exception:  # a dead actor, or Ray going down: nothing left to drop there
-            logging.getLogger(__name__).debug("could not tell host %d to drop %s", h, key)
-    return refs
-
-
-def _send_drops(runtime_ref: Any, drops: queue.SimpleQueue[Any]) -> None:
-    """The drop thread: send each dropped pipeline's drop to its hosts, without waiting for
-    them; ends when the runtime shuts down (or is dropped)."""
-    while True:
-        item = drops.get()
-        if item is None:
-            return
-        key, hosts, watch = item
-        if watch is not None:  # its steps in flight finish first (each has its deadline)
-            watch.drain(None)
-            watch.close(join_s=None)
-        runtime = runtime_ref()
-        if runtime is None or runtime._closed:
-            return
-        refs = _tell_drop(runtime, key, hosts)
-        del runtime, refs, watch, item

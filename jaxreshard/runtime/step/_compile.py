@@ -19,6 +19,7 @@ from jaxreshard.frontend._typed_ops import plain
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._around import quiet_donation
 from jaxreshard.runtime.step._backward import backward_functions, fan_in, stage_acc_params
+from jaxreshard.runtime.step._executable_specs import StageSpecs
 from jaxreshard.runtime.step._functions import StageFunctions
 from jaxreshard.runtime.step._programs import FROM_ZERO, base_name, starts_from_zero
 from jaxreshard.runtime.step._reduction import (
@@ -80,7 +81,7 @@ _MISMATCH = "Computation was compiled for input shardings that disagree"
 # first step (`extra_specs`), and again for any others they meet.
 
 
-class StageCompiler(StageFunctions):
+class StageCompiler(StageSpecs, StageFunctions):
     """Compiles stage `s` of a step on `mesh` (in the process that owns the mesh's devices);
     see [Note: stage executables]."""
 
@@ -125,14 +126,6 @@ class StageCompiler(StageFunctions):
         """The executable that runs the program's call `name` on this stage: a stage keeping
         its accumulators unreduced starts them from its `zeros` executable (which types them)."""
         return name.removesuffix(FROM_ZERO) if self.reduced else name
-
-    def _sharded(self, avals: Sequence[Any], specs: Sequence[P]) -> list[jax.ShapeDtypeStruct]:
-        return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, sp))
-            for a, sp in zip(avals, specs)
-        ]
-
-    # Planning: what each executable takes ------------------------------------------------------
 
     def prepare(self, input_specs: Sequence[P], loss_scale: float | None) -> str:
         """Take the stage's input specs (and, for the last stage, the loss's cotangent); return
@@ -269,151 +262,6 @@ class StageCompiler(StageFunctions):
 
     def act_grad_specs(self) -> list[P]:
         return [spec_of(sh) for sh in self.act_grad_shardings]
-
-    def _residuals(self) -> list[jax.ShapeDtypeStruct]:
-        if self.residual_specs is None:
-            self.compile_forward()
-        if self.reduced:  # typed as traced (a parameter kept for the backward is `reduced`)
-            return list(self.bw.residuals)
-        return self._sharded(self.bw.residuals, self.residual_specs or [])
-
-    def _cotangents(self) -> list[jax.ShapeDtypeStruct]:
-        if self.loss_scale is not None:  # the last stage: the loss's cotangent is a constant
-            return []
-        if self._output_specs is None:
-            self.compile_forward()
-        specs = self._output_specs or []
-        outs = self.bw.stage.jaxpr.out_avals
-        structs: list[jax.ShapeDtypeStruct] = []
-        for i in self.bw.float_outputs:
-            structs += self._sharded([outs[i]] * self.fans[i], [specs[i]] * self.fans[i])
-        return structs
-
-    _output_specs: list[P] | None = None
-
-    def _accumulators(self) -> list[jax.ShapeDtypeStruct]:
-        avals = [self.bw.stage.jaxpr.in_avals[self.bw.diff[k]] for k in self.bw.param_grads]
-        return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, sh.spec))
-            for a, sh in zip(avals, self.acc_shardings)
-        ]
-
-    def _export_structs(self) -> list[jax.ShapeDtypeStruct]:
-        if self.reduced:  # typed as traced, on the Explicit mesh
-            avals = self.bw.b.out_avals[len(self.bw.act_grads) :]
-            return [
-                jax.ShapeDtypeStruct(
-                    a.shape, a.dtype, sharding=NamedSharding(self.exec_mesh, a.sharding.spec)
-                )
-                for a in avals
-            ]
-        if self._exports is None:
-            self._exports = list(self.executable("b_part").output_shardings[1])
-        avals = self.bw.b.out_avals[len(self.bw.act_grads) :]
-        return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-            for a, sh in zip(avals, self._exports)
-        ]
-
-    def _extra_structs(self, shardings: Sequence[Any] | None = None) -> list[Any]:
-        avals = self._extra_avals
-        if shardings is None:
-            shardings = [NamedSharding(self.exec_mesh, sp) for sp in self._extra_specs]
-        elif self.reduced:  # traced on the Explicit copy of the stage's mesh, as the rest
-            shardings = [
-                NamedSharding(self.exec_mesh, sh.spec)
-                if isinstance(sh, NamedSharding) and sh.mesh.devices.tolist()
-                == self.mesh.devices.tolist() else sh
-                for sh in shardings
-            ]  # fmt: skip
-        return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, shardings)
-        ]
-
-    def _spec(self, name: str, extra: Sequence[Any] | None = None) -> tuple[Any, tuple, Any, tuple]:
-        """(function, example args, out_shardings, donated args) of executable `name`: a base
-        name, with `/size` for a scan over micro-batches and `@0` for one that starts its
-        accumulators at zero itself (`_programs.py`)."""
-        base, size = base_name(name), int(name.split("/")[1].split("@")[0]) if "/" in name else 0
-        fn, args, outs, donate = self._base_spec(base, size, extra)
-        if not starts_from_zero(name):
-            return fn, args, outs, donate
-        avals = args[0]  # the accumulators' structs
-
-        def from_zero(*rest: Any) -> Any:
-            return fn([jax.numpy.zeros(a.shape, a.dtype) for a in avals], *rest)
-
-        return from_zero, args[1:], outs, tuple(i - 1 for i in donate if i > 0)
-
-    def _base_spec(
-        self, name: str, size: int, extra: Sequence[Any] | None
-    ) -> tuple[Any, tuple, Any, tuple]:
-        fns, acc_out, act_out = (
-            getattr(self, "fns", {}),
-            self.acc_shardings,
-            self.act_grad_shardings,
-        )
-        if name == "forward":
-            structs = self._sharded(
-                self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
-            )
-            return self._forward_computed, tuple(structs), None, ()
-        if name == "reduce":
-            params = [self.input_shardings[self.bw.diff[k]] for k in self.bw.param_grads]
-
-            return self._reduced, (self._accumulators(),), params, (0,)
-        if name == "zeros":
-            avals = [st for st in self._accumulators()]
-
-            def zeros() -> list[Any]:
-                return [jax.numpy.zeros(a.shape, a.dtype) for a in avals]
-
-            return zeros, (), acc_out, ()
-        if name == "backward":
-            args = (self._accumulators(), self._residuals(), self._cotangents())
-            return fns["full"], args, (act_out, acc_out), (0,)
-        if name == "b_part":
-            return fns["b"], (self._residuals(), self._cotangents()), (act_out, None), ()
-        if name == "w_part":
-            args = (
-                self._accumulators(),
-                self._residuals(),
-                self._cotangents(),
-                self._export_structs(),
-            )
-            return fns["w"], args, acc_out, (0,)
-        if name == "apply":
-            extras = self._split(self._extra_structs(extra), name)
-            res = self.res_untaken(self._residuals())
-            if self.bw.w is None:
-                args = (self._accumulators(), res, self._cotangents(), *extras)
-                return self._apply_full, args, (act_out, None), self._donated(args, name)
-            args = (self._accumulators(), res, self._cotangents(),
-                    self._export_structs(), *extras)  # fmt: skip
-            return self._apply_w, args, None, self._donated(args, name)
-        inputs = self._sharded(
-            self.bw.stage.jaxpr.in_avals, [spec_of(x) for x in self.input_shardings]
-        )
-        everything = range(len(inputs))
-        if name == "fb":
-            return self._fb, (self._accumulators(), inputs), (None, act_out, acc_out), (0,)
-        if name == "fb_apply":
-            extras = self._split(self._extra_structs(extra), name)
-            args = (self._accumulators(), self._untaken(everything, inputs), *extras)
-            return self._fb_apply, args, (None, act_out, None), self._donated(args, name)
-        if name in ("fb_scan", "fb_scan_apply"):
-            varying = self.varying()
-            shared_at = [i for i in everything if not varying[i]]
-            shared = [inputs[i] for i in shared_at]
-            pieces = [[x for x, v in zip(inputs, varying) if v]] * size
-            acts = [act_out] * size
-            if name == "fb_scan_apply":
-                extras = self._split(self._extra_structs(extra), name)
-                args = (self._accumulators(), self._untaken(shared_at, shared), pieces, *extras)
-                return self._fb_scan_apply, args, (None, acts, None), self._donated(args, name)
-            args = (self._accumulators(), shared, pieces)
-            return self._fb_scan, args, (None, acts, acc_out), (0,)
-        raise KeyError(name)
 
     # Compiling ------------------------------------------------------------------------------
 

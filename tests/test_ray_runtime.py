@@ -350,9 +350,17 @@ def test_a_host_puts_an_array_together_from_its_shards_once(cpu_devices):
     actor.put_shards("a", "float32", {0: np.full((2, 3), 2.0), 1: np.ones((2, 3))})
     second = actor.assembled("a", rows, (4, 3))
     assert second is not first and float(np.asarray(second)[0, 0]) == 2.0
-    one = NamedSharding(Mesh(np.array(list(actor.devices.values())[:1]), ("data",)), P())
-    actor.put_shards("b", "float32", {0: np.arange(3.0)})
-    assert actor.assembled("b", one, (3,)) is not actor.assembled("a", rows, (4, 3))
+    # Another sharding of the same shards (both devices' halves, replicated over none): new.
+    cols = NamedSharding(mesh, P(None, "data"))
+    assert actor.assembled("a", rows, (4, 3)) is second
+    other = actor.assembled("a", cols, (2, 6))
+    assert other is not second and other.sharding == cols
+    # A donated (deleted) array is not handed out again.
+    actor.put_shards("b", "float32", {0: np.arange(3.0), 1: np.arange(3.0)})
+    both = NamedSharding(mesh, P())
+    gone = actor.assembled("b", both, (3,))
+    gone.delete()
+    with pytest.raises(RuntimeError):  # (its shards went with it)
+        actor.assembled("b", both, (3,))
     actor.free_many(["a", "b"])
     assert actor.array_ids() == [] and not actor._assembled
-    assert isinstance(second, jax.Array)

@@ -317,12 +317,25 @@ def test_shared_costs_are_checked():
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(plain, shared=bad)
     schedule = build_schedule("1f1b", 2, 2)
-    with pytest.raises(ValueError, match="overlapping transfers only; pass overlap=True"):
+    with pytest.raises(ValueError, match=r"transfers only; simulate with overlap \(overlap=True"):
         simulate(
             schedule, dataclasses.replace(plain, shared=(SharedCost(0, 1, 1.0),)), overlap=False
         )
     with pytest.raises(InputError, match="must be an object with owner, user, seconds"):
         costs_from_json({"forward": 1, "shared": [{"owner": 0}]}, 2, "t")
+    with pytest.raises(InputError, match="unknown key 'sec'; its keys are owner, user"):
+        costs_from_json({"shared": [{"owner": 0, "user": 1, "seconds": 1, "sec": 2}]}, 2, "t")
+    for bad in (SharedCost(True, 1, 1.0), SharedCost(0.0, 1, 1.0), SharedCost(0, 1, "x")):
+        with pytest.raises(ValueError, match=r"must name two different chunks|must take 0 to"):
+            dataclasses.replace(plain, shared=(bad,))
+    listed = dataclasses.replace(plain, shared=[SharedCost(0, 1, 1.0)])
+    assert listed.shared == (SharedCost(0, 1, 1.0),) and hash(listed)
+    # A schedule that deadlocks, with an owner's apply waiting on a gradient contribution: the
+    # error names the stuck actions (not a crash on the contribution's producer).
+    stuck = broken(["0F0 0B0 0A", "1F0 1B0 1F1 1B1 1A"])  # (0F1 never runs)
+    costs = dataclasses.replace(Costs.make(2, apply=1), shared=(SharedCost(0, 1, 1.0),))
+    with pytest.raises(ScheduleError, match="cannot finish"):
+        simulate(stuck, costs)
 
 
 def test_bad_arguments():

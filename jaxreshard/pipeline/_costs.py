@@ -81,15 +81,28 @@ class Costs:
         n = len(self.forward)
         if n < 1:
             raise ValueError("Costs: need at least one stage")
+        if not isinstance(self.shared, tuple):
+            object.__setattr__(self, "shared", tuple(self.shared))  # (hashable, as the rest)
         pairs = set()
         for x in self.shared:
             if not isinstance(x, SharedCost):
                 raise ValueError(f"Costs: shared holds {show(x)}; every entry must be a SharedCost")
-            if not (0 <= x.owner < n and 0 <= x.user < n) or x.owner == x.user:
+            chunks = (x.owner, x.user)
+            if (
+                any(isinstance(c, bool) or not isinstance(c, int) for c in chunks)
+                or not all(0 <= c < n for c in chunks)
+                or x.owner == x.user
+            ):
                 raise ValueError(
-                    f"Costs: shared {x} must name two different chunks of the {n} (0 to {n - 1})"
+                    f"Costs: shared {x} must name two different chunks of the {n} (ints 0 to "
+                    f"{n - 1})"
                 )
-            if not 0 <= x.seconds <= MAX_COST:
+            seconds = x.seconds
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, numbers.Real)
+                or not 0 <= seconds <= MAX_COST
+            ):
                 raise ValueError(f"Costs: shared {x} must take 0 to {MAX_COST:g} seconds")
             if (x.owner, x.user) in pairs:
                 raise ValueError(

@@ -410,9 +410,15 @@ def _shared_cost(value: Any) -> Any:
     from jaxreshard.pipeline._costs import SharedCost
 
     fields = ("owner", "user", "seconds", "grad")
-    if not isinstance(value, dict) or set(value) - set(fields) or not set(fields[:3]) <= set(value):
+    if not isinstance(value, dict) or not set(fields[:3]) <= set(value):
         raise ValueError(
             f"shared entry {show(value)} must be an object with owner, user, seconds (and grad)"
+        )
+    unknown = sorted(set(value) - set(fields), key=str)
+    if unknown:
+        raise ValueError(
+            f"shared entry {show(value)} has unknown key {show(unknown[0])}; its keys are "
+            "owner, user, seconds and grad"
         )
     owner, user, seconds, grad = (value.get(k, True) for k in fields)
     for name, x in (("owner", owner), ("user", user)):

@@ -196,7 +196,8 @@ def simulate(schedule: Schedule, costs: Costs, *, overlap: bool = True) -> Timel
     if costs.shared and not overlap:
         raise ValueError(
             "simulate: costs.shared (parameters shared between chunks) is simulated with "
-            "overlapping transfers only; pass overlap=True, or costs without shared"
+            "overlapping transfers only; simulate with overlap (overlap=True, or without "
+            "--no-overlap), or give costs without shared"
         )
     if overlap:
         engine = _simulate_overlapped
@@ -368,7 +369,7 @@ def _explain_wait(
         marks[unit[0]] = f"waits for {needed.label()}"
         if len(lines) == _MOST_LINES:
             continue
-        producer = needed.producer
+        producer = _producer(schedule, needed)
         q = schedule.rank_of(producer.stage_index)
         if q in heads:
             behind = "" if producer in heads[q] else f", queued behind {heads[q][0]}"
@@ -399,11 +400,24 @@ def _cycle(
     seen: dict[int, int] = {}  # rank -> its place on the path
     while r in heads and r not in seen:
         seen[r] = len(seen)
-        r = schedule.rank_of(waits[r].producer.stage_index)
+        r = schedule.rank_of(_producer(schedule, waits[r]).stage_index)
     if r not in seen:
         return []
     ring = list(seen)[seen[r] :]
-    return [f"{heads[q][0]} (needs {waits[q].producer})" for q in ring] + [str(heads[r][0])]
+    return [f"{heads[q][0]} (needs {_producer(schedule, waits[q])})" for q in ring] + [
+        str(heads[r][0])
+    ]
+
+
+def _producer(schedule: Schedule, transfer: Transfer) -> Action:
+    """The action after which `transfer` is sent: a boundary tensor's producer; a shared
+    parameter's gradient contribution goes after its chunk's last action (a copy goes at the
+    start: its owner's first)."""
+    if transfer.kind not in (PARAM_COPY, PARAM_GRAD):
+        return transfer.producer
+    mine = [a for a in schedule.actions[schedule.rank_of(transfer.src)]
+            if a.stage_index == transfer.src and a.kind != APPLY]  # fmt: skip
+    return mine[-1] if transfer.kind == PARAM_GRAD else mine[0]
 
 
 def ideal_makespan(num_stages: int, num_micro_batches: int, costs: Costs) -> float:

@@ -258,6 +258,7 @@ class HostActor(HostArrays, NaiveBaseline):
                 self._nccl.forget(work.work_id)
         with self._lock:
             self.arrays.setdefault(work.dst_array, {}).update(result)
+            self._assembled.pop(work.dst_array, None)
         return stats
 
     # -- NCCL ----------------------------------------------------------------------------------
@@ -432,11 +433,13 @@ class HostActor(HostArrays, NaiveBaseline):
     def _store(self, array_id: str, shards: Mapping[int, Any]) -> None:
         with self._lock:
             self.arrays[array_id] = dict(shards)
+            self._assembled.pop(array_id, None)
 
     def _keep(self, array_id: str, value: Any) -> None:
         """Keep a jax.Array as it is (its shards are cut only if someone asks for them)."""
         with self._lock:
             self.whole[array_id] = value
+            self._assembled.pop(array_id, None)
 
     def ping(self) -> int:
         return self.host

@@ -35,6 +35,7 @@ class HostArrays:
             )
         with self._lock:
             self.arrays.setdefault(array_id, {}).update(out)
+            self._assembled.pop(array_id, None)
 
     def put_many_shards(self, arrays: list[tuple[str, str, Mapping[int, Any]]]) -> None:
         """`put_shards` for each `(array_id, dtype, shards)`, in one call."""

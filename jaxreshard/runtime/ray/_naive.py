@@ -13,12 +13,13 @@ import numpy as np
 
 
 class NaiveBaseline:
-    """The benchmark baseline's methods of `HostActor` (which gives `_array`, `_emulator`,
-    `host`, `devices`, `arrays` and `_lock`)."""
+    """The benchmark baseline's methods of `HostActor` (which gives `_emulator`, `host`,
+    `devices`, `arrays` and `_lock`; `_array` comes from `HostArrays`)."""
 
     host: int
     devices: dict[int, Any]
     arrays: dict[str, dict[int, Any]]
+    _assembled: dict[str, Any]
     _emulator: Any
     _lock: Any
 
@@ -75,3 +76,4 @@ class NaiveBaseline:
         result = {d: jax.device_put(buffers[d], self.devices[d], may_alias=True) for d in buffers}
         with self._lock:
             self.arrays[array_id] = result
+            self._assembled.pop(array_id, None)

@@ -173,6 +173,7 @@ class PartitionReport:
             ],
             "compute_scale": self.compute_scale,
             "action_cost_seconds": self.action_cost,
+            "action_points": self.action_points,
             "step_scale": self.step_scale,
             "trials_note": list(self.trials_note),
             "refitted": [

@@ -5,8 +5,9 @@ partitioning] in `_partition.py`).
 The segments are timed alone, on an idle device. In a running pipeline each action also pays a
 fixed cost on its host (the interpreter's dispatch, its receives and the host's other threads),
 and its compute runs slower beside them. So after the trials, each measured choice runs one
-recorded step, and its actions' durations (median per chunk and kind: F, B, W, a fused FB, the
-optimizer's A) are fitted, least squares weighted by how many there are, as
+recorded step, and its actions' durations (median per chunk and kind: F, B, W, the
+optimizer's A; a recorded step fuses none) are fitted, least squares weighted by how many
+there are, as
 
     measured = k * predicted + c
 
@@ -40,10 +41,12 @@ from jaxreshard.runtime._config import PipelineConfig
 
 # The factors on every choice's compute that `fit_compute_scale` tries: 1/4 to 8, 5% apart.
 COMPUTE_SCALES = tuple(0.25 * 1.05**i for i in range(72))
-_ACTION_KINDS = ("F", "B", "W", "FB", "A")
+_ACTION_KINDS = ("F", "B", "W", "A")
 
 
 def _schedule(config: PipelineConfig, costs: Costs | None) -> Any:
+    """The schedule a pipeline of these costs runs: built as the runtime builds it, from the
+    per-chunk costs without shared parameters (`placement_costs` does not carry them)."""
     assert config.num_stages is not None
     return build_schedule(
         config.schedule,
@@ -51,7 +54,7 @@ def _schedule(config: PipelineConfig, costs: Costs | None) -> Any:
         config.num_micro_batches,
         virtual_stages=config.chunks_per_mesh,
         weight_delay=config.weight_delay,
-        costs=costs,
+        costs=None if costs is None else dataclasses.replace(costs, shared=()),
     )
 
 
@@ -100,7 +103,7 @@ def action_points(
         if not 0 <= s < costs.num_stages:
             continue
         f, b, w, a = costs.forward[s], costs.backward[s], costs.weight_grad[s], costs.apply[s]
-        predicted = {"F": f, "B": b - (w if split else 0.0), "W": w, "FB": f + b, "A": a}[kind]
+        predicted = {"F": f, "B": b - (w if split else 0.0), "W": w, "A": a}[kind]
         if predicted > 0:
             points.append((predicted, statistics.median(times), len(times)))
     return points
@@ -109,9 +112,11 @@ def action_points(
 def fit_actions(report: Any, config: PipelineConfig, recorded: Mapping[Any, Sequence[Any]]) -> bool:
     """Fit each action's cost, `k` x compute + `c` (see [Note: action costs fitted to a
     recorded step]), to the recorded steps' events of the measured choices (`recorded`: cuts
-    -> events), and predict every choice under the cap again with it (`report.compute_scale`,
-    `report.action_cost`, `report.refitted`). False, changing nothing, where the events show
-    fewer than two different predicted times."""
+    -> events), and the step's level `s` to the trials' measured steps; predict every choice
+    under the cap again with them (`report.compute_scale`, `report.action_cost`,
+    `report.step_scale`, `report.action_points`: the medians fitted, `report.refitted`).
+    False, changing nothing, where the events show fewer than two different predicted
+    times."""
     by_cuts = {ch.cuts: ch.costs for ch in report.tried if ch.costs is not None}
     points = []
     for cuts, events in recorded.items():

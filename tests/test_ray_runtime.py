@@ -355,15 +355,20 @@ def test_a_host_puts_an_array_together_from_its_shards_once(cpu_devices):
     assert actor.assembled("a", rows, (4, 3)) is second
     other = actor.assembled("a", cols, (2, 6))
     assert other is not second and other.sharding == cols
-    # A donated (deleted) array is not handed out again; its shards went with it, so the one
-    # built again fails when read, as it did before anything was cached.
+    # A donated (deleted) array is not handed out again; its shards went with it, so building
+    # it again fails, as it did before anything was cached (newer JAX refuses to build it, older
+    # JAX builds one that fails when read).
     actor.put_shards("b", "float32", {0: np.arange(3.0), 1: np.arange(3.0)})
     both = NamedSharding(mesh, P())
     gone = actor.assembled("b", both, (3,))
     gone.delete()
-    again = actor.assembled("b", both, (3,))
-    assert again is not gone
-    with pytest.raises(RuntimeError, match="deleted"):
-        np.asarray(again)
+    try:
+        again = actor.assembled("b", both, (3,))
+    except RuntimeError as e:
+        assert "deleted" in str(e)
+    else:
+        assert again is not gone
+        with pytest.raises(RuntimeError, match="deleted"):
+            np.asarray(again)
     actor.free_many(["a", "b"])
     assert actor.array_ids() == [] and not actor._assembled

@@ -229,13 +229,13 @@ def _units(schedule: Schedule, rank: int) -> list[tuple[tuple[Action, ...], list
 
 def _add_shared(
     schedule: Schedule, costs: Costs, units: list[list[tuple[Any, list, list]]], link_free: dict
-) -> dict[Any, Any]:
+) -> tuple[dict[Transfer, float], dict[Transfer, tuple[float, float]]]:
     """Add `costs.shared`'s transfers to the ranks' `units` (in place): each copy is needed by
     the first unit of its user chunk, and sent at the start on the owner's link to it (those
     links are busy until then: `link_free`); each gradient contribution is sent by the user
     chunk's last unit and needed by the owner's apply, where the schedule has one. Returns the
-    gradients' seconds by transfer, and under "copies" each copy's (start, arrival)."""
-    seconds: dict[Any, Any] = {}
+    gradients' seconds by transfer, and each copy's (start, arrival)."""
+    seconds: dict[Transfer, float] = {}
     copies: dict[Transfer, tuple[float, float]] = {}
     for x in costs.shared:
         o, u = x.owner, x.user
@@ -254,12 +254,11 @@ def _add_shared(
             back = Transfer(PARAM_GRAD, -1, u, o)
             seconds[back] = x.seconds
             use[of_user[-1]][2].append(back)
-            applies = [i for i, (unit, _, _) in enumerate(own) if Action(o, APPLY) in unit]
-            apply = applies[0] if applies else None
-            if apply is not None:
-                own[apply][1].append(back)
-    seconds["copies"] = copies
-    return seconds
+            for unit, needed, _ in own:
+                if Action(o, APPLY) in unit:
+                    needed.append(back)
+                    break
+    return seconds, copies
 
 
 def _run_unit(
@@ -297,8 +296,8 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
     limit = 2 * sum(map(len, schedule.actions)) + 1
     position, free, rounds = [0] * p, [0.0] * p, [0] * p
     waiting: dict[Transfer, int] = {}  # a transfer not sent yet -> the rank waiting for it
-    seconds = _add_shared(schedule, costs, units, link_free)
-    for copy, (t0, t1) in seconds.pop("copies").items():  # (sent at the start, in order)
+    seconds, copies = _add_shared(schedule, costs, units, link_free)
+    for copy, (t0, t1) in copies.items():  # (sent at the start, in order)
         rank = schedule.rank_of(copy.src)
         arrival[copy], sent_by[copy] = t1, rank
         found.append(rank * limit + len(transfers))

@@ -226,6 +226,50 @@ def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, m
     assert driver_segments == []
 
 
+def test_adam_steps_on_state_put_where_the_step_keeps_it_run_no_segment_on_the_driver(
+    ray_runtime, monkeypatch
+):
+    """Parameters and Adam state put on the hosts where `placement` says the step keeps them
+    (as a restored checkpoint, or `partition="auto"`'s trials, give them): the step count sits
+    on the first stage's host, and the other stage's optimizer gets its value with the call
+    (a small put array keeps its value on the driver, as a small step output does), so no
+    segment falls back to the driver and the steps run asynchronously; each equals jax.jit's
+    on the same state."""
+    import optax
+    from test_parallelize import adam_step, mlp_loss
+
+    from jaxreshard.runtime import current_runtime
+    from jaxreshard.runtime.ray import _hosts
+
+    driver_segments = []
+    original = _hosts.RayHosts.segment
+    monkeypatch.setattr(
+        _hosts.RayHosts,
+        "segment",
+        lambda self, *a: driver_segments.append(a[1]) or original(self, *a),
+    )
+    fun = adam_step(mlp_loss, optax.adam(1e-2))
+    step = jr.parallelize(fun, config=ray_config(), batch_argnums=(2,))
+    params, batch = make_params(2), make_batch()
+    state = optax.adam(1e-2).init(params)
+    where = step.placement(params, state, batch)[:2]
+    runtime = current_runtime()
+    put_params, put_state = jax.tree.map(
+        lambda x, w: runtime.put(np.asarray(x), w.sharding), (params, state), where
+    )
+    (count,) = [x for x in jax.tree.leaves(put_state) if x.shape == ()]
+    assert count.value is not None  # (small: its value stays on the driver too)
+    want_params, _, want_loss = jax.jit(fun)(params, state, batch)
+    outs = [step(put_params, put_state, batch) for _ in range(4)]
+    assert isinstance(outs[-1][2], StepValue)  # (the last steps ran asynchronously)
+    step.wait()
+    for _, _, loss in outs:
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for k, v in fetched(outs[-1][0]).items():
+        np.testing.assert_allclose(v, np.asarray(want_params[k]), rtol=1e-5, atol=1e-6)
+    assert driver_segments == []
+
+
 def test_outputs_of_running_steps_outlive_their_dropped_pipeline(ray_runtime, files):
     """Dropping a parallelized step (its pipeline) while steps run lets them finish first: the
     outputs already returned stay valid, as `jax.jit`'s do; then the hosts drop it."""

@@ -179,8 +179,8 @@ class RayHosts(Hosts):
             return ("laid", (to_wire(value), tuple(spec_of(value.sharding))))
         if not isinstance(value, RemoteArray):
             return ("data", to_wire(value))
-        if value.value is not None:  # small: it travels
-            return ("data", value.value)
+        if value.value is not None and not value.is_freed:  # small: it travels, laid out
+            return ("laid", (value.value, tuple(value.sharding.spec)))  # (as compiled for)
         mesh = value.sharding.mesh
         if {d.process_index for d in mesh.devices.flat} == set(hosts):
             self._ordered(value)

@@ -83,7 +83,7 @@ class RemoteArray:
     def fetch(self) -> np.ndarray:
         """Copy the array to the driver as one numpy array."""
         self.settle()
-        if self.value is not None:
+        if self.value is not None and not self._freed:  # (a freed one fails as ever)
             return self.value.copy()
         return self.runtime.fetch(self)
 

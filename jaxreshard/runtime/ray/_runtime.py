@@ -34,7 +34,7 @@ from jaxreshard.cluster._describe import links_of
 from jaxreshard.comm import Cluster, Layout, VirtualMesh, VirtualSharding
 from jaxreshard.comm._cluster import PAPER_LATENCY_S
 from jaxreshard.runtime.ray._drops import PipelineDrops
-from jaxreshard.runtime.ray._remote import RemoteArray
+from jaxreshard.runtime.ray._remote import SMALL_BYTES, RemoteArray
 from jaxreshard.runtime.ray._resharding import HostResharding
 from jaxreshard.runtime.ray._start import (
     PLATFORMS,
@@ -249,7 +249,11 @@ class RayRuntime(HostStartup, HostWaits, HostResharding, PipelineDrops):
                 region = value[tuple(slice(a, b) for a, b in index)]
                 shards = per_host.setdefault(self.cluster.host_of(device), {})
                 shards.setdefault((array_id, value.dtype.name), {})[device] = region
-            out.append(RemoteArray(self, array_id, value.shape, value.dtype, sharding))
+            # A small one keeps its value here too, as a step's small output does: a step whose
+            # hosts do not hold it (an optimizer's step count, read by every stage) gets it with
+            # the call, not by the driver running that stage's segment after the step.
+            small = value.copy() if value.nbytes <= SMALL_BYTES else None
+            out.append(RemoteArray(self, array_id, value.shape, value.dtype, sharding, small))
             batch[0] += value.nbytes
             batch[1] += 1
             if batch[0] >= PUT_BATCH_BYTES:

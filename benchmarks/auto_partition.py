@@ -9,8 +9,10 @@ cluster (`jaxreshard.cluster.emulated`: 2 hosts, one pinned core and one device 
 `--nic-gbps` NICs; root only). For each candidate as the hand-placed cut, and for
 `partition="auto"` with the prediction alone (`partition_trials=0`) and then with
 `partition_trials=--trials` (the default, 1: the predicted fastest measured and the prediction
-refitted to it), the steady step is measured (median of `--steps` after 2 warm-up steps),
-beside the partitioner's prediction for that cut. The table marks the equal-layer-count cut and
+refitted to it), the steady step is measured beside the partitioner's prediction for that cut:
+every configuration is built and warmed up (2 steps), then timed in `--rounds` rounds, each
+running every configuration in turn for `--steps` steps (the median step of all is kept), so
+that the machine's drift falls on all alike. The table marks the equal-layer-count cut and
 the compute-balanced one (the partitioner's measured segment times: the cut whose slower side
 computes least).
 
@@ -97,30 +99,65 @@ def model_problem(name, preset, sets, batch_size):
     return fn, params, opt.init(params), batch, spec.num_units(cfg)
 
 
-def measure(problem, config, steps):
-    fn, params, state, batch, _ = problem
-    train = jr.parallelize(fn, config=config, batch_argnums=2)
-    plan = train.plan(params, state, batch)
-    times, losses = [], []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        params, state, loss = train(params, state, batch)
-        losses.append(float(loss))
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    train.close()
-    measure.losses = losses
-    return statistics.median(times), plan
+class Timed:
+    """One configuration of the step, trained on its own copy of the state: warmed up when
+    made, then timed step by step in rounds beside the others (`timed_rounds`)."""
+
+    def __init__(self, problem, config):
+        fn, self.params, self.state, self.batch, _ = problem
+        self.train = jr.parallelize(fn, config=config, batch_argnums=2)
+        self.plan = self.train.plan(self.params, self.state, self.batch)
+        self.times, self.losses = [], []
+        self.steps(2, timed=False)  # (the first compiles)
+
+    def steps(self, n, timed=True):
+        for _ in range(n):
+            start = time.perf_counter()
+            self.params, self.state, loss = self.train(self.params, self.state, self.batch)
+            self.losses.append(float(loss))
+            if timed:
+                self.times.append(time.perf_counter() - start)
+
+    @property
+    def step_s(self):
+        return statistics.median(self.times)
+
+
+def timed_rounds(runs, rounds, steps):
+    """Every configuration in turn, `steps` steps each, `rounds` times over: the machine's
+    drift falls on all alike (measured one after another, the same cut's step differed by 15%
+    within a run on this shared 2-core machine)."""
+    for _ in range(rounds):
+        for run in runs:
+            run.steps(steps)
+    for run in runs:
+        run.train.close()
 
 
 def jit_losses(problem, steps):
     """The same steps under `jax.jit` on this process (candidates are the identity there)."""
     fn, params, state, batch, _ = problem
     step, losses = jax.jit(fn), []
-    for _ in range(steps + 2):
+    for _ in range(steps):
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
     return losses
+
+
+def prediction_errors(rows, report, trial):
+    """Median relative errors over the hand cuts of the prediction alone and refitted (by the
+    trials of `trial`), and `drift`: the trials' cuts measured in the rounds over measured
+    while choosing (median), by which the refitted predictions are multiplied for the last."""
+    measured = {(r["cut_after_layer"],): r["measured_s"] for r in rows}
+    refitted = dict(trial.refitted) or {c.cuts: c.step for c in trial.tried}  # (no refit)
+    drift = statistics.median(measured[t.cuts] / t.measured for t in trial.trials)
+
+    def median_error(predicted, scale=1.0):
+        return statistics.median(abs(predicted[c] * scale - m) / m for c, m in measured.items())
+
+    return {"alone": median_error({c.cuts: c.step for c in report.tried}),
+            "refitted": median_error(refitted), "drift": drift,
+            "refitted_without_drift": median_error(refitted, drift)}  # fmt: skip
 
 
 def main() -> None:
@@ -133,7 +170,9 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--nic-gbps", type=float, default=0.01)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each timing every configuration in turn")  # fmt: skip
     parser.add_argument("--trials", type=int, default=1,
                         help="partition_trials of a second auto run, after one with the "
                              "prediction alone (partition_trials=0); 0: no second run")  # fmt: skip
@@ -156,22 +195,26 @@ def main() -> None:
     ) as cluster:
         jr.init(backend="ray", address=cluster.address, timeout_s=300, distributed=False)
         predicted_only = jr.PipelineConfig(partition="auto", partition_trials=0, **base)
-        auto_s, plan = measure(problem, predicted_only, args.steps)
-        report = plan.partition
-        auto_losses = measure.losses
+        auto = Timed(problem, predicted_only)
+        report = auto.plan.partition
+        runs = [auto]
         trial = None
         if args.trials > 0:
             config = jr.PipelineConfig(partition="auto", partition_trials=args.trials, **base)
-            trial_s, trial_plan = measure(problem, config, args.steps)
-            trial = trial_plan.partition
-        predicted = {c.cuts: c.step for c in report.tried}
-        for c in range(units - 1):
-            measured, cut_plan = measure(problem, jr.PipelineConfig(cuts=(c,), **base), args.steps)
-            crossing = sum(t["bytes"] for t in cut_plan.boundary_tensors() if t["kind"] == "act")
-            rows.append({"cut_after_layer": c, "crossing_bytes": crossing,
-                         "measured_s": measured, "predicted_s": predicted[(c,)]})  # fmt: skip
+            trial_run = Timed(problem, config)
+            trial = trial_run.plan.partition
+            runs.append(trial_run)
+        cuts = [Timed(problem, jr.PipelineConfig(cuts=(c,), **base)) for c in range(units - 1)]
+        timed_rounds(runs + cuts, args.rounds, args.steps)
         jr.shutdown()
-    want = jit_losses(problem, args.steps)
+    auto_s, auto_losses = auto.step_s, auto.losses
+    trial_s = trial_run.step_s if trial is not None else None
+    predicted = {c.cuts: c.step for c in report.tried}
+    for c, run in enumerate(cuts):
+        crossing = sum(t["bytes"] for t in run.plan.boundary_tensors() if t["kind"] == "act")
+        rows.append({"cut_after_layer": c, "crossing_bytes": crossing,
+                     "measured_s": run.step_s, "predicted_s": predicted[(c,)]})  # fmt: skip
+    want = jit_losses(problem, len(auto_losses))
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(auto_losses, want))
     compute = [s.forward + s.backward for s in report.segments]
     balanced = min(range(units - 1),
@@ -204,13 +247,22 @@ def main() -> None:
             f"{list(trial.chosen)}: measured {trial_s * 1e3:.1f} ms, / best "
             f"{trial_s / best['measured_s']:.3f}; choosing took {trial.seconds:.1f} s"
         )
+        trial_json["errors"] = errors = prediction_errors(rows, report, trial)
+        print(
+            f"median error over every hand cut: prediction alone {errors['alone']:.1%}, "
+            f"refitted {errors['refitted']:.1%}; the trials' cuts measured "
+            f"{errors['drift']:.3f}x in the rounds what they measured while choosing (the "
+            f"machine's drift between the two); refitted with that drift taken out "
+            f"{errors['refitted_without_drift']:.1%}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "auto_partition", "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "nic_gbps": args.nic_gbps,
             "jax": jax.__version__, "model": args.model, "preset": args.preset,
             "set": args.set, "batch": args.batch, "micro_batches": args.micro_batches,
-            "schedule": args.schedule, "equal_count_cut": even, "compute_balanced_cut": balanced,
+            "schedule": args.schedule, "rounds": args.rounds, "steps_per_round": args.steps,
+            "equal_count_cut": even, "compute_balanced_cut": balanced,
             "rows": rows, "auto": {"chosen": list(report.chosen),
             "measured_s": auto_s, "choose_seconds": report.seconds,
             "loss_max_relative_difference_to_jit": loss_diff,

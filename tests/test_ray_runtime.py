@@ -111,6 +111,27 @@ def test_arrays_are_freed_everywhere(ray_runtime):
         x.fetch()
 
 
+def test_a_small_array_keeps_its_value_on_the_driver_through_put_and_reshard(ray_runtime):
+    """A small put array (`SMALL_BYTES`) and its resharding carry their value on the driver
+    (a step whose stage's hosts do not hold it gets it with the call); a large one does not;
+    reading a freed one fails all the same."""
+    from jaxreshard.runtime.ray._remote import SMALL_BYTES
+
+    rt = ray_runtime
+    small = np.arange(8, dtype=np.float32)
+    x = rt.put(small, sharding(rt, (2,), [0, 2], P("x")))
+    y = jaxreshard.reshard(x, sharding(rt, (2,), [4, 6], P()))
+    for a in (x, y):
+        np.testing.assert_array_equal(a.value, small)
+        np.testing.assert_array_equal(a.fetch(), small)
+    big = rt.put(np.ones(SMALL_BYTES // 4 + 1, np.float32), sharding(rt, (2,), [0, 2], P()))
+    assert big.value is None
+    y.free()
+    with pytest.raises(ValueError, match="was freed"):
+        y.fetch()
+    np.testing.assert_array_equal(x.fetch(), small)
+
+
 def test_bad_input_on_the_ray_runtime(ray_runtime, cpu_devices):
     rt = ray_runtime
     src = sharding(rt, (2,), [0, 1], P("x"))

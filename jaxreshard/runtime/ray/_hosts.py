@@ -14,6 +14,11 @@ local runtime): once its calls are sent, with handles to what it will make.
   out once its step has finished.
 - The loss and the aux outputs, which come back as host data, are `StepValue`s: read when asked
   for (`float`, `np.asarray`, `jax.block_until_ready`).
+- A small array (`SMALL_BYTES`) keeps its value on the driver: a step's output once its answer
+  came, one the driver put, or a resharding of either. A step whose stage's hosts do not
+  hold it gets it with the call, laid out with its spec (Adam's step count, put on the first
+  stage's hosts and read by every stage's optimizer): otherwise that stage's optimizer would
+  run by the driver after the step, and every such step synchronously.
 - A watch thread (`StepWatch.track_call`) waits for each step's answers in order, under the
   progress deadline (see [Note: progress deadline]), checks that they describe the outputs the
   driver predicted (if not, it corrects the handles, and the next steps run synchronously until

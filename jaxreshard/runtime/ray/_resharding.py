@@ -62,7 +62,8 @@ class HostResharding:
         works = self._host_works(plan, programs, array.array_id, dst_id, what)
         calls = {h: self.actors[h].run.remote(work, self.transport) for h, work in works.items()}
         self.last_stats = self._wait(calls, what, self.timeout_s + 10.0, work_id=dst_id)
-        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
+        # (a small array's value, where the driver has it, is the same in any layout)
+        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding, array.value)
 
     def reshard_naive(self, array: RemoteArray, dst_sharding: VirtualSharding) -> RemoteArray:
         """The executed benchmark's baseline: every receiving host pulls the whole tensor.
@@ -105,7 +106,7 @@ class HostResharding:
             },
             what,
         )
-        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding)
+        return RemoteArray(self, dst_id, array.shape, array.dtype, dst_sharding, array.value)
 
     def _host_works(
         self, plan: Plan, programs: dict[int, list[Any]], src_id: str, dst_id: str, what: str

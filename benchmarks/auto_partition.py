@@ -146,18 +146,26 @@ def jit_losses(problem, steps):
 
 def prediction_errors(rows, report, trial):
     """Median relative errors over the hand cuts of the prediction alone and refitted (by the
-    trials of `trial`), and `drift`: the trials' cuts measured in the rounds over measured
-    while choosing (median), by which the refitted predictions are multiplied for the last."""
+    trials of `trial`); `drift`, the trials' cuts timed in the rounds over timed while choosing
+    (median: the machine's drift between the two, and the trials' bursts of 2 steps against
+    the rounds' one step at a time); and the refitted predictions times `drift`, over the cuts
+    no trial ran (on a trial's own cut that error is 0 by construction). None where no trial
+    ran."""
+    if not trial.trials:
+        return None
     measured = {(r["cut_after_layer"],): r["measured_s"] for r in rows}
     refitted = dict(trial.refitted) or {c.cuts: c.step for c in trial.tried}  # (no refit)
     drift = statistics.median(measured[t.cuts] / t.measured for t in trial.trials)
+    untried = [c for c in measured if c not in {t.cuts for t in trial.trials}]
 
-    def median_error(predicted, scale=1.0):
-        return statistics.median(abs(predicted[c] * scale - m) / m for c, m in measured.items())
+    def median_error(predicted, cuts, scale=1.0):
+        return statistics.median(abs(predicted[c] * scale - measured[c]) / measured[c]
+                                 for c in cuts)  # fmt: skip
 
-    return {"alone": median_error({c.cuts: c.step for c in report.tried}),
-            "refitted": median_error(refitted), "drift": drift,
-            "refitted_without_drift": median_error(refitted, drift)}  # fmt: skip
+    return {"alone": median_error({c.cuts: c.step for c in report.tried}, measured),
+            "refitted": median_error(refitted, measured), "drift": drift,
+            "refitted_times_drift_untried": median_error(refitted, untried, drift)
+            if untried else None}  # fmt: skip
 
 
 def main() -> None:
@@ -170,7 +178,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--nic-gbps", type=float, default=0.01)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds, each timing every configuration in turn")  # fmt: skip
     parser.add_argument("--trials", type=int, default=1,
@@ -248,13 +256,14 @@ def main() -> None:
             f"{trial_s / best['measured_s']:.3f}; choosing took {trial.seconds:.1f} s"
         )
         trial_json["errors"] = errors = prediction_errors(rows, report, trial)
-        print(
-            f"median error over every hand cut: prediction alone {errors['alone']:.1%}, "
-            f"refitted {errors['refitted']:.1%}; the trials' cuts measured "
-            f"{errors['drift']:.3f}x in the rounds what they measured while choosing (the "
-            f"machine's drift between the two); refitted with that drift taken out "
-            f"{errors['refitted_without_drift']:.1%}"
-        )
+        if errors is not None:
+            scaled = errors["refitted_times_drift_untried"]
+            print(
+                f"median error over every hand cut: prediction alone {errors['alone']:.1%}, "
+                f"refitted {errors['refitted']:.1%}; the trials' cuts took {errors['drift']:.3f}x "
+                "in the rounds what they took while choosing; the refitted predictions times "
+                "that, over the cuts no trial ran: " + ("-" if scaled is None else f"{scaled:.1%}")
+            )
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "auto_partition", "date": time.strftime("%Y-%m-%d"),

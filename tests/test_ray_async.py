@@ -226,15 +226,16 @@ def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, m
     assert driver_segments == []
 
 
-def test_adam_steps_on_state_put_where_the_step_keeps_it_run_no_segment_on_the_driver(
-    ray_runtime, monkeypatch
+@pytest.mark.parametrize("source", ["put", "restored"])
+def test_adam_steps_on_state_placed_where_the_step_keeps_it_run_no_segment_on_the_driver(
+    ray_runtime, monkeypatch, tmp_path, source
 ):
     """Parameters and Adam state put on the hosts where `placement` says the step keeps them
-    (as a restored checkpoint, or `partition="auto"`'s trials, give them): the step count sits
-    on the first stage's host, and the other stage's optimizer gets its value with the call
-    (a small put array keeps its value on the driver, as a small step output does), so no
-    segment falls back to the driver and the steps run asynchronously; each equals jax.jit's
-    on the same state."""
+    (as `partition="auto"`'s trials place them), or restored from a checkpoint into that
+    layout: the step count sits on the first stage's host, and the other stage's optimizer
+    gets its value with the call (a small put or restored array keeps its value on the
+    driver, as a small step output does), so no segment falls back to the driver; each step
+    equals jax.jit's on the same state."""
     import optax
     from test_parallelize import adam_step, mlp_loss
 
@@ -254,14 +255,17 @@ def test_adam_steps_on_state_put_where_the_step_keeps_it_run_no_segment_on_the_d
     state = optax.adam(1e-2).init(params)
     where = step.placement(params, state, batch)[:2]
     runtime = current_runtime()
-    put_params, put_state = jax.tree.map(
-        lambda x, w: runtime.put(np.asarray(x), w.sharding), (params, state), where
-    )
+    if source == "put":
+        put_params, put_state = jax.tree.map(
+            lambda x, w: runtime.put(np.asarray(x), w.sharding), (params, state), where
+        )
+    else:
+        jr.save_checkpoint(tmp_path / "ckpt", (params, state))
+        put_params, put_state = jr.restore_checkpoint(tmp_path / "ckpt", where)
     (count,) = [x for x in jax.tree.leaves(put_state) if x.shape == ()]
-    assert count.value is not None  # (small: its value stays on the driver too)
+    assert isinstance(count, jr.RemoteArray) and count.value is not None  # (small: kept here too)
     want_params, _, want_loss = jax.jit(fun)(params, state, batch)
     outs = [step(put_params, put_state, batch) for _ in range(4)]
-    assert isinstance(outs[-1][2], StepValue)  # (the last steps ran asynchronously)
     step.wait()
     for _, _, loss in outs:
         np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)

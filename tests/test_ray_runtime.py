@@ -36,6 +36,8 @@ def test_devices_and_hosts(ray_runtime):
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
 def test_put_reshard_fetch_is_exact(ray_runtime, layout):
+    """Every strategy moves every dtype exactly, read back from the hosts (`rt.fetch`: these
+    arrays are small, so their own `fetch` would give the driver's copy)."""
     rt = ray_runtime
     sm, sd, ss, dm, dd, ds, shape = LAYOUTS[layout]
     src, dst = sharding(rt, sm, sd, ss), sharding(rt, dm, dd, ds)
@@ -43,14 +45,14 @@ def test_put_reshard_fetch_is_exact(ray_runtime, layout):
     for dtype in (np.float32, np.int8, np.bool_, "bfloat16", np.complex64):
         value = (rng.integers(0, 100, size=shape)).astype(dtype)
         x = rt.put(value, src)
-        assert np.array_equal(x.fetch(), value)
+        assert np.array_equal(rt.fetch(x), value)
         for strategy in ("auto", "send_recv", "allgather", "broadcast_naive"):
             y = jaxreshard.reshard(x, dst, strategy=strategy)
             assert y.sharding is dst and y.dtype == value.dtype
-            assert np.array_equal(y.fetch(), value), (layout, dtype, strategy)
+            assert np.array_equal(rt.fetch(y), value), (layout, dtype, strategy)
             y.free()
         z = rt.reshard_naive(x, dst)
-        assert np.array_equal(z.fetch(), value)
+        assert np.array_equal(rt.fetch(z), value)
         x.free()
         z.free()
 
@@ -79,7 +81,7 @@ def test_put_many_sends_one_call_per_host_per_batch(ray_runtime, monkeypatch):
         monkeypatch.undo()
         assert len(waits) == calls
         for x, v, sh in zip(arrays, values, shardings):
-            assert x.sharding is sh and np.array_equal(x.fetch(), v)
+            assert x.sharding is sh and np.array_equal(rt.fetch(x), v)
             x.free()
     assert rt.put_many([]) == []
 
@@ -123,13 +125,16 @@ def test_a_small_array_keeps_its_value_on_the_driver_through_put_and_reshard(ray
     y = jaxreshard.reshard(x, sharding(rt, (2,), [4, 6], P()))
     for a in (x, y):
         np.testing.assert_array_equal(a.value, small)
-        np.testing.assert_array_equal(a.fetch(), small)
+        np.testing.assert_array_equal(a.fetch(), small)  # (the driver's copy)
+        np.testing.assert_array_equal(rt.fetch(a), small)  # (the hosts' shards)
     big = rt.put(np.ones(SMALL_BYTES // 4 + 1, np.float32), sharding(rt, (2,), [0, 2], P()))
     assert big.value is None
     y.free()
     with pytest.raises(ValueError, match="was freed"):
         y.fetch()
     np.testing.assert_array_equal(x.fetch(), small)
+    x.free()
+    big.free()
 
 
 def test_bad_input_on_the_ray_runtime(ray_runtime, cpu_devices):
@@ -304,7 +309,7 @@ def test_killed_host_actor_gives_an_error_and_init_works_again(ray_runtime):
     assert not ray.is_initialized()
     rt = jaxreshard.init(**RAY_CONFIG)  # the next tests use this one
     src, dst = sharding(rt, (2,), [0, 1], P()), sharding(rt, (2,), [6, 7], P("x"))
-    assert np.array_equal(jaxreshard.reshard(rt.put(value, src), dst).fetch(), value)
+    assert np.array_equal(rt.fetch(jaxreshard.reshard(rt.put(value, src), dst)), value)
 
 
 def test_the_object_store_transport_is_exact_too(ray_runtime):
@@ -322,7 +327,7 @@ def test_the_object_store_transport_is_exact_too(ray_runtime):
             x = rt.put(value, sharding(rt, sm, sd, ss))
             for strategy in ("auto", "broadcast_naive"):
                 y = jaxreshard.reshard(x, sharding(rt, dm, dd, ds), strategy=strategy)
-                assert np.array_equal(y.fetch(), value), (layout, strategy)
+                assert np.array_equal(rt.fetch(y), value), (layout, strategy)
     finally:
         jaxreshard.shutdown()
 

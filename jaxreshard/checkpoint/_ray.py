@@ -137,7 +137,7 @@ def read_remote(
     """Target leaves `wanted` (RemoteStructs) read by the hosts of their shardings; returns
     their `RemoteArray`s by position."""
     from jaxreshard.runtime import current_runtime
-    from jaxreshard.runtime.ray._remote import RemoteArray
+    from jaxreshard.runtime.ray._remote import SMALL_BYTES, RemoteArray
 
     runtime = current_runtime()
     if getattr(runtime, "backend", None) != "ray":
@@ -193,4 +193,7 @@ def read_remote(
         }
         _add_io(io, runtime._wait(refs, f"reading checkpoint {directory}"))
     last_io["restore"] = io
+    for x in out.values():  # (a small one's value on the driver too, as `put` gives it)
+        if x.nbytes <= SMALL_BYTES:
+            x.value = runtime.fetch(x)
     return out

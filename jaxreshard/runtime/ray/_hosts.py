@@ -15,10 +15,12 @@ local runtime): once its calls are sent, with handles to what it will make.
 - The loss and the aux outputs, which come back as host data, are `StepValue`s: read when asked
   for (`float`, `np.asarray`, `jax.block_until_ready`).
 - A small array (`SMALL_BYTES`) keeps its value on the driver: a step's output once its answer
-  came, one the driver put, or a resharding of either. A step whose stage's hosts do not
-  hold it gets it with the call, laid out with its spec (Adam's step count, put on the first
-  stage's hosts and read by every stage's optimizer): otherwise that stage's optimizer would
-  run by the driver after the step, and every such step synchronously.
+  came, one the driver put or a checkpoint restored, or a resharding of those. A step gets
+  it with the call, even where its stage's hosts do not hold it (Adam's step count, put on
+  the first stage's hosts and read by every stage's optimizer): otherwise that stage's
+  optimizer would run by the driver after the step, and every such step synchronously. To a
+  stage that spans hosts it goes laid out with its spec (those hosts' executables take
+  global arrays only).
 - A watch thread (`StepWatch.track_call`) waits for each step's answers in order, under the
   progress deadline (see [Note: progress deadline]), checks that they describe the outputs the
   driver predicted (if not, it corrects the handles, and the next steps run synchronously until
@@ -175,17 +177,22 @@ class RayHosts(Hosts):
         return [x.fetch() if isinstance(x, RemoteArray) else x for x in inputs]
 
     def ref(self, value: Any, hosts: Sequence[int], gather: bool = False) -> Any:
-        """("id", ...) for an array those hosts keep; host data otherwise: ("laid", (data,
-        spec)) for an array laid out with a spec, which the hosts place with that spec where it
-        fits, as the local runtime keeps an array's spec (the executables compiled ahead expect
-        it); ("answer", (ref, id)) for a small array a running step makes on other hosts (read
-        from that step's answer); ("data", data) for the rest."""
+        """The value, where the driver has it: ("laid", (data, spec)) for a driver `jax.Array`,
+        which the hosts place with that spec where it fits, as the local runtime keeps an
+        array's spec (the executables compiled ahead expect it); for a small `RemoteArray`
+        with its value (even where those hosts keep it), ("data", data) to one host, "laid" to
+        several. Else ("id", ...) for an array those hosts keep; ("answer", (ref, id)) for a
+        small array a running step makes on other hosts (read from that step's answer);
+        ("data", data) for the rest."""
         if isinstance(value, jax.Array) and not is_key(value):
             return ("laid", (to_wire(value), tuple(spec_of(value.sharding))))
         if not isinstance(value, RemoteArray):
             return ("data", to_wire(value))
-        if value.value is not None and not value.is_freed:  # small: it travels, laid out
-            return ("laid", (value.value, tuple(value.sharding.spec)))  # (as compiled for)
+        if value.value is not None and not value.is_freed:  # small: it travels
+            if len(hosts) == 1:  # (bare: a compiled executable places it as it was compiled for)
+                return ("data", value.value)
+            # (a stage that spans hosts takes global arrays only: laid out with its spec)
+            return ("laid", (value.value, tuple(value.sharding.spec)))
         mesh = value.sharding.mesh
         if {d.process_index for d in mesh.devices.flat} == set(hosts):
             self._ordered(value)

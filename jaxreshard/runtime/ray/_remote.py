@@ -11,7 +11,9 @@ import numpy as np
 
 from jaxreshard.comm import describe_sharding
 
-SMALL_BYTES = 1024  # arrays up to this size come back to the driver with the step that makes them
+# Arrays up to this size keep their value on the driver too: a step's output comes back with
+# its step's answer; one put or restored keeps (or reads) it there.
+SMALL_BYTES = 1024
 
 
 class RemoteArray:
@@ -35,8 +37,10 @@ class RemoteArray:
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
-        # A small array's value, when it came back with the step that made it (see
-        # `SMALL_BYTES`): reading it needs no round trip to its host.
+        # A small array's value (see `SMALL_BYTES`), where the driver has it: put here, read
+        # from a checkpoint, resharded from one that had it, or come back with the step that
+        # made it. Reading it needs no round trip to its host, and a step whose stage's hosts
+        # do not hold it gets it with the call.
         self.value = value
         self._freed = False
         # An asynchronous step's output: the step's watch, until it has finished (see

@@ -129,6 +129,9 @@ def test_a_small_array_keeps_its_value_on_the_driver_through_put_and_reshard(ray
         np.testing.assert_array_equal(rt.fetch(a), small)  # (the hosts' shards)
     big = rt.put(np.ones(SMALL_BYTES // 4 + 1, np.float32), sharding(rt, (2,), [0, 2], P()))
     assert big.value is None
+    back = rt.fetch_many([x, big, y])  # (the hosts' shards, every call sent before any wait)
+    for got, want in zip(back, (small, np.ones(SMALL_BYTES // 4 + 1, np.float32), small)):
+        np.testing.assert_array_equal(got, want)
     y.free()
     with pytest.raises(ValueError, match="was freed"):
         y.fetch()

@@ -193,7 +193,7 @@ def read_remote(
         }
         _add_io(io, runtime._wait(refs, f"reading checkpoint {directory}"))
     last_io["restore"] = io
-    for x in out.values():  # (a small one's value on the driver too, as `put` gives it)
-        if x.nbytes <= SMALL_BYTES:
-            x.value = runtime.fetch(x)
+    small = [x for x in out.values() if x.nbytes <= SMALL_BYTES]
+    for x, value in zip(small, runtime.fetch_many(small)):  # (their values here too, as `put`)
+        x.value = value
     return out

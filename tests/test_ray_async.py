@@ -70,6 +70,19 @@ def files(tmp_path):
     fail.unlink(missing_ok=True)
 
 
+@pytest.fixture
+def driver_segments(monkeypatch):
+    """The post-gradient segments the driver runs after a step (by index), as they run."""
+    from jaxreshard.runtime.ray import _hosts
+
+    ran = []
+    original = _hosts.RayHosts.segment
+    monkeypatch.setattr(
+        _hosts.RayHosts, "segment", lambda self, *a: ran.append(a[1]) or original(self, *a)
+    )
+    return ran
+
+
 def fetched(tree):
     return jax.tree.map(lambda x: x.fetch() if isinstance(x, jr.RemoteArray) else x, tree)
 
@@ -190,7 +203,7 @@ def test_a_hung_ray_step_is_named_within_timeout_s_at_wait(ray_runtime, files, m
     step.wait()
 
 
-def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, monkeypatch):
+def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, driver_segments):
     """Adam's step count is made by one stage's optimizer segment and read by the other's, on
     another host: while its step runs, that host reads it from the step's answer (no segment
     falls back to the driver, no step waits for the one before), and the steps equal
@@ -198,15 +211,6 @@ def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, m
     import optax
     from test_parallelize import adam_step, mlp_loss
 
-    from jaxreshard.runtime.ray import _hosts
-
-    driver_segments = []
-    original = _hosts.RayHosts.segment
-    monkeypatch.setattr(
-        _hosts.RayHosts,
-        "segment",
-        lambda self, *a: driver_segments.append(a[1]) or original(self, *a),
-    )
     fun = adam_step(mlp_loss, optax.adam(1e-2))
     step = jr.parallelize(fun, config=ray_config(), batch_argnums=(2,))
     params, batch = make_params(2), make_batch()
@@ -228,7 +232,7 @@ def test_asynchronous_adam_steps_read_the_step_count_across_hosts(ray_runtime, m
 
 @pytest.mark.parametrize("source", ["put", "restored"])
 def test_adam_steps_on_state_placed_where_the_step_keeps_it_run_no_segment_on_the_driver(
-    ray_runtime, monkeypatch, tmp_path, source
+    ray_runtime, driver_segments, tmp_path, source
 ):
     """Parameters and Adam state put on the hosts where `placement` says the step keeps them
     (as `partition="auto"`'s trials place them), or restored from a checkpoint into that
@@ -240,15 +244,7 @@ def test_adam_steps_on_state_placed_where_the_step_keeps_it_run_no_segment_on_th
     from test_parallelize import adam_step, mlp_loss
 
     from jaxreshard.runtime import current_runtime
-    from jaxreshard.runtime.ray import _hosts
 
-    driver_segments = []
-    original = _hosts.RayHosts.segment
-    monkeypatch.setattr(
-        _hosts.RayHosts,
-        "segment",
-        lambda self, *a: driver_segments.append(a[1]) or original(self, *a),
-    )
     fun = adam_step(mlp_loss, optax.adam(1e-2))
     step = jr.parallelize(fun, config=ray_config(), batch_argnums=(2,))
     params, batch = make_params(2), make_batch()

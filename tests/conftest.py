@@ -77,15 +77,28 @@ def ray_runtime(_ray_session):
     return current
 
 
+# Where the xdist workers (`-n 2` in pyproject's addopts) report an exit held up by a thread:
+# the controller's exit status is its own, so it reads these files as it ends.
+_HELD_UP = "JAXRESHARD_TEST_HELD_UP"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # (the controller, or a run without workers)
+        os.environ[_HELD_UP] = tempfile.mkdtemp(prefix="jaxreshard-tests-held-up-")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """If the interpreter has not exited a minute after the last test (a worker thread of some
     pool still waiting, which would hold the interpreter's exit up), print every thread's stack
     so the culprit is named, and fail (exit status 3 if the tests passed) instead of hanging CI
-    or hiding the leak."""
+    or hiding the leak. An xdist worker also leaves the stacks where the controller looks
+    (`pytest_unconfigure`): a worker's own exit status does not reach the run's."""
     import faulthandler
     import sys
     import threading
     import time
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
 
     def watchdog():
         time.sleep(60)
@@ -96,6 +109,30 @@ def pytest_sessionfinish(session, exitstatus):
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        where = os.environ.get(_HELD_UP)
+        if worker and where:
+            with open(Path(where) / worker, "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
         os._exit(int(exitstatus) or 3)
 
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
+def pytest_unconfigure(config):
+    """The controller fails the run if a worker's exit was held up (see
+    `pytest_sessionfinish`); it waits for its workers to exit before this."""
+    import sys
+
+    where = os.environ.get(_HELD_UP)
+    if hasattr(config, "workerinput") or not where or not Path(where).is_dir():
+        return
+    import shutil
+
+    held = sorted(Path(where).iterdir())
+    for path in held:
+        print(f"\nFAILED: worker {path.name} was still there a minute after its last test; "
+              f"threads:\n{path.read_text()}", file=sys.stderr)  # fmt: skip
+    shutil.rmtree(where, ignore_errors=True)
+    if held:
+        sys.stderr.flush()
+        os._exit(3)

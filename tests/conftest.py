@@ -77,6 +77,15 @@ def ray_runtime(_ray_session):
     return current
 
 
+@pytest.fixture
+def no_runtime():
+    """No runtime (and no Ray) in this process when the test starts: a test file that an xdist
+    worker ran before may have left the shared one up (`ray_runtime` starts it again)."""
+    import jaxreshard
+
+    jaxreshard.shutdown()
+
+
 # Where the xdist workers (`-n 2` in pyproject's addopts) report an exit held up by a thread:
 # the controller's exit status is its own, so it reads these files as it ends.
 _HELD_UP = "JAXRESHARD_TEST_HELD_UP"

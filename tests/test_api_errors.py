@@ -90,7 +90,7 @@ def test_bad_batches_are_named(batch, error, words):
         (dict(num_hosts=2, timeout_s=float("inf")), ["timeout_s=inf", "finite"]),
     ],
 )
-def test_init_refuses_bad_arguments_before_ray_starts(kwargs, words):
+def test_init_refuses_bad_arguments_before_ray_starts(kwargs, words, no_runtime):
     import ray
 
     with pytest.raises((ValueError, TypeError)) as info:

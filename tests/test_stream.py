@@ -235,7 +235,7 @@ def test_late_messages_of_a_forgotten_work_are_dropped():
             t.close()
 
 
-def test_an_unknown_transport_is_refused_before_ray_starts():
+def test_an_unknown_transport_is_refused_before_ray_starts(no_runtime):
     import ray
 
     from jaxreshard.runtime.ray._runtime import RayRuntime

@@ -99,7 +99,8 @@ def test_a_step_in_a_module_named_like_jax_still_travels_by_value(monkeypatch):
     module = _module("jaxish_user_steps", "def step(x):\n    return x + 1\n", monkeypatch)
     payload = _by_value(module.step, {})
     monkeypatch.delitem(sys.modules, "jaxish_user_steps")  # a host that cannot import it
-    step, static = pickle.loads(payload)
+    step, static, tree = pickle.loads(payload)
+    assert tree is None  # (no arguments' structure given)
     assert step(1) == 2 and static == {}
 
 

@@ -574,6 +574,76 @@ def test_static_leaves_changing_every_call_warn():
 
 
 @pytest.mark.ray
+def eqx_mlp_step(tx, value_and_grad):
+    def loss_fn(model, batch):
+        return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+    def step(model, opt_state, batch):
+        loss, grads = value_and_grad(loss_fn)(model, batch)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def eqx_batches():
+    rng = np.random.default_rng(4)
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    return [{"x": normal(ROWS, 6), "y": normal(ROWS, 3)} for _ in range(2)]
+
+
+def test_an_equinox_model_trains_on_the_ray_runtime_as_under_filter_jit(ray_runtime):
+    """An Equinox model's `PyTreeDef` does not survive pickling into a host (it holds Equinox's
+    MISSING sentinel: every Equinox model failed on Ray); its arguments travel as a skeleton
+    each host flattens itself (see [Note: argument structure on the hosts])."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    model = eqx.nn.Sequential([
+        eqx.nn.Linear(6, 16, key=k1), eqx.nn.Lambda(jnp.tanh),
+        eqx.nn.Lambda(jr.stage_boundary),
+        eqx.nn.Linear(16, 16, key=k2), eqx.nn.Lambda(jnp.tanh),
+        eqx.nn.Lambda(jr.stage_boundary),
+        eqx.nn.Linear(16, 3, key=k3),
+    ])  # fmt: skip
+    tx = optax.adam(1e-2)
+    state = (model, tx.init(eqx.filter(model, eqx.is_inexact_array)))
+    want = run(eqx.filter_jit(eqx_mlp_step(tx, eqx.filter_value_and_grad)), state, eqx_batches())
+    step = jr.parallelize(
+        eqx_mlp_step(tx, jr.filter_value_and_grad), config=config(backend="ray"), batch_argnums=2
+    )
+    got = run(step, state, eqx_batches())
+    held = lambda x: eqx.is_array(x) or isinstance(x, jr.RemoteArray)  # (Ray: on the hosts)
+    assert_same(eqx.filter(got, held), eqx.filter(want, held))
+
+
+class EqxTanhBlock(eqx.Module):
+    """Defined in the step's module, so it travels to the hosts by value."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, *, key=None):
+        return jr.stage_boundary(jnp.tanh(self.linear(x)))
+
+
+def test_an_equinox_class_that_travels_by_value_is_named_with_the_fix(ray_runtime):
+    """cloudpickle rebuilds an Equinox Module class without its fields (equinox issue #231):
+    the host says so, and where to define the class, instead of tracing a model with none."""
+    k1, k2 = jax.random.split(jax.random.key(1))
+    model = eqx.nn.Sequential([EqxTanhBlock(eqx.nn.Linear(6, 16, key=k1)),
+                               eqx.nn.Linear(16, 3, key=k2)])  # fmt: skip
+    tx = optax.sgd(1e-2)
+    step = jr.parallelize(
+        eqx_mlp_step(tx, jr.filter_value_and_grad), config=config(backend="ray"), batch_argnums=2
+    )
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    message = (
+        r"host \d+: the step's arguments came to this host as \d+ leaves, not the driver's \d+: "
+        r".*an Equinox Module loses its fields.*Define the model's classes in a module every "
+        "host can import"
+    )
+    with pytest.raises(ValueError, match=message):
+        step(model, opt_state, eqx_batches()[0])
+
+
 def test_nnx_dropout_training_and_eval_on_the_ray_runtime(ray_runtime):
     model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

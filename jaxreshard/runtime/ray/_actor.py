@@ -284,7 +284,6 @@ class HostActor(HostArrays, NaiveBaseline):
         key: str,
         fun: bytes,
         config: Any,
-        in_tree: Any,
         avals: Any,
         batch_leaves: Any,
         input_specs: Any,
@@ -296,7 +295,7 @@ class HostActor(HostArrays, NaiveBaseline):
         from jaxreshard.frontend._trace import fingerprint
         from jaxreshard.runtime.ray._host_pipeline import HostPipeline
 
-        step, static = load_step(self.host, fun)
+        step, static, in_tree = load_step(self.host, fun, len(avals))
         pipeline = HostPipeline(
             self,
             key,
@@ -323,7 +322,6 @@ class HostActor(HostArrays, NaiveBaseline):
         self,
         fun: bytes,
         config: Any,
-        in_tree: Any,
         avals: Any,
         batch_leaves: Any,
         input_specs: Any,
@@ -335,7 +333,7 @@ class HostActor(HostArrays, NaiveBaseline):
         from jaxreshard.runtime.ray._segments import host_segment_costs
 
         return host_segment_costs(
-            self.host, fun, config, in_tree, avals, batch_leaves, input_specs, donated, split
+            self.host, fun, config, avals, batch_leaves, input_specs, donated, split
         )
 
     def _pipeline(self, key: str) -> Any:
@@ -448,13 +446,16 @@ class HostActor(HostArrays, NaiveBaseline):
         os._exit(0)
 
 
-def load_step(host: int, payload: bytes) -> tuple[Any, Any]:
-    """Unpickle a step the driver sent (`_pipeline_ray._by_value`); an error names the host and
-    what it could not import."""
+def load_step(host: int, payload: bytes, num_arrays: int = 0) -> tuple[Any, Any, Any]:
+    """Unpickle a step the driver sent (`ray/_pipeline.py`'s `_by_value`): the step, its static
+    leaves and the `PyTreeDef` of its arguments, `num_arrays` arrays and those static leaves
+    (None if none was sent); an error names the host and what it could not import."""
     import pickle
 
+    from jaxreshard.runtime.ray._step_wire import tree_from_skeleton
+
     try:
-        return pickle.loads(payload)
+        fun, static, *wire = pickle.loads(payload)
     except Exception as e:
         missing = getattr(e, "name", None)
         what = f"module {missing!r}" if isinstance(e, ImportError) and missing else "it"
@@ -464,3 +465,6 @@ def load_step(host: int, payload: bytes) -> tuple[Any, Any]:
             f"it imports travel by reference: make {what} importable on every host (install "
             "it there, or move the code the step needs into the step's module)"
         ) from e
+    if not wire or wire[0] is None:
+        return fun, static, None
+    return fun, static, tree_from_skeleton(wire[0], num_arrays + len(static))

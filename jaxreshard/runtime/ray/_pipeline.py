@@ -91,6 +91,7 @@ from jaxreshard.runtime.ray._placement import (
     warn_distributed_cost,
 )
 from jaxreshard.runtime.ray._remote import RemoteArray
+from jaxreshard.runtime.ray._step_wire import tree_skeleton
 from jaxreshard.runtime.step._fusion import fusable_segments
 from jaxreshard.runtime.step._layout import layout_pipeline, pipeline_schedule
 from jaxreshard.runtime.step._specs import spec_of
@@ -129,7 +130,7 @@ class RayPipeline(PipelineDriver):
             grid = np.vectorize(lambda d: d.id)(meshes[s].devices)
             for h in hs:
                 stages_of.setdefault(h, {})[s] = grid.tolist()
-        payload = _by_value(fun, static or {})
+        payload = _by_value(fun, static or {}, in_tree, avals)
         hosts = RayHosts(runtime, key, graph, config, meshes, hosts_of_stage)
         self.hosts = sorted(stages_of)  # the hosts that run its stages
         # The hosts keep the pipeline until the driver closes it: `close`, `jaxreshard.shutdown()`
@@ -147,7 +148,6 @@ class RayPipeline(PipelineDriver):
                         key,
                         payload,
                         config,
-                        in_tree,
                         avals,
                         list(batch_leaves),
                         input_specs,
@@ -266,8 +266,14 @@ def _drop_on_hosts(
 _INSTALLED = ("jaxreshard", "jax", "jaxlib", "numpy")  # the hosts import these packages themselves
 
 
-def _by_value(fun: Callable[..., Any], static: dict[int, Any]) -> bytes:
-    """Pickle the step and its static leaves so that host actors can run it even if its module
+def _by_value(
+    fun: Callable[..., Any],
+    static: dict[int, Any],
+    in_tree: Any = None,
+    avals: Sequence[Any] = (),
+) -> bytes:
+    """Pickle the step, its static leaves and the structure of its arguments (`in_tree`, whose
+    array leaves are `avals`; see `tree_skeleton`) so that host actors can run it even if its module
     is not installed (a script, a test file, an example): its module travels by value. Modules
     it imports travel by reference: the hosts must be able to import them."""
     from ray import cloudpickle
@@ -288,7 +294,7 @@ def _by_value(fun: Callable[..., Any], static: dict[int, Any]) -> bytes:
                 stacklevel=3,
             )
     try:
-        return cloudpickle.dumps((fun, static))
+        return cloudpickle.dumps((fun, static, tree_skeleton(in_tree, avals, static)))
     except Exception as e:
         raise TypeError(
             f"the step or one of its static (non-array) argument leaves cannot be pickled for the "

@@ -31,7 +31,6 @@ def host_segment_costs(
     host: int,
     payload: bytes,
     config: PipelineConfig,
-    in_tree: Any,
     avals: Sequence[Any],
     batch_leaves: Sequence[int],
     input_specs: Sequence[Any] | None,
@@ -43,7 +42,7 @@ def host_segment_costs(
     and per segment its `SegmentCost` fields and scratch bytes."""
     from jaxreshard.runtime.ray._actor import load_step
 
-    step, static = load_step(host, payload)
+    step, static, in_tree = load_step(host, payload, len(avals))
     shape = config.mesh_shapes(None)[0]
     mesh = abstract_mesh(shape, config.mesh_axis_names, config.axis_types)
     graph, _ = trace_step(
@@ -92,7 +91,7 @@ def time_on_host(
         host = hosts_of_rank[0][0]
         avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         call = runtime.actors[host].partition_segment_costs.remote(
-            _by_value(fun, static or {}), config, in_tree, avals, list(batch_leaves),
+            _by_value(fun, static or {}, in_tree, avals), config, avals, list(batch_leaves),
             input_specs, list(donated), split,
         )  # fmt: skip
         answer = runtime._wait(

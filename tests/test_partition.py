@@ -227,6 +227,11 @@ def test_refusals_name_the_fix():
         jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
+    with pytest.raises(ValueError, match=r"mesh_axis_types='explicit'\): the partitioner times"):
+        config(partition="auto", num_stages=2, mesh_axis_types="explicit")
+    with pytest.raises(ValueError, match=r"pass them as cuts=\(\.\.\.\) with partition='manual'"):
+        config(partition="auto", num_stages=2, mesh_axis_names=("data", "model"),
+               stage_mesh_shape=(1, 1), mesh_axis_types=("auto", "explicit"))  # fmt: skip
     with pytest.raises(ValueError, match=r"memory_cap_gib=-1\): must be a number of GiB"):
         jr.PipelineConfig(memory_cap_gib=-1)
     cfg = config(partition="auto", num_stages=2, memory_cap_gib=1e-4)

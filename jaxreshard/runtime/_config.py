@@ -234,6 +234,14 @@ class PipelineConfig:
                 )
         for t in (types,) if isinstance(types, str) else types:
             _choice("mesh_axis_types", t, AXIS_TYPES)
+        if self.partition == "auto" and "explicit" in self.axis_types:
+            raise ValueError(
+                f"PipelineConfig(partition='auto', mesh_axis_types={self.mesh_axis_types!r}): "
+                "the partitioner times each segment on one device, and a step traced with "
+                "Explicit axes types its arrays over the whole stage mesh, so it cannot run "
+                "there. Choose the cuts with mesh_axis_types='auto' (train_step.plan(...) shows "
+                "them), then pass them as cuts=(...) with partition='manual' and Explicit axes"
+            )
         if len(set(self.mesh_axis_names)) != len(self.mesh_axis_names):
             raise ValueError(
                 f"PipelineConfig: mesh_axis_names={self.mesh_axis_names} repeats a name"

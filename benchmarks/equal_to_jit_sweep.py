@@ -1,0 +1,435 @@
+"""A random sweep of models x pipeline configurations, each against `jax.jit` (the "equal to
+`jax.jit`" contract on models and configs nobody tuned for it).
+
+Each case draws a model (plain-JAX MLP with layer norm and `jax.checkpoint`, a convolutional
+net, a small attention LM with a tied embedding, a Flax NNX net, an Equinox net), an optimizer
+(SGD, Nesterov momentum, Adam, AdamW with global-norm clipping, Lion, Adafactor, RMSprop), a
+schedule (every one, with and without weight delay, virtual stages), 2-4 stages, a stage mesh
+over `data, model`, 1-4 micro-batches, how the cuts are made (`jr.stage_boundary`, `cuts=`,
+`partition="auto"` by prediction or with its trial), the resharding strategy, gradient
+reduction, optimizer fusion, steps in flight, donation (and with `--explicit`, Explicit mesh
+axes in 1 of 3 cases); runs 2 steps pipelined and under
+`jax.jit`, and compares the losses (rtol 2e-4) and the state (rtol 2e-3; atol 2e-5, or 1e-3
+for adaptive optimizers, which divide near-zero gradients by their own size).
+
+    python benchmarks/equal_to_jit_sweep.py --seed 7 --cases 100 [--backend ray] [--explicit]
+        [--out F]
+
+On Ray (a local cluster of 4 hosts x 2 devices) the Equinox net is left out: its class is
+defined here and would travel by value, which an Equinox class does not survive (the hosts say
+so: docs/models.md). 8 fake CPU devices.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxreshard as jr  # noqa: E402
+
+B = 16
+
+
+def opt(name):
+    return {
+        "sgd": lambda: optax.sgd(0.05),
+        "momentum": lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
+        "adam": lambda: optax.adam(1e-2),
+        "adamw_clip": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+        "lion": lambda: optax.lion(1e-3),
+        "adafactor": lambda: optax.adafactor(1e-2),
+        "rmsprop": lambda: optax.rmsprop(1e-2),
+    }[name]()
+
+
+# -- dict-params models: (init, apply(p, batch, mark)) ------------------------------------------
+
+
+def mlp_model(rng, depth=4, width=48):
+    p = {}
+    fan = 24
+    for i in range(depth):
+        w = width if i % 2 == 0 else width // 3
+        p[f"w{i}"] = (rng.normal(size=(fan, w)) / np.sqrt(fan)).astype(np.float32)
+        p[f"b{i}"] = np.zeros((w,), np.float32) + 0.01 * i
+        p[f"g{i}"] = np.ones((w,), np.float32)
+        fan = w
+    p["head"] = (rng.normal(size=(fan, 5)) / np.sqrt(fan)).astype(np.float32)
+
+    def apply(p, batch, mark):
+        h = batch["x"]
+
+        def layer(h, w, b, g):
+            h = h @ w + b
+            mu = h.mean(-1, keepdims=True)
+            var = ((h - mu) ** 2).mean(-1, keepdims=True)
+            return jax.nn.gelu((h - mu) / jnp.sqrt(var + 1e-5) * g)
+
+        for i in range(depth):
+            f = jax.checkpoint(layer) if i % 2 else layer
+            h = f(h, p[f"w{i}"], p[f"b{i}"], p[f"g{i}"])
+            h = mark(h, i, depth)
+        logits = h @ p["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    batch = lambda r: {
+        "x": r.normal(size=(B, 24)).astype(np.float32),
+        "y": r.integers(0, 5, size=(B,)).astype(np.int32),
+    }
+    return p, apply, batch
+
+
+def conv_model(rng, depth=3):
+    p = {}
+    c = 3
+    for i in range(depth):
+        co = 8 if i % 2 == 0 else 4
+        p[f"k{i}"] = (rng.normal(size=(3, 3, c, co)) / np.sqrt(9 * c)).astype(np.float32)
+        p[f"b{i}"] = np.zeros((co,), np.float32)
+        c = co
+    p["head"] = (rng.normal(size=(c, 4)) / np.sqrt(c)).astype(np.float32)
+
+    def apply(p, batch, mark):
+        h = batch["x"]
+        for i in range(depth):
+            h = jax.lax.conv_general_dilated(
+                h, p[f"k{i}"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            h = jax.nn.relu(h + p[f"b{i}"])
+            h = mark(h, i, depth)
+        logits = h.mean((1, 2)) @ p["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    batch = lambda r: {
+        "x": r.normal(size=(B, 8, 8, 3)).astype(np.float32),
+        "y": r.integers(0, 4, size=(B,)).astype(np.int32),
+    }
+    return p, apply, batch
+
+
+def attn_model(rng, depth=3, d=32, T=8, vocab=20):
+    p = {"emb": (rng.normal(size=(vocab, d)) * 0.1).astype(np.float32)}
+    for i in range(depth):
+        for n in ("q", "k", "v", "o"):
+            p[f"{n}{i}"] = (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32)
+        p[f"f{i}"] = (rng.normal(size=(d, 2 * d)) / np.sqrt(d)).astype(np.float32)
+        p[f"f2{i}"] = (rng.normal(size=(2 * d, d)) / np.sqrt(2 * d)).astype(np.float32)
+
+    def apply(p, batch, mark):
+        x = p["emb"][batch["t"][:, :-1]]
+        mask = jnp.tril(jnp.ones((T - 1, T - 1), bool))
+        for i in range(depth):
+            q, k, v = (x @ p[f"{n}{i}"] for n in "qkv")
+            a = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(d)
+            a = jax.nn.softmax(jnp.where(mask, a, -1e9), -1)
+            x = x + jnp.einsum("bts,bsd->btd", a, v) @ p[f"o{i}"]
+            x = x + jax.nn.gelu(x @ p[f"f{i}"]) @ p[f"f2{i}"]
+            x = mark(x, i, depth)
+        logits = x @ p["emb"].T  # tied
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"][:, 1:]).mean()
+
+    batch = lambda r: {"t": r.integers(0, vocab, size=(B, T)).astype(np.int32)}
+    return p, apply, batch
+
+
+DICT_MODELS = {"mlp": mlp_model, "conv": conv_model, "attn": attn_model}
+
+
+def dict_steps(model, tx, marking):
+    """(pipelined step, jit step, params, batches)."""
+    rng = np.random.default_rng(0)
+    params, apply, batch = model(rng)
+    batches = [batch(np.random.default_rng(10 + i)) for i in range(2)]
+
+    def make(pipelined):
+        def mark(h, i, depth):
+            if not pipelined or i == depth - 1:
+                return h
+            return marking(h, i)
+
+        vg = jr.value_and_grad if pipelined else jax.value_and_grad
+
+        def step(params, state, b):
+            loss, g = vg(lambda p: apply(p, b, mark))(params)
+            updates, state = tx.update(g, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        return step
+
+    return make(True), jax.jit(make(False)), (params, tx.init(params)), batches
+
+
+# -- NNX ----------------------------------------------------------------------------------------
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rngs, depth=4, d=32):
+        self.inp = nnx.Linear(12, d, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(depth)])
+        self.norms = nnx.List([nnx.LayerNorm(d, rngs=rngs) for _ in range(depth)])
+        self.out = nnx.Linear(d, 3, rngs=rngs)
+        self.marking = None
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for i, (lin, norm) in enumerate(zip(self.layers, self.norms)):
+            h = h + nnx.relu(lin(norm(h)))
+            if self.marking is not None and i < len(self.layers) - 1:
+                h = self.marking(h, i)
+        return self.out(h)
+
+
+def nnx_steps(tx, marking):
+    model = NNXNet(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    r = [np.random.default_rng(20 + i) for i in range(2)]
+    batches = [
+        {
+            "x": x.normal(size=(B, 12)).astype(np.float32),
+            "y": x.normal(size=(B, 3)).astype(np.float32),
+        }
+        for x in r
+    ]
+
+    def make(pipelined):
+        vg = jr.value_and_grad if pipelined else jax.value_and_grad
+
+        def step(params, state, b):
+            def loss_fn(p):
+                m = nnx.merge(graphdef, p, rest, copy=True)
+                m.marking = marking if pipelined else None
+                return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+            loss, g = vg(loss_fn)(params)
+            updates, state = tx.update(g, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        return step
+
+    return make(True), jax.jit(make(False)), (params, tx.init(params)), batches
+
+
+# -- Equinox ------------------------------------------------------------------------------------
+
+
+class EqxNet(eqx.Module):
+    layers: list
+    marking: object = eqx.field(static=True, default=None)
+
+    def __init__(self, key, depth=4, d=32, marking=None):
+        keys = jax.random.split(key, depth + 1)
+        self.layers = [eqx.nn.Linear(10 if i == 0 else d, d, key=keys[i]) for i in range(depth)]
+        self.layers.append(eqx.nn.Linear(d, 2, key=keys[-1]))
+        self.marking = marking
+
+    def __call__(self, x):
+        h = x
+        for i, layer in enumerate(self.layers[:-1]):
+            h = jax.nn.tanh(jax.vmap(layer)(h))
+            if self.marking is not None and i < len(self.layers) - 2:
+                h = self.marking(h, i)
+        return jax.vmap(self.layers[-1])(h)
+
+
+def eqx_steps(tx, marking):
+    r = [np.random.default_rng(30 + i) for i in range(2)]
+    batches = [
+        {
+            "x": x.normal(size=(B, 10)).astype(np.float32),
+            "y": x.normal(size=(B, 2)).astype(np.float32),
+        }
+        for x in r
+    ]
+
+    def make(pipelined):
+        vg = jr.filter_value_and_grad if pipelined else eqx.filter_value_and_grad
+
+        def loss_fn(m, b):
+            return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+        def step(model, state, b):
+            loss, g = vg(loss_fn)(model, b)
+            updates, state = tx.update(g, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state, loss
+
+        return step
+
+    plain = EqxNet(jax.random.key(0))
+    marked = EqxNet(jax.random.key(0), marking=marking)
+    states = [tx.init(eqx.filter(m, eqx.is_inexact_array)) for m in (plain, marked)]
+    return make(True), eqx.filter_jit(make(False)), ((plain, marked), states), batches
+
+
+# -- the sweep ----------------------------------------------------------------------------------
+
+SCHEDULES = [
+    ("gpipe", None, False),
+    ("1f1b", None, False),
+    ("eager_1f1b", None, False),
+    ("eager_1f1b", None, True),
+    ("zb_h1", None, False),
+    ("interleaved_1f1b", 2, False),
+    ("eager_interleaved_1f1b", 2, True),
+    ("zbv", 2, False),
+    ("dualpipev", 2, False),
+]
+SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2)]
+OPTS = ["sgd", "momentum", "adam", "adamw_clip", "lion", "adafactor", "rmsprop"]
+MODELS = ["mlp", "conv", "attn", "nnx", "eqx"]
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def one(r, info):
+    model = r.choice(MODELS)
+    sched, v, wd = r.choice(SCHEDULES)
+    meshes = 2 if v else r.choice([2, 2, 3])
+    stages = meshes * (v or 1)
+    shape = r.choice([s for s in SHAPES if s[0] * s[1] * meshes <= 8])
+    m = r.choice([1, 2, 4])
+    if B // m % shape[0]:
+        m = 2
+    o = r.choice(OPTS)
+    how = r.choice(["auto", "auto_trial", "boundary", "cuts"])
+    cfg = dict(
+        num_micro_batches=m,
+        schedule=sched,
+        weight_delay=wd,
+        virtual_stages=v,
+        stage_mesh_shape=shape,
+        mesh_axis_names=("data", "model"),
+        backend=BACKEND,
+        reduce_gradients=r.choice(["once", "every_micro_batch"]),
+        resharding=r.choice(["auto", "send_recv", "broadcast_greedy", "allgather"]),
+        fuse_optimizer=r.choice(["auto", "never"]),
+        mesh_axis_types=r.choice(["auto", "auto", "explicit"]) if EXPLICIT else "auto",
+        steps_in_flight=r.choice([1, 2, 3]),
+    )
+    donate = r.choice([(), (0, 1)])
+    depth = 3 if model == "conv" else 4  # (marker positions: depth - 1)
+    if model == "attn":
+        depth = 3
+    candidates = depth - 1
+    if stages - 1 > candidates:
+        stages = candidates + 1
+        if v:
+            stages = 2 * (stages // 2) if stages >= 4 else 2
+            v = None if stages < 4 else v
+            if v is None:
+                sched, wd = "1f1b", False
+                cfg.update(schedule=sched, weight_delay=wd, virtual_stages=None)
+    if cfg["mesh_axis_types"] == "explicit" and how.startswith("auto"):
+        how = "cuts"  # (partition="auto" refuses Explicit axes, naming this fix)
+    if how == "boundary":
+        cut_at = sorted(r.sample(range(candidates), stages - 1))
+        marking = lambda h, i: jr.stage_boundary(h) if i in cut_at else h
+        desc = f"boundary{cut_at}"
+    else:
+        marking = lambda h, i: jr.stage_candidate(h)
+        cfg["num_stages"] = stages
+        if how == "cuts":
+            cut_at = tuple(sorted(r.sample(range(candidates), stages - 1)))
+            cfg["cuts"] = cut_at
+            desc = f"cuts{list(cut_at)}"
+        else:
+            cfg["partition"] = "auto"
+            cfg["partition_trials"] = 1 if how == "auto_trial" else 0
+            desc = how
+    tx = opt(o)
+    label = f"{model} {o} stages={stages} {desc} {cfg}"
+    info["label"] = label
+    if model in DICT_MODELS:
+        pstep, jstep, state, batches = dict_steps(DICT_MODELS[model], tx, marking)
+        got_state = want_state = state
+    elif model == "nnx":
+        pstep, jstep, state, batches = nnx_steps(tx, marking)
+        got_state = want_state = state
+    else:
+        pstep, jstep, ((plain, marked), s), batches = eqx_steps(tx, marking)
+        got_state, want_state = (marked, s[1]), (plain, s[0])
+    step = jr.parallelize(
+        pstep, config=jr.PipelineConfig(**cfg), batch_argnums=2, donate_argnums=donate
+    )
+    label += f" donate={donate}"
+    info["label"] = label
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, t)
+    got, want = copy(got_state), copy(want_state)  # (a donating step deletes its inputs)
+    gl, wl = [], []
+    for b in batches:
+        *got, loss = step(*got, b)
+        gl.append(float(loss))
+        *want, loss = jstep(*want, b)
+        wl.append(float(loss))
+    np.testing.assert_allclose(gl, wl, rtol=2e-4, atol=1e-5, err_msg="losses")
+    for x, y in zip(leaves(got), leaves(want)):
+        # (adaptive optimizers divide near-zero gradients by their own size: a 1e-7 gradient's
+        # reassociation noise moves its update by a good part of the learning rate)
+        atol = 2e-5 if o in ("sgd", "momentum") else 1e-3
+        np.testing.assert_allclose(x, y, rtol=2e-3, atol=atol, err_msg="state")
+    return label
+
+
+BACKEND = "local"
+EXPLICIT = False
+
+
+def main():
+    global BACKEND, EXPLICIT
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, default=50)
+    parser.add_argument("--backend", choices=("local", "ray"), default="local")
+    parser.add_argument("--out", help="write every case, passed or failed, as JSON")
+    parser.add_argument(
+        "--explicit", action="store_true", help="draw mesh_axis_types='explicit' in 1 of 3 cases"
+    )
+    args = parser.parse_args()
+    BACKEND, EXPLICIT = args.backend, args.explicit
+    if BACKEND == "ray":
+        MODELS.remove("eqx")
+        jr.init(backend="ray", num_hosts=4, devices_per_host=2, timeout_s=60)
+    cases = []
+    for i in range(args.cases):
+        r = random.Random(args.seed * 1000 + i)
+        start, info = time.perf_counter(), {}
+        try:
+            one(r, info)
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[:1500]}"
+            traceback.print_exc(limit=-4)
+        seconds = time.perf_counter() - start
+        cases.append({"case": i, "label": info.get("label"), "error": error, "seconds": seconds})
+        print(f"{'FAIL' if error else 'ok  '} {i} {seconds:5.1f}s {info.get('label')}"
+              + (f"\n  {error}" if error else ""), flush=True)  # fmt: skip
+        jax.clear_caches()
+    failed = sum(c["error"] is not None for c in cases)
+    print(f"{failed} failed of {len(cases)} (seed {args.seed}, backend {BACKEND}, explicit axes "
+          f"{'drawn' if EXPLICIT else 'not drawn'})")  # fmt: skip
+    if args.out:
+        record = {"benchmark": "equal_to_jit_sweep", "date": time.strftime("%Y-%m-%d"),
+                  "seed": args.seed, "backend": BACKEND, "explicit": EXPLICIT,
+                  "jax": jax.__version__,
+                  "failed": failed, "cases": cases}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

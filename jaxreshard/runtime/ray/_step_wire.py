@@ -18,7 +18,7 @@ import jax
 # such leaves (a node that checks its children as it is made) travels as the `PyTreeDef`.
 # A class that travels by value (defined in the script, or in the step's module) is rebuilt on
 # the host by cloudpickle, and an Equinox Module class so rebuilt has no fields (equinox issue
-# #231): its skeleton flattens to fewer arrays, and the host says where to define it instead.
+# #231): its skeleton flattens to fewer leaves, and the host says where to define it instead.
 
 
 def tree_skeleton(

@@ -36,7 +36,7 @@ from jaxreshard._trials import measure_choices
 from jaxreshard.comm import Cluster
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import StepOutputs, is_array, trace_step
-from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime._config import EXPLICIT_PARTITION, PipelineConfig
 from jaxreshard.runtime.engine._events import Event
 from jaxreshard.runtime.local._compiled import compile_local
 from jaxreshard.runtime.local._pipeline import LocalPipeline
@@ -462,6 +462,11 @@ class Parallelized:
             names, types = tuple(self.meshes[0].axis_names), mesh_axis_types(self.meshes)
         if "explicit" not in types:
             return abstract_mesh(shapes[0], names, types), None
+        if self.config.partition == "auto" and self.config.cuts is None:  # (meshes= with Explicit)
+            raise ValueError(
+                f"parallelize(meshes=...) with Explicit axes {names} and "
+                f"PipelineConfig(partition='auto'): {EXPLICIT_PARTITION}"
+            )
         if len(set(shapes)) > 1:
             raise ValueError(
                 f"stage meshes of shapes {list(shapes)} with Explicit axes {names}: a step is "

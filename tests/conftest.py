@@ -22,6 +22,8 @@ def _cuda_available() -> bool:
 # CPU devices are the default backend of every test (the fake devices below); on a machine with
 # a GPU, the GPU tests (tests/test_gpu.py) find it as jax.devices("gpu").
 os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if _cuda_available() else "cpu")
+if _cuda_available():  # (two xdist workers share the GPU: neither takes 75% of it up front)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
@@ -94,6 +96,12 @@ _HELD_UP = "JAXRESHARD_TEST_HELD_UP"
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # (the controller, or a run without workers)
         os.environ[_HELD_UP] = tempfile.mkdtemp(prefix="jaxreshard-tests-held-up-")
+        try:  # xdist kills a worker still there 10 s after its tests: wait for the watchdog
+            from xdist.workermanage import NodeManager
+
+            NodeManager.EXIT_TIMEOUT = 90
+        except ImportError:
+            pass
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -117,6 +125,7 @@ def pytest_sessionfinish(session, exitstatus):
             file=sys.stderr,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stdout.flush()
         sys.stderr.flush()
         where = os.environ.get(_HELD_UP)
         if worker and where:
@@ -129,7 +138,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_unconfigure(config):
     """The controller fails the run if a worker's exit was held up (see
-    `pytest_sessionfinish`); it waits for its workers to exit before this."""
+    `pytest_sessionfinish`); it waits for its workers to exit before this (up to the
+    `EXIT_TIMEOUT` set above, past their watchdog's minute)."""
     import sys
 
     where = os.environ.get(_HELD_UP)

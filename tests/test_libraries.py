@@ -573,7 +573,6 @@ def test_static_leaves_changing_every_call_warn():
             step(mlp_params(), mlp_batch(), scale)
 
 
-@pytest.mark.ray
 def eqx_mlp_step(tx, value_and_grad):
     def loss_fn(model, batch):
         return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
@@ -592,6 +591,7 @@ def eqx_batches():
     return [{"x": normal(ROWS, 6), "y": normal(ROWS, 3)} for _ in range(2)]
 
 
+@pytest.mark.ray
 def test_an_equinox_model_trains_on_the_ray_runtime_as_under_filter_jit(ray_runtime):
     """An Equinox model's `PyTreeDef` does not survive pickling into a host (it holds Equinox's
     MISSING sentinel: every Equinox model failed on Ray); its arguments travel as a skeleton
@@ -624,6 +624,7 @@ class EqxTanhBlock(eqx.Module):
         return jr.stage_boundary(jnp.tanh(self.linear(x)))
 
 
+@pytest.mark.ray
 def test_an_equinox_class_that_travels_by_value_is_named_with_the_fix(ray_runtime):
     """cloudpickle rebuilds an Equinox Module class without its fields (equinox issue #231):
     the host says so, and where to define the class, instead of tracing a model with none."""
@@ -636,7 +637,7 @@ def test_an_equinox_class_that_travels_by_value_is_named_with_the_fix(ray_runtim
     )
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     message = (
-        r"host \d+: the step's arguments came to this host as \d+ leaves, not the driver's \d+: "
+        r"host \d+: the step's arguments came to this host as \d+ leaves, not the driver's \d+ "
         r".*an Equinox Module loses its fields.*Define the model's classes in a module every "
         "host can import"
     )
@@ -644,6 +645,7 @@ def test_an_equinox_class_that_travels_by_value_is_named_with_the_fix(ray_runtim
         step(model, opt_state, eqx_batches()[0])
 
 
+@pytest.mark.ray
 def test_nnx_dropout_training_and_eval_on_the_ray_runtime(ray_runtime):
     model = NNXLM(rngs=nnx.Rngs(0, dropout=1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -232,6 +232,16 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"pass them as cuts=\(\.\.\.\) with partition='manual'"):
         config(partition="auto", num_stages=2, mesh_axis_names=("data", "model"),
                stage_mesh_shape=(1, 1), mesh_axis_types=("auto", "explicit"))  # fmt: skip
+    assert config(partition="auto", num_stages=2, cuts=(1,), mesh_axis_types="explicit").cuts
+    explicit = (jax.sharding.AxisType.Explicit,)
+    meshes = [  # (Explicit meshes given: the config's types do not say so)
+        jax.make_mesh((1,), ("data",), axis_types=explicit, devices=jax.devices()[i : i + 1])
+        for i in range(2)
+    ]
+    step = jr.parallelize(make_step(), config=config(partition="auto", num_stages=2),
+                          batch_argnums=2, meshes=meshes)  # fmt: skip
+    with pytest.raises(ValueError, match=r"parallelize\(meshes=...\) with Explicit axes"):
+        step.plan(init_params(), OPT.init(init_params()), make_batch())
     with pytest.raises(ValueError, match=r"memory_cap_gib=-1\): must be a number of GiB"):
         jr.PipelineConfig(memory_cap_gib=-1)
     cfg = config(partition="auto", num_stages=2, memory_cap_gib=1e-4)

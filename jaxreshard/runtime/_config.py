@@ -28,6 +28,13 @@ RESHARDING = (
     "auto",
 )
 AXIS_TYPES = ("auto", "explicit")
+# Why partition="auto" cannot choose cuts on Explicit axes, and the fix.
+EXPLICIT_PARTITION = (
+    "the partitioner times each segment on one device, and a step traced with Explicit axes "
+    "types its arrays over the whole stage mesh, so it cannot run there. Choose the cuts with "
+    "mesh_axis_types='auto' (train_step.plan(...) shows them), then pass them as cuts=(...) "
+    "with partition='manual' and Explicit axes"
+)
 # Counts past these are typos, not pipelines: the schedule alone would need more memory and time
 # than a machine has (a step of p stages and m micro-batches runs about 3 p m actions).
 MAX_STAGES = 1024
@@ -234,13 +241,10 @@ class PipelineConfig:
                 )
         for t in (types,) if isinstance(types, str) else types:
             _choice("mesh_axis_types", t, AXIS_TYPES)
-        if self.partition == "auto" and "explicit" in self.axis_types:
+        if self.partition == "auto" and self.cuts is None and "explicit" in self.axis_types:
             raise ValueError(
                 f"PipelineConfig(partition='auto', mesh_axis_types={self.mesh_axis_types!r}): "
-                "the partitioner times each segment on one device, and a step traced with "
-                "Explicit axes types its arrays over the whole stage mesh, so it cannot run "
-                "there. Choose the cuts with mesh_axis_types='auto' (train_step.plan(...) shows "
-                "them), then pass them as cuts=(...) with partition='manual' and Explicit axes"
+                + EXPLICIT_PARTITION
             )
         if len(set(self.mesh_axis_names)) != len(self.mesh_axis_names):
             raise ValueError(

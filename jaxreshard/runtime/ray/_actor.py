@@ -467,4 +467,4 @@ def load_step(host: int, payload: bytes, num_arrays: int = 0) -> tuple[Any, Any,
         ) from e
     if not wire or wire[0] is None:
         return fun, static, None
-    return fun, static, tree_from_skeleton(wire[0], num_arrays + len(static))
+    return fun, static, tree_from_skeleton(wire[0], static, num_arrays)

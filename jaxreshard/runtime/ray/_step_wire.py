@@ -29,28 +29,37 @@ def tree_skeleton(
     leaves (leaf index -> value) as they are), else ("tree", `in_tree`); None without one."""
     if in_tree is None:
         return None
+    if len(avals) + len(static) != in_tree.num_leaves:
+        raise ValueError(
+            f"{len(avals)} arrays and {len(static)} static leaves for arguments of "
+            f"{in_tree.num_leaves} leaves"
+        )
+    arrays = iter([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    leaves = [static[i] if i in static else next(arrays) for i in range(in_tree.num_leaves)]
     try:
-        arrays = iter([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-        leaves = [static[i] if i in static else next(arrays) for i in range(in_tree.num_leaves)]
         return ("skeleton", jax.tree_util.tree_unflatten(in_tree, leaves))
     except Exception:  # (a node that refuses such children: its treedef, as it is)
         return ("tree", in_tree)
 
 
-def tree_from_skeleton(wire: tuple[str, Any], num_leaves: int) -> Any:
-    """The `PyTreeDef` of `num_leaves` leaves a host traces with, from `tree_skeleton`'s form."""
+def tree_from_skeleton(wire: tuple[str, Any], static: dict[int, Any], num_arrays: int) -> Any:
+    """The `PyTreeDef` a host traces with, from `tree_skeleton`'s form: `num_arrays` arrays and
+    the `static` leaves at their places, or an error that says why not."""
     kind, value = wire
     if kind == "tree":
         return value
     leaves, tree = jax.tree_util.tree_flatten(value)
-    if len(leaves) != num_leaves:
+    struct = jax.ShapeDtypeStruct
+    expected = [i not in static for i in range(num_arrays + len(static))]
+    if [isinstance(x, struct) for x in leaves] != expected:
         raise ValueError(
             f"the step's arguments came to this host as {len(leaves)} leaves, not the "
-            f"driver's {num_leaves}: a pytree class of the arguments flattens differently in "
-            "this process. A class defined in the script (__main__) or in the step's own "
-            "module travels to the hosts by value, and not every class survives that: an "
-            "Equinox Module loses its fields (equinox issue #231). Define the model's classes "
-            "in a module every host can import (installed, or on the hosts' PYTHONPATH), or "
-            "build the model from the library's own layers"
+            f"driver's {len(expected)} ({num_arrays} arrays) in the same places: a pytree class "
+            "of the arguments flattens differently in this process. A class defined in the "
+            "script (__main__) or in the step's own module travels to the hosts by value, and "
+            "not every class survives that: an Equinox Module loses its fields (equinox issue "
+            "#231), and a class registered as a pytree node is not registered again here. "
+            "Define the model's classes in a module every host can import (installed, or on "
+            "the hosts' PYTHONPATH), or build the model from the library's own layers"
         )
     return tree

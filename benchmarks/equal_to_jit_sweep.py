@@ -172,6 +172,16 @@ def dict_steps(model, tx, marking):
     return make(True), jax.jit(make(False)), (params, tx.init(params)), batches
 
 
+def regression_batches(seed, d_in, d_out):
+    """Two batches of `B` rows: inputs `x` of width `d_in`, targets `y` of width `d_out`."""
+    out = []
+    for i in range(2):
+        r = np.random.default_rng(seed + i)
+        out.append({"x": r.normal(size=(B, d_in)).astype(np.float32),
+                    "y": r.normal(size=(B, d_out)).astype(np.float32)})  # fmt: skip
+    return out
+
+
 # -- NNX ----------------------------------------------------------------------------------------
 
 
@@ -195,14 +205,7 @@ class NNXNet(nnx.Module):
 def nnx_steps(tx, marking):
     model = NNXNet(nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    r = [np.random.default_rng(20 + i) for i in range(2)]
-    batches = [
-        {
-            "x": x.normal(size=(B, 12)).astype(np.float32),
-            "y": x.normal(size=(B, 3)).astype(np.float32),
-        }
-        for x in r
-    ]
+    batches = regression_batches(20, 12, 3)
 
     def make(pipelined):
         vg = jr.value_and_grad if pipelined else jax.value_and_grad
@@ -245,14 +248,7 @@ class EqxNet(eqx.Module):
 
 
 def eqx_steps(tx, marking):
-    r = [np.random.default_rng(30 + i) for i in range(2)]
-    batches = [
-        {
-            "x": x.normal(size=(B, 10)).astype(np.float32),
-            "y": x.normal(size=(B, 2)).astype(np.float32),
-        }
-        for x in r
-    ]
+    batches = regression_batches(30, 10, 2)
 
     def make(pipelined):
         vg = jr.filter_value_and_grad if pipelined else eqx.filter_value_and_grad

@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxreshard"
 
 # Bottom to top; a unit is a subpackage or a module at the package root.
 LAYERS = [
-    {"_jax_compat", "_lazy", "_machine", "_files", "_tracebacks"},
+    {"_jax_compat", "_lazy", "_machine", "_files", "_tracebacks", "_tree_wire"},
     {"comm", "cluster", "storage"},
     {"pipeline"},
     {"frontend"},

@@ -1,6 +1,7 @@
 """Models as Flax (NNX, Linen) and Equinox users write them: pipelined steps equal `jax.jit`."""
 
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -643,6 +644,35 @@ def test_an_equinox_class_that_travels_by_value_is_named_with_the_fix(ray_runtim
     )
     with pytest.raises(ValueError, match=message):
         step(model, opt_state, eqx_batches()[0])
+
+
+@pytest.mark.ray
+def test_restoring_an_equinox_class_that_travels_by_value_on_ray_is_named_with_the_fix(
+    ray_runtime, tmp_path
+):
+    """A restore target's classes travel to the hosts by reference (this test module cannot be
+    imported there: the error names it and the fix); one that travels by value and flattens
+    differently there (an Equinox Module class) is refused, not read into misplaced leaves."""
+    from ray import cloudpickle
+
+    from jaxreshard.runtime.ray._remote import RemoteStruct
+
+    model = EqxTanhBlock(eqx.nn.Linear(6, 16, key=jax.random.key(2)))
+    jr.save_checkpoint(tmp_path / "ckpt", model)
+    sharding = ray_runtime.sharding(ray_runtime.mesh((1,), ("data",)), jax.P())
+    target = jax.tree.map(lambda x: RemoteStruct(x.shape, x.dtype, sharding), model)
+    with pytest.raises(Exception, match=r"names module 'test_libraries', which this host cannot"):
+        jr.restore_checkpoint(tmp_path / "ckpt", target)
+    message = (
+        r"the restore target's tree .* came to this host as 0 leaves, not the driver's 2 in its "
+        r"order: .*an Equinox Module loses its fields.*Define the model's classes in a module"
+    )
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (as a script's classes go)
+    try:
+        with pytest.raises(Exception, match=message):
+            jr.restore_checkpoint(tmp_path / "ckpt", target)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.mark.ray

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._tree_wire import dump_numbered
 from jaxreshard.checkpoint._format import PARTS, Index, LeafRecord, dtype_name
 from jaxreshard.storage import _orbax
 from jaxreshard.storage._host import LeafPlace
@@ -151,8 +152,8 @@ def read_remote(
     # (LeafPlace, new array id).
     calls: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}  # (host, its group) -> ...
     out: dict[int, Any] = {}
-    whole_skeleton = jax.tree.unflatten(treedef, [0] * len(structs))
-    part_keys: dict[str, list[str]] = {}
+    whole_skeleton = dump_numbered(jax.tree.unflatten(treedef, [0] * len(structs)))
+    parts: dict[str, tuple[bytes, dict[str, int]]] = {}  # part -> (skeleton, positions)
     for i in wanted:
         s = structs[i]
         runtime._check_sharding(s.sharding, f"target leaf {paths[i]}")
@@ -163,12 +164,12 @@ def read_remote(
             source, skeleton, position = ".", whole_skeleton, i
         else:
             part = str(record.part)
-            if part not in part_keys:
-                part_keys[part] = index.part_keys(part)
-            keys = part_keys[part]
+            if part not in parts:
+                keys = sorted(index.part_keys(part))  # (a dict flattens in sorted key order)
+                positions = {k: n for n, k in enumerate(keys)}
+                parts[part] = (dump_numbered(dict.fromkeys(keys, 0)), positions)
             source = f"{PARTS}/{record.part}"
-            skeleton = {k: 0 for k in keys}
-            position = sorted(keys).index(place.key)  # a dict flattens in sorted key order
+            skeleton, position = parts[part][0], parts[part][1][place.key]
         group = _hosts(s.sharding)
         for h in group:
             entry = calls.setdefault((h, group), {}).setdefault(source, (skeleton, {}, {}))

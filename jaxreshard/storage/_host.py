@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._tree_wire import load_numbered
 from jaxreshard.storage import _orbax, _writer
 
 
@@ -188,19 +189,19 @@ def drop_write(actor: Any, token: str) -> None:
 def read(
     actor: Any,
     path: str,
-    skeleton: Any,
+    skeleton: bytes,
     places: Mapping[int, LeafPlace],
     new_ids: Mapping[int, str],
 ) -> dict[str, Any]:
     """Read leaves `places` (by position in `skeleton`'s flatten order) from the Orbax
     checkpoint at `path` onto this host's devices, and keep them as `new_ids`. `skeleton` is
-    the saved tree's structure (any leaves): a flat dict of a part, or the user's tree."""
+    the saved tree's structure (`dump_numbered`): a flat dict of a part, or the user's tree."""
     import jax
     import orbax.checkpoint as ocp
 
     read0, _ = io_bytes()
     start = time.perf_counter()
-    leaves, treedef = jax.tree.flatten(skeleton)
+    leaves, treedef = load_numbered(skeleton, f"the restore target's tree for {path}")
     item = [ocp.PLACEHOLDER] * len(leaves)
     for i, place in places.items():
         item[i] = jax.ShapeDtypeStruct(

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from jaxreshard._tree_wire import BY_VALUE_FIX
+
 # [Note: argument structure on the hosts]
 # A host traces the step on its arguments' structure. A `PyTreeDef` does not always survive
 # pickling into another process: Equinox's holds its `MISSING` sentinel, which unpickles as a
@@ -54,12 +56,6 @@ def tree_from_skeleton(wire: tuple[str, Any], static: dict[int, Any], num_arrays
     if [isinstance(x, struct) for x in leaves] != expected:
         raise ValueError(
             f"the step's arguments came to this host as {len(leaves)} leaves, not the "
-            f"driver's {len(expected)} ({num_arrays} arrays) in the same places: a pytree class "
-            "of the arguments flattens differently in this process. A class defined in the "
-            "script (__main__) or in the step's own module travels to the hosts by value, and "
-            "not every class survives that: an Equinox Module loses its fields (equinox issue "
-            "#231), and a class registered as a pytree node is not registered again here. "
-            "Define the model's classes in a module every host can import (installed, or on "
-            "the hosts' PYTHONPATH), or build the model from the library's own layers"
+            f"driver's {len(expected)} ({num_arrays} arrays) in the same places: " + BY_VALUE_FIX
         )
     return tree

@@ -182,6 +182,39 @@ def test_explicit_mesh_axes_match_jax_jit(schedule, weight_delay):
     assert all(t == jax.sharding.AxisType.Explicit for t in meshes[0].axis_types)
 
 
+def custom_rule_step(params, batch):
+    """Activations with custom derivative rules (`relu`'s JVP, `logaddexp`'s in `softplus`)
+    on both sides of a stage boundary."""
+
+    def loss_fn(p):
+        h = jax.nn.relu(batch["x"] @ p["emb"])
+        h = jr.stage_boundary(h)
+        h = jax.nn.softplus(h @ p["w1"] + p["b1"])
+        return jnp.mean((jax.nn.relu(h @ p["out"]) - batch["y"]) ** 2)
+
+    loss, grads = jr.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+
+@pytest.mark.parametrize(
+    "mesh, m, weight_delay", [((2, 1), 2, False), ((1, 2), 1, True), ((1, 1), 4, False)]
+)
+def test_explicit_axes_with_custom_derivative_rules_match_jax_jit(mesh, m, weight_delay):
+    """A custom rule's JVP was traced at the step's types (the batch over `data`): each stage
+    is derived at those types, not on untyped inputs, which JAX refused ("select cases must have
+    the same shardings"; see [Note: stages traced with Explicit axes])."""
+    cfg = config(
+        num_micro_batches=m,
+        schedule="eager_1f1b",
+        weight_delay=weight_delay,
+        stage_mesh_shape=mesh,
+        mesh_axis_types="explicit",
+    )
+    step = jr.parallelize(custom_rule_step, config=cfg, batch_argnums=(1,))
+    params, losses = run_steps(step, make_params(2), make_batch())
+    assert_same(params, losses, *run_steps(jax.jit(custom_rule_step), make_params(2), make_batch()))
+
+
 def test_meshes_from_jax_make_mesh(cpu_devices):
     """`jax.make_mesh` makes Explicit axes: the step is traced under those meshes' own types."""
     meshes = [

@@ -17,6 +17,7 @@ A stage's aux outputs (`Ref(OUT)`) are returned by its forward but not different
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -156,14 +157,49 @@ def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
     reference, see [Note: residuals kept by reference]), or None for a value the forward
     computes."""
     diff = _diff(stage)
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stage.jaxpr.in_avals]
+    mesh, shardings = explicit_types(stage)
 
     def fn(*inputs: Any) -> tuple[list[Any], list[Any]]:
         outputs, leaves, _ = _forward(stage, diff, inputs)
         return outputs, leaves
 
-    (_, residuals), forwarded = traced_with_forwarding(fn, structs)
+    with _typing(mesh):
+        (_, residuals), forwarded = traced_with_forwarding(fn, _structs(stage, shardings))
     return list(zip(residuals, _by_reference(stage, forwarded)))
+
+
+# [Note: stages traced with Explicit axes]
+# With Explicit mesh axes the step is traced typed (the batch over `data`, parameters as they
+# are sharded), and a custom derivative's rule is traced then, at those types: `jax.nn.relu`'s
+# JVP holds a zero typed like its input. A stage derived from its jaxpr on untyped inputs meets
+# that zero with an untyped tangent, and JAX refuses the `select` ("select cases must have the
+# same shardings"; a cotangent's type assertion elsewhere). So a stage's backward is derived at
+# the types its jaxpr was traced with, under the trace's abstract mesh (`explicit_types`); the
+# executables are then compiled on the stage's own mesh of the same shape and axes.
+
+
+def explicit_types(stage: Stage) -> tuple[Any, list[Any] | None]:
+    """The abstract mesh and input shardings `stage` was traced with, if any of its mesh's axes
+    is Explicit; else (None, None) (see [Note: stages traced with Explicit axes])."""
+    shardings = [getattr(a, "sharding", None) for a in stage.jaxpr.in_avals]
+    for sharding in shardings:
+        mesh = getattr(sharding, "mesh", None)
+        types = getattr(mesh, "axis_types", ())
+        if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in types:
+            return mesh, shardings
+    return None, None
+
+
+def _typing(mesh: Any) -> Any:
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
+
+
+def _structs(stage: Stage, shardings: Sequence[Any] | None) -> list[Any]:
+    shardings = shardings or [None] * len(stage.jaxpr.in_avals)
+    return [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+        for a, sh in zip(stage.jaxpr.in_avals, shardings)
+    ]
 
 
 # The inputs a residual may be kept as: each is this chunk's until its backward is done. A per-step
@@ -205,7 +241,6 @@ def derive_backward(
     `in_shardings` (under `jax.set_mesh` of an Explicit mesh) types the inputs, so that the
     traced pieces carry shardings; the gradients of the parameters at `reduced_inputs` then
     come out `unreduced` over the `reduced` axes."""
-    in_avals = stage.jaxpr.in_avals
     out_avals = stage.jaxpr.out_avals
     diff = _diff(stage)
     kept = _differentiated(stage)
@@ -217,11 +252,13 @@ def derive_backward(
         holder["treedef"] = treedef
         return outputs, leaves
 
-    shardings = in_shardings or [None] * len(in_avals)
-    structs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(in_avals, shardings)
-    ]
-    (out_structs, residual_structs), forwarded = traced_with_forwarding(traced_forward, structs)
+    mesh = None
+    if in_shardings is None:  # (see [Note: stages traced with Explicit axes])
+        mesh, in_shardings = explicit_types(stage)
+    with _typing(mesh):
+        (out_structs, residual_structs), forwarded = traced_with_forwarding(
+            traced_forward, _structs(stage, in_shardings)
+        )
     residuals = tuple(residual_structs)
     forwarded = _by_reference(stage, forwarded)
     treedef = holder["treedef"]
@@ -242,7 +279,8 @@ def derive_backward(
         ]
     else:  # the outputs' types, their shardings included (the cotangents come with them)
         ct_structs = [out_structs[kept.index(i)] for i in float_outputs]
-    full = jax.make_jaxpr(backward)(*residuals, *ct_structs)
+    with _typing(mesh):
+        full = jax.make_jaxpr(backward)(*residuals, *ct_structs)
     act_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == ACT)
     param_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == PARAM)
     if split:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -154,10 +155,12 @@ def on_mesh(x: Any, mesh: Mesh, devices: frozenset[Any] | None = None, aval: Any
     """`x` on `mesh`'s devices (`devices`, when the caller has them): as it is if it is there
     already, else moved (same spec if it fits, else replicated). Host data becomes an array of
     `aval`'s dtype, when given."""
-    if devices is None:
-        devices = frozenset(mesh.devices.flat)
-    if isinstance(x, jax.Array) and x.sharding.device_set == devices:
-        return x
+    if isinstance(x, jax.Array):
+        sharding = x.sharding
+        if getattr(sharding, "mesh", None) is mesh:  # (meshes are interned: the common case)
+            return x
+        if sharding.device_set == (devices if devices is not None else mesh_devices(mesh)):
+            return x
     if not hasattr(x, "shape"):
         if aval is None:
             return x
@@ -166,6 +169,12 @@ def on_mesh(x: Any, mesh: Mesh, devices: frozenset[Any] | None = None, aval: Any
         x = x.astype(aval.dtype)
     spec = transplant_spec(spec_of(getattr(x, "sharding", None)), dict(mesh.shape), x.shape)
     return place(x, NamedSharding(mesh, spec))
+
+
+@functools.lru_cache(maxsize=256)
+def mesh_devices(mesh: Mesh) -> frozenset[Any]:
+    """`mesh`'s devices as a set (asked for every placed value of every step)."""
+    return frozenset(mesh.devices.flat)
 
 
 def as_named(x: Any, mesh: Mesh) -> Any:

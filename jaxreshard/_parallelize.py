@@ -188,6 +188,7 @@ class Parallelized:
             ) from None
         arrays = [x for x in leaves if is_array(x)]
         if entry is not None:
+            self._cache.move_to_end(key)  # (the least recently used goes first: `_remember`)
             return entry, arrays
         for name, argnums in (
             ("batch_argnums", self.batch_argnums),

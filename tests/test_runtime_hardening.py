@@ -187,6 +187,13 @@ def test_compiled_signatures_are_bounded(monkeypatch):
     assert pipelines[0].closed and not pipelines[2].closed
     step(params, make_batch(rows=8))  # dropped, so compiled again: still right
     assert len(step._cache) == 2
+    # The least recently *used* goes, not the first compiled: a training step called between
+    # rotating eval shapes stays compiled.
+    pipelines = {rows: None for rows in (8, 16, 24)}
+    for rows in (16, 8, 24):  # 16 compiled, 8 used (cached), then 24 compiled: 16 goes
+        step(params, make_batch(rows=rows))
+        pipelines[rows] = next(reversed(step._cache.values())).pipeline
+    assert not pipelines[8].closed and pipelines[16].closed
 
 
 def test_close_ends_the_threads_and_an_idle_sender_holds_no_array():

@@ -2,7 +2,9 @@
 `jax.jit`" contract on models and configs nobody tuned for it).
 
 Each case draws a model (plain-JAX MLP with layer norm and `jax.checkpoint`, a convolutional
-net, a small attention LM with a tied embedding, a Flax NNX net, an Equinox net), an optimizer
+net, a small attention LM with a tied embedding, layer groups stacked and run by `lax.scan`
+(with `jax.checkpoint` and `lax.cond` in the body), a Flax Linen MLP, a Flax NNX net, an Equinox
+net), an optimizer
 (SGD, Nesterov momentum, Adam, AdamW with global-norm clipping, Lion, Adafactor, RMSprop), a
 schedule (every one, with and without weight delay, virtual stages), 2-4 stages, a stage mesh
 over `data, model`, 1-4 micro-batches, how the cuts are made (`jr.stage_boundary`, `cuts=`,
@@ -27,6 +29,7 @@ import random
 import sys
 import time
 import traceback
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
@@ -36,7 +39,7 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import linen, nnx  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
 
@@ -145,7 +148,86 @@ def attn_model(rng, depth=3, d=32, T=8, vocab=20):
     return p, apply, batch
 
 
-DICT_MODELS = {"mlp": mlp_model, "conv": conv_model, "attn": attn_model}
+def scan_model(rng, depth=4, d=32, per_group=3):
+    """Layers stacked per group (`w`: (per_group, d, d)) and run by `lax.scan`, a
+    `jax.checkpoint`ed body with a residual and RMS norm, and a `lax.cond` on the weights inside; the marks sit between the groups (a stage holds whole scans)."""
+    p = {"inp": (rng.normal(size=(12, d)) / np.sqrt(12)).astype(np.float32)}
+    for i in range(depth):
+        p[f"w{i}"] = (rng.normal(size=(per_group, d, d)) / np.sqrt(d)).astype(np.float32)
+        p[f"g{i}"] = np.ones((per_group, d), np.float32)
+    p["head"] = (rng.normal(size=(d, 3)) / np.sqrt(d)).astype(np.float32)
+
+    @jax.checkpoint
+    def body(h, layer):
+        w, g = layer
+        z = h @ w
+        z = jax.lax.cond(jnp.sum(w) > 0, jnp.tanh, jax.nn.silu, z)  # (per step, not per row)
+        h = h + z
+        return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * g, None
+
+    def apply(p, batch, mark):
+        h = batch["x"] @ p["inp"]
+        for i in range(depth):
+            h, _ = jax.lax.scan(body, h, (p[f"w{i}"], p[f"g{i}"]))
+            h = mark(h, i, depth)
+        return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
+
+    batch = lambda r: {
+        "x": r.normal(size=(B, 12)).astype(np.float32),
+        "y": r.normal(size=(B, 3)).astype(np.float32),
+    }
+    return p, apply, batch
+
+
+class LinenBlock(linen.Module):
+    width: int
+
+    @linen.compact
+    def __call__(self, h):
+        h = linen.Dense(self.width)(h)
+        h = linen.LayerNorm()(h)
+        return jax.nn.relu(h)
+
+
+class LinenNet(linen.Module):
+    """A Flax Linen MLP; `mark(h, i, depth)` after each block (a static callable field)."""
+
+    mark: Any
+    depth: int = 4
+
+    @linen.compact
+    def __call__(self, x):
+        h = x
+        for i in range(self.depth):
+            h = LinenBlock(24 if i % 2 else 40)(h)
+            h = self.mark(h, i, self.depth)
+        return linen.Dense(4)(h)
+
+
+def linen_model(rng, depth=4):
+    init = LinenNet(lambda h, i, depth: h, depth).init(
+        jax.random.key(int(rng.integers(1 << 30))), jnp.zeros((1, 10), jnp.float32)
+    )
+    p = jax.tree.map(np.asarray, init["params"])
+
+    def apply(p, batch, mark):
+        out = LinenNet(mark, depth).apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
+
+    batch = lambda r: {
+        "x": r.normal(size=(B, 10)).astype(np.float32),
+        "y": r.integers(0, 4, size=(B,)).astype(np.int32),
+    }
+    return p, apply, batch
+
+
+DICT_MODELS = {
+    "mlp": mlp_model,
+    "conv": conv_model,
+    "attn": attn_model,
+    "scan": scan_model,
+    "linen": linen_model,
+}
 
 
 def dict_steps(model, tx, marking):
@@ -284,7 +366,7 @@ SCHEDULES = [
 ]
 SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2)]
 OPTS = ["sgd", "momentum", "adam", "adamw_clip", "lion", "adafactor", "rmsprop"]
-MODELS = ["mlp", "conv", "attn", "nnx", "eqx"]
+MODELS = ["mlp", "conv", "attn", "scan", "linen", "nnx", "eqx"]
 
 
 def leaves(tree):
@@ -394,10 +476,14 @@ def main():
     parser.add_argument(
         "--explicit", action="store_true", help="draw mesh_axis_types='explicit' in 1 of 3 cases"
     )
+    parser.add_argument("--models", nargs="+", choices=MODELS, help="draw only these models")
     args = parser.parse_args()
     BACKEND, EXPLICIT = args.backend, args.explicit
+    if args.models:
+        MODELS[:] = args.models
     if BACKEND == "ray":
-        MODELS.remove("eqx")
+        if "eqx" in MODELS:
+            MODELS.remove("eqx")
         jr.init(backend="ray", num_hosts=4, devices_per_host=2, timeout_s=60)
     cases = []
     for i in range(args.cases):

@@ -1,9 +1,14 @@
-"""Trees that travel to other processes (the Ray hosts) by their leaves' positions: pickled
-here, loaded there with an error that names a module the host cannot import, and checked for
-a class that flattens differently there (one that travelled by value)."""
+"""What travels to other processes (the Ray hosts) pickled: a step and its arguments' structure
+(`dumps`, which sends JAX's module-level caches by reference), and trees by their leaves'
+positions (`dump_numbered`: loaded there with an error that names a module the host cannot
+import, and checked for a class that flattens differently there, one that travelled by
+value)."""
 
 from __future__ import annotations
 
+import importlib
+import io
+import sys
 from typing import Any
 
 import jax
@@ -19,15 +24,63 @@ BY_VALUE_FIX = (
 )
 
 
+# [Note: JAX's caches travel by reference]
+# A function wrapped by `jax.checkpoint` (`jax.remat`) is a closure of JAX's whose globals include
+# module-level caches (`WeakrefLRUCache`, a C++ object that does not pickle). A step that calls
+# one, or a model built with one, travels to the hosts by value (a script's, or the step's own
+# module's), and cloudpickle then failed on the cache ("cannot pickle 'WeakrefLRUCache'").
+# `dumps` sends such an object as its module and name instead; every host imports JAX itself.
+_BY_REFERENCE = {"WeakrefLRUCache"}
+_where: dict[int, tuple[str, str]] = {}  # id -> (module, attribute) of JAX's module-level caches
+
+
+def _locate(obj: Any) -> tuple[str, str] | None:
+    """The JAX module and attribute that hold `obj`, if any (the modules are scanned again when
+    one is not found: JAX imports some lazily)."""
+    if id(obj) not in _where:
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] not in ("jax", "jaxlib", "flax", "equinox", "optax"):
+                continue
+            for attr, value in list(vars(module).items()):
+                if type(value).__name__ in _BY_REFERENCE:
+                    _where.setdefault(id(value), (name, attr))
+    where = _where.get(id(obj))
+    if where is None:
+        return None
+    module, attr = where
+    return where if getattr(sys.modules.get(module), attr, None) is obj else None
+
+
+def attribute(module: str, name: str) -> Any:
+    """`module.name`, imported here (how `dumps` sends a JAX cache)."""
+    return getattr(importlib.import_module(module), name)
+
+
+def dumps(obj: Any) -> bytes:
+    """`obj` pickled for a host by cloudpickle, JAX's module-level caches by reference (see
+    [Note: JAX's caches travel by reference])."""
+    from ray import cloudpickle
+
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, value: Any) -> Any:
+            if type(value).__name__ in _BY_REFERENCE:
+                where = _locate(value)
+                if where is not None:
+                    return attribute, where
+            return super().reducer_override(value)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def dump_numbered(tree: Any) -> bytes:
     """`tree`'s structure pickled for a host, with each leaf's position as its value and the
     count (`load_numbered` checks them there): classes of importable modules go by reference,
     the script's by value."""
-    from ray import cloudpickle
-
     treedef = jax.tree_util.tree_structure(tree)
     numbered = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-    return cloudpickle.dumps((numbered, treedef.num_leaves))
+    return dumps((numbered, treedef.num_leaves))
 
 
 def load_numbered(data: bytes, what: str) -> tuple[list[int], Any]:

@@ -675,6 +675,59 @@ def test_restoring_an_equinox_class_that_travels_by_value_on_ray_is_named_with_t
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
+@jax.checkpoint
+def remat_block(h, w):
+    """A scanned layer wrapped by `jax.checkpoint` at module level: a closure of JAX's whose
+    globals hold JAX's module-level caches, which do not pickle."""
+    return jnp.tanh(h @ w), None
+
+
+def scanned_loss(params, batch):
+    h, _ = jax.lax.scan(remat_block, batch["x"], params["first"])
+    h = jr.stage_boundary(h)
+    h, _ = jax.lax.scan(remat_block, h, params["second"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+@pytest.mark.ray
+def test_a_step_calling_a_module_level_checkpointed_function_runs_on_ray(ray_runtime):
+    """This module travels to the hosts by value, and with it `remat_block`: cloudpickle failed
+    on JAX's caches it references ("cannot pickle 'WeakrefLRUCache'"); they now travel by
+    reference (see [Note: JAX's caches travel by reference] in `jaxreshard/_tree_wire.py`)."""
+    import optax
+
+    rng = np.random.default_rng(3)
+    params = {k: (rng.normal(size=(3, 8, 8)) / 3).astype(np.float32) for k in ("first", "second")}
+    batches = [
+        {"x": rng.normal(size=(ROWS, 8)).astype(np.float32),
+         "y": rng.normal(size=(ROWS, 8)).astype(np.float32)}
+        for _ in range(2)
+    ]  # fmt: skip
+    tx = optax.adam(1e-2)
+
+    def step(value_and_grad):
+        def one(params, opt_state, batch):
+            loss, grads = value_and_grad(scanned_loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return one
+
+    state = (params, tx.init(params))
+    want = run(jax.jit(step(jax.value_and_grad)), state, batches)
+    got = run(
+        jr.parallelize(step(jr.value_and_grad), config=config(backend="ray"), batch_argnums=2),
+        state,
+        batches,
+    )
+    fetched = jax.tree.map(
+        lambda x: x.fetch() if isinstance(x, jr.RemoteArray) else x,
+        got,
+        is_leaf=lambda x: isinstance(x, jr.RemoteArray),
+    )
+    assert_same(fetched, want)
+
+
 @pytest.mark.ray
 def test_nnx_dropout_training_and_eval_on_the_ray_runtime(ray_runtime):
     model = NNXLM(rngs=nnx.Rngs(0, dropout=1))

@@ -278,6 +278,8 @@ def _by_value(
     it imports travel by reference: the hosts must be able to import them."""
     from ray import cloudpickle
 
+    from jaxreshard._tree_wire import dumps
+
     name = getattr(fun, "__module__", "") or ""
     module = sys.modules.get(name)
     registered = False
@@ -294,7 +296,7 @@ def _by_value(
                 stacklevel=3,
             )
     try:
-        return cloudpickle.dumps((fun, static, tree_skeleton(in_tree, avals, static)))
+        return dumps((fun, static, tree_skeleton(in_tree, avals, static)))
     except Exception as e:
         raise TypeError(
             f"the step or one of its static (non-array) argument leaves cannot be pickled for the "

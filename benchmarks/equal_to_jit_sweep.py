@@ -3,8 +3,8 @@
 
 Each case draws a model (plain-JAX MLP with layer norm and `jax.checkpoint`, a convolutional
 net, a small attention LM with a tied embedding, layer groups stacked and run by `lax.scan`
-(with `jax.checkpoint` and `lax.cond` in the body), a Flax Linen MLP, a Flax NNX net, an Equinox
-net), an optimizer
+(with `jax.checkpoint` and `lax.cond` in the body), a Flax Linen MLP, Linen's `nn.scan` over
+`nn.remat` blocks, a Flax NNX net, an Equinox net), an optimizer
 (SGD, Nesterov momentum, Adam, AdamW with global-norm clipping, Lion, Adafactor, RMSprop), a
 schedule (every one, with and without weight delay, virtual stages), 2-4 stages, a stage mesh
 over `data, model`, 1-4 micro-batches, how the cuts are made (`jr.stage_boundary`, `cuts=`,
@@ -150,7 +150,8 @@ def attn_model(rng, depth=3, d=32, T=8, vocab=20):
 
 def scan_model(rng, depth=4, d=32, per_group=3):
     """Layers stacked per group (`w`: (per_group, d, d)) and run by `lax.scan`, a
-    `jax.checkpoint`ed body with a residual and RMS norm, and a `lax.cond` on the weights inside; the marks sit between the groups (a stage holds whole scans)."""
+    `jax.checkpoint`ed body with a residual and RMS norm, and a `lax.cond` on the weights
+    inside; the marks sit between the groups (a stage holds whole scans)."""
     p = {"inp": (rng.normal(size=(12, d)) / np.sqrt(12)).astype(np.float32)}
     for i in range(depth):
         p[f"w{i}"] = (rng.normal(size=(per_group, d, d)) / np.sqrt(d)).astype(np.float32)
@@ -204,14 +205,43 @@ class LinenNet(linen.Module):
         return linen.Dense(4)(h)
 
 
-def linen_model(rng, depth=4):
-    init = LinenNet(lambda h, i, depth: h, depth).init(
+class LinenScanBlock(linen.Module):
+    @linen.compact
+    def __call__(self, h, _):
+        h = h + linen.Dense(h.shape[-1])(linen.LayerNorm()(h))
+        return jax.nn.gelu(h), None
+
+
+class LinenScanNet(linen.Module):
+    """Linen's lifted transforms: each group is `nn.scan` over 2 `nn.remat` blocks (parameters
+    stacked by the scan), with `mark(h, i, depth)` between the groups."""
+
+    mark: Any
+    depth: int = 4
+
+    @linen.compact
+    def __call__(self, x):
+        h = linen.Dense(24)(x)
+        for i in range(self.depth):
+            stack = linen.scan(
+                linen.remat(LinenScanBlock),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=2,
+            )
+            h, _ = stack(name=f"stack{i}")(h, None)
+            h = self.mark(h, i, self.depth)
+        return linen.Dense(4)(h)
+
+
+def linen_model(rng, depth=4, net=LinenNet):
+    init = net(lambda h, i, depth: h, depth).init(
         jax.random.key(int(rng.integers(1 << 30))), jnp.zeros((1, 10), jnp.float32)
     )
     p = jax.tree.map(np.asarray, init["params"])
 
     def apply(p, batch, mark):
-        out = LinenNet(mark, depth).apply({"params": p}, batch["x"])
+        out = net(mark, depth).apply({"params": p}, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
 
     batch = lambda r: {
@@ -227,6 +257,7 @@ DICT_MODELS = {
     "attn": attn_model,
     "scan": scan_model,
     "linen": linen_model,
+    "linen_scan": lambda rng: linen_model(rng, net=LinenScanNet),
 }
 
 
@@ -366,7 +397,7 @@ SCHEDULES = [
 ]
 SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2)]
 OPTS = ["sgd", "momentum", "adam", "adamw_clip", "lion", "adafactor", "rmsprop"]
-MODELS = ["mlp", "conv", "attn", "scan", "linen", "nnx", "eqx"]
+MODELS = ["mlp", "conv", "attn", "scan", "linen", "linen_scan", "nnx", "eqx"]
 
 
 def leaves(tree):

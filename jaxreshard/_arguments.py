@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxreshard._jax_compat import axis_type_names
+from jaxreshard._jax_compat import axis_type_names, plain_array_types
 from jaxreshard.comm._layout import normalized_spec
 from jaxreshard.frontend._trace import is_array
 from jaxreshard.runtime.step._specs import batch_spec, spec_of, transplant_spec
@@ -148,6 +148,25 @@ def _normalized_leaf_spec(sharding: Any, unit_axes: frozenset[str]) -> tuple[Any
     sizes = dict(getattr(mesh, "shape", None) or {})
     ones = {a: 1 for a in unit_axes if sizes.get(a) == 1}
     return normalized_spec(spec_of(sharding), ones)
+
+
+def signature(leaves: Sequence[Any], unit_axes: frozenset[str]) -> tuple[list[Any], list[Any]]:
+    """Each leaf's part of a compiled step's key (`_leaf_key` for an array, the value for a
+    static leaf), and the array leaves: one pass, asked at every call."""
+    key: list[Any] = []
+    arrays: list[Any] = []
+    plain = _PLAIN_ARRAYS
+    for x in leaves:
+        if type(x) in plain or is_array(x):
+            sharding = getattr(x, "sharding", None)
+            key.append((x.shape, x.dtype, _normalized_leaf_spec(sharding, unit_axes)))
+            arrays.append(x)
+        else:
+            key.append((_STATIC, x))
+    return key, arrays
+
+
+_PLAIN_ARRAYS = plain_array_types()
 
 
 def _leaf_key(x: Any, unit_axes: frozenset[str] = frozenset()) -> tuple[Any, ...]:

@@ -405,3 +405,11 @@ def _indivisible_error() -> type[Exception]:
 # What jax >= 0.12 raises while compiling when it reads an output sharding XLA chose against the
 # trace's abstract mesh of another shape (see `StageCompiler.executable`).
 IndivisibleError = _indivisible_error()
+
+
+def plain_array_types() -> frozenset[type]:
+    """The types whose leaves are arrays for sure: JAX's array (its `jax.Array` check is an
+    abstract-class test, slow to ask at every leaf of every call) and numpy's."""
+    from jax._src.array import ArrayImpl
+
+    return frozenset({ArrayImpl, np.ndarray})

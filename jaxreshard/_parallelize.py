@@ -22,10 +22,10 @@ from jaxreshard._arguments import (
     _check_mesh_list,
     _hashable,
     _jax_dtype,
-    _leaf_key,
     _leaf_paths,
     likely_batch_argnum,
     mesh_axis_types,
+    signature,
     typed_specs,
 )
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
@@ -172,9 +172,9 @@ class Parallelized:
         signature seen before costs a flatten and a cache lookup (the checks ran when the
         signature was new). Leaves that are not arrays are static (see [Note: static leaves])."""
         leaves, in_tree = jax.tree.flatten(args)
-        unit = self._unit_axes
+        signed, arrays = signature(leaves, self._unit_axes)
         try:
-            key = (in_tree, *(_leaf_key(x, unit) if is_array(x) else (_STATIC, x) for x in leaves))
+            key = (in_tree, *signed)
             entry = self._cache.get(key)
             if entry is not None and getattr(entry.pipeline, "closed", False):
                 entry = None  # closed by `close` or `jaxreshard.shutdown()`: compile again
@@ -186,7 +186,6 @@ class Parallelized:
                 "static (as eqx.filter_jit does) and needs to hash them: pass it as an array, "
                 "make it hashable, or close over it in the step"
             ) from None
-        arrays = [x for x in leaves if is_array(x)]
         if entry is not None:
             self._cache.move_to_end(key)  # (the least recently used goes first: `_remember`)
             return entry, arrays

@@ -118,7 +118,7 @@ def test_axes_of_one_device_shard_like_none():
     """On a mesh whose "data" axis has one device, `P("data")` is `P()`: XLA reports the step's
     outputs so, and a held parameter placed with `P("data")` must still match (no re-upload,
     and `parallelize` must not compile the step a second time for its own outputs)."""
-    from jaxreshard._parallelize import _leaf_key
+    from jaxreshard._arguments import _leaf_key, signature
 
     mesh = VirtualMesh.from_ids((1, 2), ("data", "model"), [0, 1])
     for a, b in [(P("data"), P()), (P("data", "model"), P(None, "model")),
@@ -137,3 +137,8 @@ def test_axes_of_one_device_shard_like_none():
     # 'data' has one device on the leaf's mesh but more on a stage mesh: the step would shard
     # over it, so the spec keeps it (a different compile, not a shared one).
     assert _leaf_key(arrays[P("data")]) != _leaf_key(arrays[P()])
+    # The per-call key (one pass over the leaves) is the same key, host arrays and statics too.
+    leaves = [*arrays.values(), x, 3, "s"]
+    signed, found = signature(leaves, frozenset({"data"}))
+    assert signed[: len(arrays) + 1] == [_leaf_key(a, frozenset({"data"})) for a in leaves[:-2]]
+    assert [k[1] for k in signed[-2:]] == [3, "s"] and found == leaves[:-2]

@@ -202,6 +202,10 @@ class PipelineDriver:
             for h, ss in self._stages_of.items()
         }
         self._index = index
+        # Parameters the loss does not read (their gradients are zeros), and each gradient
+        # output's parameter: asked for every gradient of every step.
+        self._unused = frozenset(k for k in range(len(g.params)) if not g.loss.users(PARAM, k))
+        self._grad_of = {v: k for k, v in enumerate(g.grad_outputs[1:])}
 
     def wait(self) -> None:
         """Wait until every step run so far has finished; raise a failure among them."""
@@ -326,7 +330,7 @@ class PipelineDriver:
             grad = results[lead[owner]].grads.get(k)
             if grad is not None:
                 values[v] = grad
-            elif not g.loss.users(PARAM, k):  # the loss does not use this parameter
+            elif k in self._unused:  # the loss does not use this parameter
                 values[v] = hosts.zeros(g.outer.in_avals[g.params[k]], params[k])
             # (else a fused optimizer, or a segment on its hosts, used it up)
         for s, j in self.fused.items():
@@ -355,8 +359,7 @@ class PipelineDriver:
         input is there, or travels with the call: no round trip through the driver, and hosts
         run theirs at once), with their inputs; and which the driver runs after the step, in
         order."""
-        g, hosts = self.graph, self.processes
-        grad_of = {v: k for k, v in enumerate(g.grad_outputs[1:])}
+        g, hosts, grad_of = self.graph, self.processes, self._grad_of
         made_on: dict[Any, tuple[tuple[int, ...], tuple[str, Any]]] = {}  # var -> (hosts, item)
         on_host: list[tuple[int, list[Any]]] = []
         on_driver: list[int] = []
@@ -377,7 +380,7 @@ class PipelineDriver:
                 if v in made_on:
                     where, item = made_on[v]
                     ok = where == here
-                elif v in grad_of and not g.loss.users(PARAM, grad_of[v]):  # unused: zeros
+                elif v in grad_of and grad_of[v] in self._unused:  # unused: zeros
                     item = hosts.ref(np.zeros(v.aval.shape, v.aval.dtype), here)
                     ok = item is not NOT_THERE
                 elif v in grad_of and g.owner[grad_of[v]] not in self.fused:

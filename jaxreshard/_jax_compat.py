@@ -256,9 +256,6 @@ def bind_equation(eqn: Any, values: Sequence[Any], mesh: Any = None) -> list[Any
     """Bind `eqn`'s primitive to `values` as `jax.core.eval_jaxpr` does (its source location
     and context kept); return the outputs as a list. `mesh`: an abstract mesh to trace under,
     over the one the equation's context names (newer JAX keeps the step's mesh there)."""
-    import contextlib
-
-    import jax
     from jax._src import source_info_util
 
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -267,7 +264,7 @@ def bind_equation(eqn: Any, values: Sequence[Any], mesh: Any = None) -> list[Any
         subfuns, params = params
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     traceback = eqn.source_info.traceback
-    typed = contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
+    typed = on_abstract_mesh(mesh)
     with source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager, typed:
         out = eqn.primitive.bind(*subfuns, *values, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
@@ -413,3 +410,13 @@ def plain_array_types() -> frozenset[type]:
     from jax._src.array import ArrayImpl
 
     return frozenset({ArrayImpl, np.ndarray})
+
+
+def on_abstract_mesh(mesh: Any) -> Any:
+    """A context that traces under `mesh` (an abstract mesh: typed with its axes); no change
+    for None."""
+    import contextlib
+
+    import jax
+
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -187,7 +188,8 @@ class Parallelized:
                 "make it hashable, or close over it in the step"
             ) from None
         if entry is not None:
-            self._cache.move_to_end(key)  # (the least recently used goes first: `_remember`)
+            with contextlib.suppress(KeyError):  # (dropped by another thread meanwhile)
+                self._cache.move_to_end(key)  # (the least recently used goes first)
             return entry, arrays
         for name, argnums in (
             ("batch_argnums", self.batch_argnums),

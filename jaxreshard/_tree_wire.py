@@ -30,25 +30,37 @@ BY_VALUE_FIX = (
 # one, or a model built with one, travels to the hosts by value (a script's, or the step's own
 # module's), and cloudpickle then failed on the cache ("cannot pickle 'WeakrefLRUCache'").
 # `dumps` sends such an object as its module and name instead; every host imports JAX itself.
-_BY_REFERENCE = {"WeakrefLRUCache"}
+_BY_REFERENCE = {"WeakrefLRUCache", "MultiWeakrefLRUCache"}
+_PACKAGES = ("jax", "jaxlib", "flax", "equinox", "optax")
 _where: dict[int, tuple[str, str]] = {}  # id -> (module, attribute) of JAX's module-level caches
 
 
+def _scan() -> dict[int, tuple[str, str]]:
+    where: dict[int, tuple[str, str]] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in _PACKAGES:
+            continue
+        for attr, value in list(vars(module).items()):
+            if type(value).__name__ in _BY_REFERENCE:
+                where.setdefault(id(value), (name, attr))
+    return where
+
+
 def _locate(obj: Any) -> tuple[str, str] | None:
-    """The JAX module and attribute that hold `obj`, if any (the modules are scanned again when
-    one is not found: JAX imports some lazily)."""
-    if id(obj) not in _where:
-        for name, module in list(sys.modules.items()):
-            if name.split(".")[0] not in ("jax", "jaxlib", "flax", "equinox", "optax"):
-                continue
-            for attr, value in list(vars(module).items()):
-                if type(value).__name__ in _BY_REFERENCE:
-                    _where.setdefault(id(value), (name, attr))
-    where = _where.get(id(obj))
-    if where is None:
+    """The module and attribute that hold `obj`, one of JAX's caches, if any. The modules are
+    scanned again when it is not found where it was (JAX imports some lazily; an id may be
+    reused), and the new map replaces the old whole."""
+    global _where
+
+    def found() -> tuple[str, str] | None:
+        where = _where.get(id(obj))
+        if where is not None and getattr(sys.modules.get(where[0]), where[1], None) is obj:
+            return where
         return None
-    module, attr = where
-    return where if getattr(sys.modules.get(module), attr, None) is obj else None
+
+    if found() is None:
+        _where = _scan()
+    return found()
 
 
 def attribute(module: str, name: str) -> Any:
@@ -91,12 +103,13 @@ def load_numbered(data: bytes, what: str) -> tuple[list[int], Any]:
 
     try:
         numbered, count = pickle.loads(data)
-    except ImportError as e:
+    except (ImportError, AttributeError) as e:
         missing = getattr(e, "name", None) or str(e)
         raise ValueError(
-            f"{what} names module {missing!r}, which this host cannot import; the tree's "
-            "classes travel by reference: make the module importable on every host (install "
-            "it there, or put its directory on the hosts' PYTHONPATH)"
+            f"{what} names {missing!r}, which this host cannot import ({type(e).__name__}: "
+            f"{e}); the tree's classes travel by reference: make their module importable on "
+            "every host, the same version as here (install it there, or put its directory on "
+            "the hosts' PYTHONPATH)"
         ) from e
     leaves, treedef = jax.tree_util.tree_flatten(numbered)
     if leaves != list(range(count)) or not all(type(x) is int for x in leaves):

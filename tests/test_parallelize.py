@@ -197,9 +197,15 @@ def custom_rule_step(params, batch):
 
 
 @pytest.mark.parametrize(
-    "mesh, m, weight_delay", [((2, 1), 2, False), ((1, 2), 1, True), ((1, 1), 4, False)]
+    "mesh, m, weight_delay, types",
+    [
+        ((2, 1), 2, False, "explicit"),
+        ((1, 2), 1, True, "explicit"),
+        ((1, 1), 4, False, "explicit"),
+        ((2, 2), 2, False, ("explicit", "auto")),  # (an Explicit batch axis, an Auto model one)
+    ],
 )
-def test_explicit_axes_with_custom_derivative_rules_match_jax_jit(mesh, m, weight_delay):
+def test_explicit_axes_with_custom_derivative_rules_match_jax_jit(mesh, m, weight_delay, types):
     """A custom rule's JVP was traced at the step's types (the batch over `data`): each stage
     is derived at those types, not on untyped inputs, which JAX refused ("select cases must have
     the same shardings"; see [Note: stages traced with Explicit axes])."""
@@ -208,7 +214,7 @@ def test_explicit_axes_with_custom_derivative_rules_match_jax_jit(mesh, m, weigh
         schedule="eager_1f1b",
         weight_delay=weight_delay,
         stage_mesh_shape=mesh,
-        mesh_axis_types="explicit",
+        mesh_axis_types=types,
     )
     step = jr.parallelize(custom_rule_step, config=cfg, batch_argnums=(1,))
     params, losses = run_steps(step, make_params(2), make_batch())

@@ -127,6 +127,20 @@ def _add_io(total: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]) -
             mine[k] = mine.get(k, 0) + v
 
 
+def _skeleton(treedef: Any, num_leaves: int) -> bytes:
+    """The restore target's tree pickled for the hosts (`dump_numbered`), or an error that
+    names what does not pickle."""
+    try:
+        return dump_numbered(jax.tree.unflatten(treedef, [0] * num_leaves))
+    except Exception as e:
+        raise TypeError(
+            f"restore_checkpoint: the target's tree cannot be pickled for the Ray hosts, which "
+            f"read an Orbax checkpoint with it ({type(e).__name__}: {e}); make its classes and "
+            "static fields picklable, or restore into a plain tree (a dict of its leaves) and "
+            "rebuild the model from it"
+        ) from e
+
+
 def read_remote(
     directory: Path,
     index: Index,
@@ -152,7 +166,7 @@ def read_remote(
     # (LeafPlace, new array id).
     calls: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}  # (host, its group) -> ...
     out: dict[int, Any] = {}
-    whole_skeleton = dump_numbered(jax.tree.unflatten(treedef, [0] * len(structs)))
+    whole_skeleton: bytes | None = None  # (the user's tree: pickled once, if read whole)
     parts: dict[str, tuple[bytes, dict[str, int]]] = {}  # part -> (skeleton, positions)
     for i in wanted:
         s = structs[i]
@@ -161,12 +175,14 @@ def read_remote(
         array_id = runtime._new_id("restore")
         place = _place(Index.key_of(n), array_id, s.shape, s.dtype, s.sharding)
         if index.layout == "orbax":
+            if whole_skeleton is None:
+                whole_skeleton = _skeleton(treedef, len(structs))
             source, skeleton, position = ".", whole_skeleton, i
         else:
             part = str(record.part)
             if part not in parts:
                 keys = sorted(index.part_keys(part))  # (a dict flattens in sorted key order)
-                positions = {k: n for n, k in enumerate(keys)}
+                positions = {k: at for at, k in enumerate(keys)}
                 parts[part] = (dump_numbered(dict.fromkeys(keys, 0)), positions)
             source = f"{PARTS}/{record.part}"
             skeleton, position = parts[part][0], parts[part][1][place.key]

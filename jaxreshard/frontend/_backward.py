@@ -17,7 +17,6 @@ A stage's aux outputs (`Ref(OUT)`) are returned by its forward but not different
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +25,7 @@ import jax
 import numpy as np
 from jax.extend import core as jc
 
-from jaxreshard._jax_compat import new_jaxpr
+from jaxreshard._jax_compat import new_jaxpr, on_abstract_mesh
 from jaxreshard.frontend._split import ACT, BATCH, OUT, PARAM, Stage
 from jaxreshard.frontend._typed_eval import typed_eval
 
@@ -144,6 +143,10 @@ def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[
     the one it returns unchanged, else None (see [Note: residuals kept by reference]): one
     trace."""
     closed, (outs, residuals) = jax.make_jaxpr(fn, return_shape=True)(*structs)
+    # (JAX returns no sharding in the shapes of a trace on a mesh of Explicit and Auto axes; the
+    # types are in the jaxpr's output avals)
+    typed = [_typed(x, a) for x, a in zip([*outs, *residuals], closed.out_avals)]
+    outs, residuals = typed[: len(outs)], typed[len(outs) :]
     position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
     forwarded = tuple(
         position.get(v) if isinstance(v, jc.Var) else None
@@ -152,18 +155,31 @@ def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[
     return (outs, residuals), forwarded
 
 
+def _typed(struct: Any, aval: Any) -> Any:
+    """`struct` with `aval`'s sharding, where it has none and the aval is typed on a mesh with
+    an Explicit axis."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = mesh is not None and not mesh.empty
+    if getattr(struct, "sharding", None) is not None or not explicit:
+        return struct
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return struct
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=sharding)
+
+
 def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
     """Each residual of the stage's forward: its aval, and the stage input it is (kept by
     reference, see [Note: residuals kept by reference]), or None for a value the forward
     computes."""
     diff = _diff(stage)
-    mesh, shardings = explicit_types(stage)
+    mesh, shardings = _explicit_types(stage)
 
     def fn(*inputs: Any) -> tuple[list[Any], list[Any]]:
         outputs, leaves, _ = _forward(stage, diff, inputs)
         return outputs, leaves
 
-    with _typing(mesh):
+    with on_abstract_mesh(mesh):
         (_, residuals), forwarded = traced_with_forwarding(fn, _structs(stage, shardings))
     return list(zip(residuals, _by_reference(stage, forwarded)))
 
@@ -174,11 +190,11 @@ def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
 # JVP holds a zero typed like its input. A stage derived from its jaxpr on untyped inputs meets
 # that zero with an untyped tangent, and JAX refuses the `select` ("select cases must have the
 # same shardings"; a cotangent's type assertion elsewhere). So a stage's backward is derived at
-# the types its jaxpr was traced with, under the trace's abstract mesh (`explicit_types`); the
+# the types its jaxpr was traced with, under the trace's abstract mesh (`_explicit_types`); the
 # executables are then compiled on the stage's own mesh of the same shape and axes.
 
 
-def explicit_types(stage: Stage) -> tuple[Any, list[Any] | None]:
+def _explicit_types(stage: Stage) -> tuple[Any, list[Any] | None]:
     """The abstract mesh and input shardings `stage` was traced with, if any of its mesh's axes
     is Explicit; else (None, None) (see [Note: stages traced with Explicit axes])."""
     shardings = [getattr(a, "sharding", None) for a in stage.jaxpr.in_avals]
@@ -190,11 +206,8 @@ def explicit_types(stage: Stage) -> tuple[Any, list[Any] | None]:
     return None, None
 
 
-def _typing(mesh: Any) -> Any:
-    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
-
-
 def _structs(stage: Stage, shardings: Sequence[Any] | None) -> list[Any]:
+    """The stage's inputs as `ShapeDtypeStruct`s, typed with `shardings` where given."""
     shardings = shardings or [None] * len(stage.jaxpr.in_avals)
     return [
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
@@ -254,8 +267,8 @@ def derive_backward(
 
     mesh = None
     if in_shardings is None:  # (see [Note: stages traced with Explicit axes])
-        mesh, in_shardings = explicit_types(stage)
-    with _typing(mesh):
+        mesh, in_shardings = _explicit_types(stage)
+    with on_abstract_mesh(mesh):
         (out_structs, residual_structs), forwarded = traced_with_forwarding(
             traced_forward, _structs(stage, in_shardings)
         )
@@ -279,7 +292,7 @@ def derive_backward(
         ]
     else:  # the outputs' types, their shardings included (the cotangents come with them)
         ct_structs = [out_structs[kept.index(i)] for i in float_outputs]
-    with _typing(mesh):
+    with on_abstract_mesh(mesh):
         full = jax.make_jaxpr(backward)(*residuals, *ct_structs)
     act_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == ACT)
     param_grads = tuple(k for k, i in enumerate(diff) if stage.inputs[i].kind == PARAM)

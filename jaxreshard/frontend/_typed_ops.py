@@ -25,12 +25,13 @@ grouped convolution with a split weight) is left to JAX, whose refusal the plan 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+from jaxreshard._jax_compat import on_abstract_mesh
 
 
 def typed_spec(x: Any) -> Any:
@@ -257,8 +258,8 @@ def _traced_on(avals: Sequence[Any]) -> Any:
     for aval in avals:
         mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
         if mesh is not None and not mesh.empty:
-            return jax.sharding.use_abstract_mesh(mesh)
-    return contextlib.nullcontext()
+            return on_abstract_mesh(mesh)
+    return on_abstract_mesh(None)
 
 
 # Unary elementwise primitives (their derivative is diagonal).

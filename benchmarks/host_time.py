@@ -64,7 +64,8 @@ def measure(depth: int, m: int, stages: int, calls: int, rounds: int) -> dict[st
     tx = optax.adam(1e-3)
 
     def pipe_step(params, opt, batch):
-        value, grads = jr.value_and_grad(lambda p: loss(p, batch, jr.stage_boundary))(params)
+        cut = jr.stage_boundary if stages > 1 else (lambda h: h)
+        value, grads = jr.value_and_grad(lambda p: loss(p, batch, cut))(params)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, value
 
@@ -125,7 +126,9 @@ def in_subprocess(tree: Path, depth: int, m: int, stages: int, args: argparse.Na
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, str(HERE), "--one", f"{depth},{m},{stages}"]
     command += ["--calls", str(args.calls), "--rounds", str(args.rounds)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd="/")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} with PYTHONPATH={tree} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -91,3 +91,10 @@ def api_boundary(fn: _F) -> _F:
             _depth.value = depth
 
     return wrapper  # type: ignore[return-value]
+
+
+def error_line(e: BaseException, limit: int = 200) -> str:
+    """`e` in one line for a plan or a report: its type and its message's first line, at most
+    `limit` characters of it (a bare `assert` has no message: its type alone)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__

@@ -465,7 +465,9 @@ def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices):
 def test_an_unaligned_reshape_of_a_model_split_dimension_is_typed_by_our_rule(cpu_devices):
     """JAX refuses on an Explicit mesh a reshape that splits a model-split dimension into dims
     the split does not align with (the U-Transformer's attention: 384 channels over 2 devices
-    into 3 x 2 x 64). `reshape_unaligned` gathers that group and keeps every aligned split; the
+    into 3 x 2 x 64). `reshape_unaligned` gathers that group and splits it again on its first
+    dim the axis divides (the heads, as XLA's propagation does on the plain path: the
+    attention then runs split, not once per device whole), and keeps every aligned split; the
     values are the reshape's."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -491,7 +493,7 @@ def test_an_unaligned_reshape_of_a_model_split_dimension_is_typed_by_our_rule(cp
         out = jax.jit(lambda v: typed(v, eqn))(arg)
         jax.jit(lambda v: typed(v, aligned))(arg)
     np.testing.assert_array_equal(np.asarray(out), x.reshape(4, 4, 3, 2, 64))
-    assert specs[0] == P("data", None, None, None, None), specs
+    assert specs[0] == P("data", None, None, "model", None), specs
     assert specs[1] == P("data", None, "model", None), specs
 
 
@@ -523,3 +525,79 @@ def test_the_convolution_rule_refuses_rows_whole_over_a_reduced_axis(cpu_devices
             arg = jax.device_put(x, NamedSharding(mesh, spec))
             jax.jit(typed).lower(arg, jax.device_put(w, NamedSharding(mesh, P())))
     assert taken[0] is None and taken[1] is not None, taken
+
+
+def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_devices):
+    """Attention whose fused qkv weight is split over `model` by its last dim, reshaped to (3,
+    heads, head_dim): the reshape cannot keep that split, so it is gathered. On the plain path
+    XLA then splits the heads over `model`; the typed stage (reduced once) must too, else every
+    device computes every head (GPT `tiny` on 2 x 2 meshes ran 1.13-1.21x slower summing once).
+    The forward's attention scores come out split by heads, and the step equals jax.jit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows, seq, dim, heads = 16, 8, 16, 4
+
+    def attention(params, x):
+        qkv = (x @ params["qkv"]).reshape(x.shape[0], seq, 3, heads, dim // heads)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        scores = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / 2.0, axis=-1)
+        out = (scores @ v).transpose(0, 2, 1, 3).reshape(x.shape[0], seq, dim)
+        return x + out @ params["proj"]
+
+    def loss(params, x):
+        h = jr.stage_boundary(jnp.tanh(x @ params["w0"]))
+        return jnp.mean(attention(params, h) ** 2)
+
+    def step(params, x):
+        value, grads = jr.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w0": rng.normal(size=(dim, dim)).astype(np.float32) * 0.3,
+        "qkv": rng.normal(size=(dim, 3 * dim)).astype(np.float32) * 0.3,
+        "proj": rng.normal(size=(dim, dim)).astype(np.float32) * 0.3,
+    }
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    specs = {"w0": P(), "qkv": P(None, "model"), "proj": P("model", None)}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    x = rng.normal(size=(rows, seq, dim)).astype(np.float32)
+    config = jr.PipelineConfig(
+        backend="local",
+        num_stages=2,
+        num_micro_batches=2,
+        stage_mesh_shape=(2, 2),
+        mesh_axis_names=("data", "model"),
+    )
+    pstep = jr.parallelize(step, config=config, batch_argnums=(1,))
+    pipeline = pstep.pipeline(placed, x)
+    assert pipeline.layout.reductions[1] == ONCE, pipeline.layout.reductions
+    (got, got_loss), (want, want_loss) = pstep(placed, x), jax.jit(step)(params, x)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=2e-5)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-5, atol=1e-6)
+    second = pipeline.compiled.engine.compilers[1]
+    hlo = "\n".join(c.as_text() for (name, _), c in second._ready.items() if name == "fb")
+    # per device: 4 of 8 rows (a micro-batch over `data`), 2 of 4 heads, 8 x 8 scores
+    assert re.search(r"f32\[4,2,8,8\]", hlo), "the heads are not split over `model`"
+    assert not re.search(r"f32\[4,4,8,8\]", hlo), "every device computes every head"
+
+
+def test_a_bare_assertion_in_the_typed_trace_keeps_todays_path(cpu_devices, monkeypatch):
+    """JAX's own `assert`s carry no message (on jax 0.10.2, an `unreduced` value on a mesh of
+    mixed axis types): the stage keeps the per-micro-batch sum, the plan names the error, and
+    the step equals jax.jit (it raised an IndexError reading the empty message)."""
+    from jaxreshard.runtime.step._compile import StageCompiler
+
+    def refuse(self, *args):
+        raise AssertionError()
+
+    monkeypatch.setattr(StageCompiler, "_reduce_once", refuse)
+    config = jr.PipelineConfig(
+        backend="local", num_stages=2, num_micro_batches=4, stage_mesh_shape=(2,)
+    )
+    step, out, ref = _run(config, steps=2)
+    assert_same(*out, *ref, tol=2e-5)
+    reductions = step.pipeline(make_params(2), make_batch(ROWS)).layout.reductions
+    assert set(reductions.values()) == {"every micro-batch (JAX: AssertionError)"}, reductions

@@ -47,8 +47,8 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
 
 
 def plain(spec: P) -> P:
-    """A PartitionSpec without `reduced`/`unreduced` axes."""
-    return spec.update(reduced=frozenset(), unreduced=frozenset())
+    """A PartitionSpec without `reduced`/`unreduced` axes (nor, on jax >= 0.12, their kind)."""
+    return P(*spec.partitions)
 
 
 def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list[Any] | None:
@@ -166,7 +166,11 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     """A `reshape` JAX refuses on an Explicit mesh ("This reshape is not supported"): each
     split input dimension keeps its split on the output dimension it becomes the major part
     of, where that dimension's size divides by it; an unaligned one is gathered (the Auto
-    program moves the same data). None where `eqn` is not such a reshape."""
+    program moves the same data) and split again on the first dimension of its group that
+    divides by it, a slice of what each device holds. That is where XLA's propagation puts it
+    on the Auto mesh (a fused qkv projection split over `model`, reshaped to (3, heads,
+    head_dim): the heads); left whole, every device would compute every head. None where
+    `eqn` is not such a reshape."""
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
         return None
     (x,) = values[:1]
@@ -177,6 +181,7 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     new = tuple(eqn.params["new_sizes"])
     parts = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
     out: list[Any] = [None] * len(new)
+    moved: list[Any] = [None] * len(new)  # (splits placed after the gather)
     if 0 in shape:
         return None
     # Walk both shapes, pairing groups of dims whose products agree.
@@ -199,9 +204,16 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
             size = _axes_size(entry)
             if new[gj[0]] % size == 0 and (len(gi) == 1 or len(gj) == 1):
                 out[gj[0]] = entry
+            elif len(gi) == 1:  # (gathered, then split again where it divides)
+                for d in (d for d in gj if new[d] % size == 0):
+                    moved[d] = entry
+                    break
         i += 1
         j += 1
-    return [jax.lax.reshape(x, new, out_sharding=P(*out))]
+    y = jax.lax.reshape(x, new, out_sharding=P(*out))
+    if any(e is not None for e in moved):
+        y = jax.reshard(y, P(*[o if m is None else m for o, m in zip(out, moved)]))
+    return [y]
 
 
 def _axes_size(entry: Any) -> int:

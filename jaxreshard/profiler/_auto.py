@@ -50,6 +50,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.profiler._auto_memory import LayoutMemory, memory_point
 from jaxreshard.profiler._compare import (
@@ -107,7 +108,7 @@ def auto_search(
             except Exception as e:  # (a mesh the model does not shard on, say)
                 if type(e).__name__ == "RuntimeBroken":  # (a host died: nothing more can run)
                     raise
-                entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                entry["error"] = error_line(e, 300)
                 if console is not None:
                     console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
                 if i == 0:  # the configured layout must build
@@ -262,7 +263,7 @@ def _calibrate(
             except Exception as e:  # (a model the estimate cannot trace): no memory check
                 points = None
                 if console is not None:
-                    why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    why = error_line(e)
                     console.print(f"no memory estimate for meshes {_layout_text(cpc)}: {why}")
         del session
     return measured, LayoutMemory(points) if points else None, chosen

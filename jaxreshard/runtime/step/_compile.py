@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxreshard._jax_compat import IndivisibleError, named_sharding_on
+from jaxreshard._tracebacks import error_line
 from jaxreshard.frontend._backward import StageBackward, derive_backward
 from jaxreshard.frontend._split import PARAM, StepGraph
 from jaxreshard.frontend._typed_ops import plain
@@ -144,7 +145,7 @@ class StageCompiler(StageSpecs, StageFunctions):
                 self._reduce_once(axes, params, input_specs)
             except Exception as e:  # JAX refused the typed trace: today's path
                 self._use(self._plain_bw, self.mesh, (), frozenset(), input_specs)
-                axes, why = (), f"JAX: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                axes, why = (), f"JAX: {error_line(e)}"
         kept = len(self.acc_params) - len(params) if axes else 0
         self.reduction = describe(axes, why, kept)
         return self.reduction

@@ -156,9 +156,12 @@ def test_a_failed_ray_step_cancels_the_next_and_surfaces_later(ray_runtime, file
             step(params, batch)
     assert "stage 1" in str(info.value)
     fail.unlink()
+    # (or it failed on its own: with two steps in flight, stage 1's host may have started its
+    # forward beside the held one's, and its callback then raised too)
     cancelled_or_stopped = (
         r"did not run|was cancelled: step .* failed before"
         r"|stopped: step .*, called before it, failed"
+        r"|the data source broke \(during running step"
     )
     with pytest.raises(PipelineError, match=cancelled_or_stopped):
         float(cancelled[1])

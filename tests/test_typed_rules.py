@@ -490,3 +490,82 @@ def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices,
         assert reductions == {0: ONCE, 1: ONCE}, reductions
     out = run_steps(step, params(), make_batch(16), 3)
     assert_same(*out, *run_steps(jax.jit(make_step()), params(), make_batch(16), 3), tol=2e-5)
+
+
+def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devices):
+    """Flax NNX's own layers laid out Megatron-style on two 2 x 2 stages (attention kernels
+    split by heads, the output projection by its input heads, the MLP column- then
+    row-parallel): its `LayerNorm` multiplies a (rows, 1) statistic by a (1, features) scale
+    (both operands broadcast), and `Linear` reshapes its bias to (1, 1, features) to add it.
+    JAX refused both beside `reduced` weights ("cannot be sharded/varying on the same axes
+    that another input is reduced on"; "Using *pspec is dangerous"), so both stages fell
+    back. Both now sum once, and three SGD steps equal jax.jit (not Adam: the attention key
+    bias has a gradient of rounding noise only, which Adam makes a step; docs/models.md)."""
+    nnx = pytest.importorskip("flax.nnx")
+    import optax
+    from jax.sharding import PartitionSpec as P
+    from test_libraries import VOCAB, assert_same, config, run, three_batches
+
+    import jaxreshard as jr
+
+    dim, heads = 16, 2
+
+    class Block(nnx.Module):
+        def __init__(self, *, rngs):
+            self.ln = nnx.LayerNorm(dim, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(
+                num_heads=heads, in_features=dim, decode=False, rngs=rngs
+            )
+            self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+            self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.ln(x))
+            return x + self.down(nnx.gelu(self.up(x)))
+
+    class LM(nnx.Module):
+        def __init__(self, *, rngs):
+            self.embed = nnx.Embed(VOCAB, dim, rngs=rngs)
+            self.first, self.second = Block(rngs=rngs), Block(rngs=rngs)
+            self.head = nnx.Linear(dim, VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            h = self.first(self.embed(tokens))
+            return self.head(self.second(jr.stage_boundary(h)))
+
+    graphdef, params = nnx.split(LM(rngs=nnx.Rngs(0)), nnx.Param)
+
+    def spec(path, x):
+        names = [str(k.key) for k in path if hasattr(k, "key")]
+        layer, kind = names[-2], names[-1]
+        if layer in ("query", "key", "value"):
+            return P(None, "model", None) if kind == "kernel" else P("model", None)
+        if layer == "out" and kind == "kernel":
+            return P("model", None, None)
+        if layer == "up":
+            return P(None, "model") if kind == "kernel" else P("model")
+        if layer == "down" and kind == "kernel":
+            return P("model", None)
+        return P()
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    placed = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path, x))), params
+    )
+    tx = optax.sgd(0.1)
+
+    def train(params, opt_state, batch):
+        def loss_fn(params):
+            logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
+            labels = batch["tokens"][:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
+    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
+    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    got = run(step, (placed, tx.init(placed)), three_batches())
+    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))

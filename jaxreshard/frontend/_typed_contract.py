@@ -24,7 +24,10 @@ program computes, laid out as it would be:
   as JAX's: `clip` and a promise of bounds clamp first (XLA clamps a gather's start index),
   `fill` fills after the sum, and only `clip` sends their gradient to a row (JAX's scatter
   drops the others). Splits over several axes must match in order, not only as sets;
-- a reshape that is not aligned with its input's splits (`reshape_unaligned`).
+- a reshape that is not aligned with its input's splits (`reshape_unaligned`);
+- a reshape that adds size-1 dims to a `reduced` parameter (Flax's `Linear` bias, shaped to
+  add over the batch dims), whose spec JAX's rule reads as a plain one and fails on
+  (`reshape_of_reduced`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jaxreshard.frontend._typed_ops import (
     _mesh_size,
     _varying,
     plain,
+    reshape_of_reduced,
     reshape_unaligned,
     typed_spec,
 )
@@ -336,6 +340,8 @@ def on_refusal(eqn: Any, values: Sequence[Any], error: Exception) -> list[Any] |
     text = str(error)
     if "reshape is not supported" in text:
         return reshape_unaligned(eqn, values)
+    if "Using *pspec is dangerous" in text and eqn.primitive.name == "reshape":
+        return reshape_of_reduced(eqn, values)
     if "Contracting dimensions are sharded" in text:
         return dot_contracting_split(eqn, values)
     if eqn.primitive.name == "gather":

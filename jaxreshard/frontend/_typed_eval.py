@@ -30,9 +30,12 @@ def _split_over(spec: Any) -> set[str]:
     return {a for e in spec.partitions for a in ((e,) if isinstance(e, str) else e or ())}
 
 
-def _broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
-    """Whether an elementwise op broadcasts `shape` to `target` (same rank, 1s widen)."""
-    return len(shape) == len(target) and all(a in (b, 1) for a, b in zip(shape, target))
+def _broadcast_shape(shape: Sequence[int], other: Sequence[int]) -> tuple[int, ...] | None:
+    """The shape an elementwise op broadcasts `shape` and `other` to (same rank, 1s widen on
+    either side: a layer norm's (rows, 1) statistic times its (1, features) scale), or None."""
+    if len(shape) != len(other) or any(a != b and 1 not in (a, b) for a, b in zip(shape, other)):
+        return None
+    return tuple(max(a, b) for a, b in zip(shape, other))
 
 
 # The n-ary elementwise primitives, whose operands broadcast against each other (`_reconciled`
@@ -64,9 +67,9 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
                     f"an operand reduced over {sorted(spec.reduced)} meets one split over "
                     f"{sorted(_split_over(other))} only"
                 )
-            target = jax.typeof(u).shape
-            if _broadcasts(shape, target):
-                wide = v if shape == target else jax.numpy.broadcast_to(v, target)
+            target = _broadcast_shape(shape, jax.typeof(u).shape)
+            if target is not None:  # (the split operand's dims are the result's where split)
+                wide = v if tuple(shape) == target else jax.numpy.broadcast_to(v, target)
                 out[i] = jax.reshard(wide, plain(other))
                 break
     kept = [

@@ -216,6 +216,27 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     return [y]
 
 
+def reshape_of_reduced(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
+    """A `reshape` that only adds or drops size-1 dims of an operand typed `reduced` or
+    `unreduced` (Flax's `Linear` shapes its bias so, to add it over the batch dims): JAX's
+    rule reads such a spec as a plain one and fails ("Using *pspec is dangerous", jax 0.10.2).
+    Each dim keeps its split, and the value keeps its type. None for any other equation."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return None
+    (x,) = values[:1]
+    spec = typed_spec(x)
+    if spec is None or not (spec.reduced or spec.unreduced):
+        return None
+    shape, new = tuple(jax.typeof(x).shape), tuple(eqn.params["new_sizes"])
+    if [n for n in shape if n != 1] != [n for n in new if n != 1]:
+        return None
+    parts = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
+    kept = iter(p for n, p in zip(shape, parts) if n != 1)
+    out = [None if n == 1 else next(kept) for n in new]
+    typed = P(*out, reduced=spec.reduced, unreduced=spec.unreduced)
+    return [jax.lax.reshape(x, new, out_sharding=typed)]
+
+
 def _axes_size(entry: Any) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     size = 1

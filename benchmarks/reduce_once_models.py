@@ -6,6 +6,10 @@ tensor-parallel (layouts nobody tuned for this).
   `data, model`, 1F1B, Adam.
 - `utransformer`: the U-Transformer `tiny` with its tensor-parallel weights, 2 stages on (2, 2)
   and (4, 1) meshes, ZB-H1, SGD.
+- `nnx`: a GPT built from Flax NNX's own layers (`nnx.Embed`, `nnx.MultiHeadAttention`,
+  `nnx.LayerNorm`, `nnx.Linear`; 4 blocks, width 64, 4 heads), its kernels laid out
+  Megatron-style (attention split by heads, the MLP column- then row-parallel), 2 stages on
+  2 x 2 meshes, 1F1B, Adam.
 
 Each with `PipelineConfig(reduce_gradients="once")` and `"every_micro_batch"`, 4 micro-batches
 of 4 rows, local runtime, 8 fake CPU devices. Reported per variant:
@@ -28,21 +32,116 @@ import os
 import platform
 import statistics
 import time
+from typing import ClassVar
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard.models import gpt
 from jaxreshard.models import utransformer as ut
 
 MODES = ("once", "every_micro_batch")
+
+
+class NNXGPT:
+    """The `nnx` case, shaped as `jaxreshard.models.gpt` is (`PRESETS`, `init_state`,
+    `param_specs`, `train_step`, `synthetic_batch`)."""
+
+    PRESETS: ClassVar[dict[str, dict]] = {
+        "tiny": dict(vocab=512, dim=64, layers=4, heads=4, seq=64)
+    }
+
+    @staticmethod
+    def _split(cfg: dict):
+        from flax import nnx
+
+        class Block(nnx.Module):
+            def __init__(self, *, rngs):
+                d = cfg["dim"]
+                self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+                self.attn = nnx.MultiHeadAttention(
+                    num_heads=cfg["heads"], in_features=d, decode=False, rngs=rngs
+                )
+                self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+                self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+            def __call__(self, x, mask):
+                x = x + self.attn(self.ln1(x), mask=mask)
+                return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+        class Model(nnx.Module):
+            def __init__(self, *, rngs):
+                self.embed = nnx.Embed(cfg["vocab"], cfg["dim"], rngs=rngs)
+                self.blocks = nnx.List([Block(rngs=rngs) for _ in range(cfg["layers"])])
+                self.ln = nnx.LayerNorm(cfg["dim"], rngs=rngs)
+                self.head = nnx.Linear(cfg["dim"], cfg["vocab"], rngs=rngs)
+
+            def __call__(self, tokens):
+                mask, x = nnx.make_causal_mask(tokens), self.embed(tokens)
+                for i, block in enumerate(self.blocks):
+                    x = block(jr.stage_boundary(x) if i == len(self.blocks) // 2 else x, mask)
+                return self.head(self.ln(x))
+
+        return nnx.split(Model(rngs=nnx.Rngs(0)), nnx.Param)
+
+    @classmethod
+    def init_state(cls, cfg: dict, optimizer):
+        params = jax.tree.map(np.asarray, cls._split(cfg)[1])
+        return params, optimizer.init(params)
+
+    @classmethod
+    def param_specs(cls, cfg: dict):
+        def spec(path, x):
+            names = [str(k.key) for k in path if hasattr(k, "key")]
+            layer, kind = (names[-2] if len(names) > 1 else ""), names[-1]
+            if layer in ("query", "key", "value"):
+                return P(None, "model", None) if kind == "kernel" else P("model", None)
+            if layer == "out" and kind == "kernel":
+                return P("model", None, None)
+            if layer == "up":
+                return P(None, "model") if kind == "kernel" else P("model")
+            if layer == "down" and kind == "kernel":
+                return P("model", None)
+            return P()
+
+        return jax.tree_util.tree_map_with_path(spec, cls._split(cfg)[1])
+
+    @classmethod
+    def train_step(cls, cfg: dict, num_stages: int, tx):
+        from flax import nnx
+
+        graphdef = cls._split(cfg)[0]
+
+        def step(params, opt_state, batch):
+            tokens = batch["tokens"]
+
+            def loss_fn(p):
+                logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+                labels = tokens[:, 1:]
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+            value, grads = jr.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    @staticmethod
+    def synthetic_batch(cfg: dict, rows: int, step: int):
+        rng = np.random.default_rng(step)
+        return {"tokens": rng.integers(0, cfg["vocab"], (rows, cfg["seq"] + 1)).astype(np.int32)}
+
+
 CASES = {
     "gpt": (gpt, (2, 2), "1f1b", lambda: optax.adam(1e-3)),
     "utransformer": (ut, [(2, 2), (4, 1)], "zb_h1", lambda: optax.sgd(0.1)),
+    "nnx": (NNXGPT, (2, 2), "1f1b", lambda: optax.adam(1e-3)),
 }
 
 
@@ -136,7 +235,7 @@ def run(name: str, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25)
-    parser.add_argument("--models", default="gpt,utransformer")
+    parser.add_argument("--models", default="gpt,utransformer,nnx")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     results = {name: run(name, args.rounds) for name in args.models.split(",")}

@@ -569,3 +569,90 @@ def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devic
     assert reductions == {0: ONCE, 1: ONCE}, reductions
     got = run(step, (placed, tx.init(placed)), three_batches())
     assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))
+
+
+def test_an_equinox_transformer_with_tensor_parallel_weights_sums_once(cpu_devices):
+    """Equinox's own layers, vmapped over the rows as Equinox writes models, laid out
+    Megatron-style on two 2 x 2 stages. `eqx.nn.Embedding` indexes its table by a scalar; under
+    `vmap` that joins the data-split indices to constant zeros (a `concatenate`), which JAX
+    refused on an Explicit mesh ("All operands should have the same sharding"), so stage 0
+    fell back. Both stages now sum once, and three steps equal jax.jit."""
+    eqx = pytest.importorskip("equinox")
+    import optax
+    from jax.sharding import PartitionSpec as P
+    from test_libraries import VOCAB, assert_same, config, run, three_batches
+
+    import jaxreshard as jr
+
+    dim = 16
+
+    class Block(eqx.Module):
+        ln: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 3)
+            self.ln = eqx.nn.LayerNorm(dim)
+            self.attn = eqx.nn.MultiheadAttention(2, dim, key=k[0])
+            self.up = eqx.nn.Linear(dim, 2 * dim, key=k[1])
+            self.down = eqx.nn.Linear(2 * dim, dim, key=k[2])
+
+        def __call__(self, x):  # (seq, dim)
+            h = jax.vmap(self.ln)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
+
+    class LM(eqx.Module):
+        embed: eqx.nn.Embedding
+        first: Block
+        second: Block
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.embed = eqx.nn.Embedding(VOCAB, dim, key=k[0])
+            self.first, self.second = Block(k[1]), Block(k[2])
+            self.head = eqx.nn.Linear(dim, VOCAB, key=k[3])
+
+        def __call__(self, tokens):  # (rows, seq)
+            h = jax.vmap(lambda t: self.first(jax.vmap(self.embed)(t)))(tokens)
+            h = jr.stage_boundary(h)
+            return jax.vmap(lambda x: jax.vmap(self.head)(self.second(x)))(h)
+
+    params, static = eqx.partition(LM(jax.random.PRNGKey(0)), eqx.is_array)
+
+    def spec(path, x):
+        name = ".".join(str(getattr(k, "name", "")) for k in path)
+        if name.endswith(("query_proj.weight", "key_proj.weight", "value_proj.weight")):
+            return P("model", None)
+        if name.endswith("up.weight"):
+            return P("model", None)
+        if name.endswith("up.bias"):
+            return P("model")
+        if name.endswith(("output_proj.weight", "down.weight")):
+            return P(None, "model")
+        return P()
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    placed = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path, x))), params
+    )
+    tx = optax.sgd(0.1)
+
+    def train(params, opt_state, batch):
+        def loss_fn(p):
+            logits = eqx.combine(p, static)(batch["tokens"][:, :-1])
+            labels = batch["tokens"][:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
+    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
+    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    got = run(step, (placed, tx.init(placed)), three_batches())
+    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))

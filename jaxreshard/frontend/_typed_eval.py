@@ -130,6 +130,8 @@ def typed_eval(closed: Any) -> Any:
                 values = _reconciled(values)
             if eqn.primitive.name == "select_n":
                 values = _select_like_cases(values)
+            elif eqn.primitive.name == "concatenate":
+                values = _select_like_cases(values, eqn.params["dimension"])
             body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
             if body is not None:
                 inner = getattr(body, "jaxpr", body)
@@ -209,23 +211,24 @@ def _scan(eqn: Any, values: Sequence[Any], run: Any) -> list[Any]:
 _CONTROL = {"remat2": _remat, "checkpoint": _remat, "cond": _cond, "scan": _scan}
 
 
-def _select_like_cases(values: Sequence[Any]) -> list[Any]:
-    """A `select_n`'s operands laid out alike: each dimension split as the first operand that
-    splits it (JAX asks for one sharding on an Explicit mesh; the user's trace, made on no
-    mesh, had no reason to)."""
-    shape = jax.typeof(values[-1]).shape
+def _select_like_cases(values: Sequence[Any], whole: int | None = None) -> list[Any]:
+    """A `select_n`'s operands (or a `concatenate`'s, along dimension `whole`, left unsplit)
+    laid out alike: each dimension split as the first operand that splits it (JAX asks for one
+    sharding on an Explicit mesh; the user's trace, made on no mesh, had no reason to: a
+    vmapped lookup joins batch-split indices to constant zeros)."""
+    rank = len(jax.typeof(values[-1]).shape)
     specs = [typed_spec(v) if jax.typeof(v).shape else None for v in values]
     if any(s is not None and (s.reduced or s.unreduced) for s in specs):
         return list(values)
     known = [s for s in specs if s is not None]
-    if len({tuple(s) for s in known}) < 2:
+    if len({tuple(s.partitions) for s in known}) < 2:
         return list(values)
     merged: list[Any] = []
     used: set[str] = set()
-    for d in range(len(shape)):
+    for d in range(rank):
         entry = next((s[d] for s in known if d < len(s) and s[d] is not None), None)
         axes = {entry} if isinstance(entry, str) else set(entry or ())
-        merged.append(None if axes & used else entry)
+        merged.append(None if axes & used or d == whole else entry)
         used |= axes
     want = P(*merged)
     return [v if s is None or s == want else jax.reshard(v, want) for v, s in zip(values, specs)]

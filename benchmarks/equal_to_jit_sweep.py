@@ -10,7 +10,8 @@ schedule (every one, with and without weight delay, virtual stages), 2-4 stages,
 over `data, model`, 1-4 micro-batches, how the cuts are made (`jr.stage_boundary`, `cuts=`,
 `partition="auto"` by prediction or with its trial), the resharding strategy, gradient
 reduction, optimizer fusion, steps in flight, donation (and with `--explicit`, Explicit mesh
-axes in 1 of 3 cases); runs 2 steps pipelined and under
+axes in 1 of 3 cases; with `--tensor-parallel`, the weights of a case whose mesh has a `model`
+axis split over it, column- and row-wise by turns, with Auto axes); runs 2 steps pipelined and under
 `jax.jit`, and compares the losses (rtol 2e-4) and the state (rtol 2e-3; atol 2e-5, or 1e-3
 for adaptive optimizers, which divide near-zero gradients by their own size).
 
@@ -482,6 +483,11 @@ def one(r, info):
     info["label"] = label
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, t)
     got, want = copy(got_state), copy(want_state)  # (a donating step deletes its inputs)
+    # (not with Explicit axes: the weights' split is then their type, and JAX asks the step for
+    # `out_sharding`s that a model written without it lacks, under `jax.jit` as here)
+    if TENSOR_PARALLEL and shape[1] > 1 and cfg["mesh_axis_types"] == "auto":
+        got = [tensor_parallel(got[0], shape), *got[1:]]
+        info["label"] = label = label + " tensor-parallel"
     gl, wl = [], []
     for b in batches:
         *got, loss = step(*got, b)
@@ -497,12 +503,36 @@ def one(r, info):
     return label
 
 
+def tensor_parallel(params: Any, shape: tuple[int, int]) -> Any:
+    """`params` placed on the first stage's mesh with every float matrix split over `model`,
+    column- and row-wise by turns (Megatron's alternation, on a model nobody laid out for it):
+    by its last dim or its first, whichever divides, else whole."""
+    mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[: shape[0] * shape[1]])
+    turn = [0]
+
+    def place(x: Any) -> Any:
+        if not eqx.is_array(x):
+            return x
+        spec = jax.sharding.PartitionSpec()
+        if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating):
+            column, row = x.shape[-1] % shape[1] == 0, x.shape[0] % shape[1] == 0
+            if column and (turn[0] % 2 == 0 or not row):
+                spec = jax.sharding.PartitionSpec(*[None] * (x.ndim - 1), "model")
+            elif row:
+                spec = jax.sharding.PartitionSpec("model")
+            turn[0] += 1
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, params)
+
+
 BACKEND = "local"
 EXPLICIT = False
+TENSOR_PARALLEL = False
 
 
 def main():
-    global BACKEND, EXPLICIT
+    global BACKEND, EXPLICIT, TENSOR_PARALLEL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=50)
@@ -512,13 +542,19 @@ def main():
         "--explicit", action="store_true", help="draw mesh_axis_types='explicit' in 1 of 3 cases"
     )
     parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="place the weights of cases whose mesh has a model axis column- and row-split "
+        "over it by turns",
+    )
+    parser.add_argument(
         "--models",
         nargs="+",
         choices=MODELS + MORE_MODELS,
         help=f"draw from these models (default: {' '.join(MODELS)})",
     )
     args = parser.parse_args()
-    BACKEND, EXPLICIT = args.backend, args.explicit
+    BACKEND, EXPLICIT, TENSOR_PARALLEL = args.backend, args.explicit, args.tensor_parallel
     if args.models:
         MODELS[:] = args.models
     if BACKEND == "ray" and MODELS == ["eqx"]:
@@ -547,10 +583,12 @@ def main():
         jax.clear_caches()
     failed = sum(c["error"] is not None for c in cases)
     print(f"{failed} failed of {len(cases)} (seed {args.seed}, backend {BACKEND}, explicit axes "
-          f"{'drawn' if EXPLICIT else 'not drawn'})")  # fmt: skip
+          f"{'drawn' if EXPLICIT else 'not drawn'}"
+          f"{', tensor-parallel weights' if TENSOR_PARALLEL else ''})")  # fmt: skip
     if args.out:
         record = {"benchmark": "equal_to_jit_sweep", "date": time.strftime("%Y-%m-%d"),
                   "seed": args.seed, "backend": BACKEND, "explicit": EXPLICIT,
+                  "tensor_parallel": TENSOR_PARALLEL,
                   "models": list(MODELS),
                   "jax": jax.__version__,
                   "failed": failed, "cases": cases}  # fmt: skip

@@ -531,7 +531,7 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
     """Attention whose fused qkv weight is split over `model` by its last dim, reshaped to (3,
     heads, head_dim): the reshape cannot keep that split, so it is gathered. On the plain path
     XLA then splits the heads over `model`; the typed stage (reduced once) must too, else every
-    device computes every head (GPT `tiny` on 2 x 2 meshes ran 1.13-1.21x slower summing once).
+    device computes every head (GPT `tiny` on 2 x 2 meshes ran 1.13-1.19x slower summing once).
     The forward's attention scores come out split by heads, and the step equals jax.jit."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

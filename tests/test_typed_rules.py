@@ -499,8 +499,9 @@ def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devic
     (both operands broadcast), and `Linear` reshapes its bias to (1, 1, features) to add it.
     JAX refused both beside `reduced` weights ("cannot be sharded/varying on the same axes
     that another input is reduced on"; "Using *pspec is dangerous"), so both stages fell
-    back. Both now sum once, and three SGD steps equal jax.jit (not Adam: the attention key
-    bias has a gradient of rounding noise only, which Adam makes a step; docs/models.md)."""
+    back. The scale is split over `model` too: widened beside the statistic, it stays so.
+    Both now sum once, and three SGD steps equal jax.jit (not Adam: the attention key bias has
+    a gradient of rounding noise only, which Adam makes a step; docs/models.md)."""
     nnx = pytest.importorskip("flax.nnx")
     import optax
     from jax.sharding import PartitionSpec as P
@@ -546,6 +547,8 @@ def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devic
             return P(None, "model") if kind == "kernel" else P("model")
         if layer == "down" and kind == "kernel":
             return P("model", None)
+        if layer == "ln":
+            return P("model")
         return P()
 
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])

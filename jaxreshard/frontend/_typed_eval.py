@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard._jax_compat import bind_equation, scan_counts
 from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusal
 from jaxreshard.frontend._typed_ops import (
+    _entry_axes,
     conv_with_reduced_weight,
     custom_jvp_retyped,
     elementwise_of_reduced,
@@ -46,6 +47,24 @@ _ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
+def _laid_as(other: Any, own: Any, other_shape: Sequence[int], target: Sequence[int]) -> P:
+    """The spec a reduced operand widened to `target` takes beside `other` (of `other_shape`):
+    `other`'s split on each dim `other` fills, its own (`own`) where `other` broadcasts (a
+    layer norm's scale split over `model`, beside a (rows, 1) statistic: it stays split)."""
+    theirs, mine = list(plain(other).partitions), list(plain(own).partitions)
+    theirs += [None] * (len(target) - len(theirs))
+    mine += [None] * (len(target) - len(mine))
+    used = {a for e in theirs for a in _entry_axes(e)}
+    out = []
+    for d, size in enumerate(target):
+        if other_shape[d] == size or mine[d] is None or set(_entry_axes(mine[d])) & used:
+            out.append(theirs[d] if other_shape[d] == size else None)
+        else:
+            out.append(mine[d])
+            used |= set(_entry_axes(mine[d]))
+    return P(*out)
+
+
 def _reconciled(values: Sequence[Any]) -> list[Any]:
     """One equation's operands, each typed `reduced` over axes that another operand of its
     (broadcast) shape is split over widened and resharded to that operand's spec: JAX refuses
@@ -68,9 +87,9 @@ def _reconciled(values: Sequence[Any]) -> list[Any]:
                     f"{sorted(_split_over(other))} only"
                 )
             target = _broadcast_shape(shape, jax.typeof(u).shape)
-            if target is not None:  # (the split operand's dims are the result's where split)
+            if target is not None:
                 wide = v if tuple(shape) == target else jax.numpy.broadcast_to(v, target)
-                out[i] = jax.reshard(wide, plain(other))
+                out[i] = jax.reshard(wide, _laid_as(other, spec, jax.typeof(u).shape, target))
                 break
     kept = [
         i
@@ -228,7 +247,10 @@ def _select_like_cases(values: Sequence[Any], whole: int | None = None) -> list[
     for d in range(rank):
         entry = next((s[d] for s in known if d < len(s) and s[d] is not None), None)
         axes = {entry} if isinstance(entry, str) else set(entry or ())
-        merged.append(None if axes & used or d == whole else entry)
+        if d == whole:  # (joined along it: whole)
+            merged.append(None)
+            continue
+        merged.append(None if axes & used else entry)
         used |= axes
     want = P(*merged)
     return [v if s is None or s == want else jax.reshard(v, want) for v, s in zip(values, specs)]

@@ -167,15 +167,15 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     split input dimension keeps its split on the output dimension it becomes the major part
     of, where that dimension's size divides by it; an unaligned one is gathered (the Auto
     program moves the same data) and split again on the first dimension of its group that
-    divides by it, a slice of what each device holds. That is where XLA's propagation puts it
-    on the Auto mesh (a fused qkv projection split over `model`, reshaped to (3, heads,
-    head_dim): the heads); left whole, every device would compute every head. None where
-    `eqn` is not such a reshape."""
+    divides by it (not the minor one), a slice of what each device holds. That is where XLA's
+    propagation puts it on the Auto mesh (a fused qkv projection split over `model`, reshaped
+    to (3, heads, head_dim): the heads); left whole, every device would compute every head.
+    None where `eqn` is not such a reshape."""
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
         return None
     (x,) = values[:1]
     spec = typed_spec(x)
-    if spec is None:
+    if spec is None or spec.reduced or spec.unreduced:  # (the reshard below would drop them)
         return None
     shape = tuple(jax.typeof(x).shape)
     new = tuple(eqn.params["new_sizes"])
@@ -204,10 +204,11 @@ def reshape_unaligned(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
             size = _axes_size(entry)
             if new[gj[0]] % size == 0 and (len(gi) == 1 or len(gj) == 1):
                 out[gj[0]] = entry
-            elif len(gi) == 1:  # (gathered, then split again where it divides)
-                for d in (d for d in gj if new[d] % size == 0):
+            elif len(gi) == 1:  # (gathered, then split again where it divides; not the
+                # group's minor dim, a head's own features, which a matmul would contract)
+                d = next((d for d in gj[:-1] if new[d] % size == 0), None)
+                if d is not None:
                     moved[d] = entry
-                    break
         i += 1
         j += 1
     y = jax.lax.reshape(x, new, out_sharding=P(*out))
@@ -233,8 +234,7 @@ def reshape_of_reduced(eqn: Any, values: Sequence[Any]) -> list[Any] | None:
     parts = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
     kept = iter(p for n, p in zip(shape, parts) if n != 1)
     out = [None if n == 1 else next(kept) for n in new]
-    typed = P(*out, reduced=spec.reduced, unreduced=spec.unreduced)
-    return [jax.lax.reshape(x, new, out_sharding=typed)]
+    return [jax.lax.reshape(x, new, out_sharding=spec.update(partitions=tuple(out)))]
 
 
 def _axes_size(entry: Any) -> int:

@@ -410,12 +410,10 @@ class HostActor(HostArrays, NaiveBaseline):
     def held(self) -> dict[str, Any]:
         """What this host holds now: its pipelines' keys, its live `jaxreshard-*` threads (by
         name), the ids of the arrays it keeps for the driver, the number of live jax.Arrays in
-        the process (after a garbage collection: one a reference cycle holds is not live), and
-        per pipeline the post-gradient segments that had to compile in a step because their
-        inputs came laid out otherwise than expected (for tests and leak hunting)."""
+        the process, and per pipeline the post-gradient segments that had to compile in a step
+        because their inputs came laid out otherwise than expected (for tests and leak
+        hunting)."""
         import jax
-
-        gc.collect()
 
         return {
             "pipelines": sorted(self._pipelines),

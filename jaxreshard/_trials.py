@@ -79,6 +79,7 @@ def measure_choices(
     began = time.perf_counter()
     choices = {c.cuts: c for c in partition.tried}
     held = [0]  # estimated peak bytes per device of the running choices, together
+    failed: set[tuple[int, ...]] = set()  # (left out: never started again)
 
     def try_start(cuts: tuple[int, ...]) -> None:
         """Start a choice if it fits beside the running ones under the cap (they run side by
@@ -94,6 +95,7 @@ def measure_choices(
         try:
             start(cuts)
         except Exception as e:  # (a trial's failure is the prediction's to absorb)
+            failed.add(cuts)
             entry = running.pop(cuts, (None,))[0]
             if entry is not None:
                 close_entry(entry)
@@ -142,8 +144,9 @@ def measure_choices(
         measured = measure()
         partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]
         refit()
-        if partition.refitted and partition.refitted[0][0] not in measured:
-            try_start(partition.refitted[0][0])  # (the refitted prediction's fastest)
+        best = partition.refitted[0][0] if partition.refitted else None
+        if best is not None and best not in measured and best not in failed:
+            try_start(best)  # (the refitted prediction's fastest)
             if len(running) > len(measured):
                 measured = measure()  # (all again, side by side)
                 partition.trials = [Trial(c, choices[c].step, t) for c, t in measured.items()]

@@ -279,7 +279,7 @@ def test_a_driver_of_this_machine_finds_the_clusters_token(state):
     assert _describe.ray_token_for("10.9.9.9:6379") is None
 
 
-def test_ray_auth_holds_the_token_only_while_inside(tmp_path, monkeypatch):
+def test_ray_auth_holds_the_token_only_while_inside(tmp_path, monkeypatch, no_runtime):
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN", "mine")
@@ -293,3 +293,18 @@ def test_ray_auth_holds_the_token_only_while_inside(tmp_path, monkeypatch):
     assert os.environ["RAY_AUTH_TOKEN"] == "mine"
     with _describe.ray_auth(None):  # no token: nothing changes
         assert "RAY_AUTH_MODE" not in os.environ
+
+
+def test_ray_auth_refuses_another_token_while_this_process_is_connected(tmp_path, monkeypatch):
+    """Ray reads the token once per process and every connection sends it: holding another
+    cluster's token while connected would make this process's own Ray calls fail."""
+    import ray
+
+    token = tmp_path / "token"
+    token.write_text("0" * 64)
+    before = {k: os.environ.get(k) for k in _describe._RAY_AUTH_ENV}
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    refused = pytest.raises(RuntimeError, match=r"connected to Ray.*jaxreshard.shutdown\(\)")
+    with refused, _describe.ray_auth(token):
+        pass
+    assert {k: os.environ.get(k) for k in _describe._RAY_AUTH_ENV} == before

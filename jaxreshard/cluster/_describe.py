@@ -28,7 +28,10 @@ without a token anything that reaches them may run code in the cluster. A proces
 machine that joins the cluster at that address finds the token here (`ray_token_for`) and holds
 it in Ray's settings only while it connects (`ray_auth`): Ray reads `RAY_AUTH_*` from the
 environment, and a setting left behind would send the token to, or demand one from, the next
-Ray this process starts or joins.
+Ray this process starts or joins. Ray reads them once per process, though, and every
+connection of the process sends what it read: `ray_auth` therefore refuses to hold another
+token while this process is connected to Ray (its own connection would be refused from then
+on; a test that did so broke the local runtime of the tests after it, InvalidAuthToken).
 """
 
 from __future__ import annotations
@@ -317,6 +320,17 @@ def ray_auth(token: Path | None, *, connecting: bool = False) -> Iterator[None]:
     """Within: this process's Ray authenticates with the token in `token` (None: as the
     environment says). After it the environment is as before, and so are Ray's settings unless
     `connecting` (then the connection made inside keeps its token; see [Note: Ray token])."""
+    import ray
+
+    if token is not None and not connecting and ray.is_initialized():
+        # Ray reads the token once per process and every connection uses it: switching it for
+        # another cluster would fail this process's own connection's calls (InvalidAuthToken).
+        raise RuntimeError(
+            f"cannot use the Ray token {str(token)!r} of another cluster while this process is "
+            "connected to Ray: its own connection would then send that token and be refused. "
+            "Call it from a process without Ray (e.g. `jaxreshard cluster up`), or call "
+            "jaxreshard.shutdown() (or ray.shutdown()) first"
+        )
     before = {k: os.environ.get(k) for k in _RAY_AUTH_ENV}
     if token is not None:
         os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file

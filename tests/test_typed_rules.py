@@ -492,6 +492,58 @@ def test_control_flow_and_constants_beside_reduced_weights_sum_once(cpu_devices,
     assert_same(*out, *run_steps(jax.jit(make_step()), params(), make_batch(16), 3), tol=2e-5)
 
 
+def _flax_megatron_spec(path, layer_norm=None):
+    """Megatron-style layout of a Flax (NNX or Linen) transformer's parameters by their names:
+    attention kernels split by heads, the output projection by its input heads, the MLP column-
+    then row-parallel; `layer_norm`: the spec of a `ln` layer's scale and bias (default: whole)."""
+    names = [str(k.key) for k in path if hasattr(k, "key")]
+    layer, kind = names[-2], names[-1]
+    if layer in ("query", "key", "value"):
+        return P(None, "model", None) if kind == "kernel" else P("model", None)
+    if layer == "out" and kind == "kernel":
+        return P("model", None, None)
+    if layer == "up":
+        return P(None, "model") if kind == "kernel" else P("model")
+    if layer == "down" and kind == "kernel":
+        return P("model", None)
+    if layer == "ln":
+        return P() if layer_norm is None else layer_norm
+    return P()
+
+
+def _check_sums_once_on_two_tensor_parallel_stages(params, spec, logits):
+    """`params` laid out by `spec(path)` on a 2 x 2 (data, model) mesh, trained by SGD on the
+    next token of `logits(params, tokens)` over two 2 x 2 stages: both stages sum their
+    gradients once, and three steps equal jax.jit's."""
+    import optax
+    from test_libraries import assert_same, config, run, three_batches
+
+    import jaxreshard as jr
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    placed = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path))), params
+    )
+    tx = optax.sgd(0.1)
+
+    def train(params, opt_state, batch):
+        def loss_fn(p):
+            labels = batch["tokens"][:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits(p, batch["tokens"][:, :-1]), labels
+            ).mean()
+
+        loss, grads = jr.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
+    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
+    assert reductions == {0: ONCE, 1: ONCE}, reductions
+    got = run(step, (placed, tx.init(placed)), three_batches())
+    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))
+
+
 def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devices):
     """Flax NNX's own layers laid out Megatron-style on two 2 x 2 stages (attention kernels
     split by heads, the output projection by its input heads, the MLP column- then
@@ -503,9 +555,7 @@ def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devic
     Both now sum once, and three SGD steps equal jax.jit (not Adam: the attention key bias has
     a gradient of rounding noise only, which Adam makes a step; docs/models.md)."""
     nnx = pytest.importorskip("flax.nnx")
-    import optax
-    from jax.sharding import PartitionSpec as P
-    from test_libraries import VOCAB, assert_same, config, run, three_batches
+    from test_libraries import VOCAB
 
     import jaxreshard as jr
 
@@ -535,43 +585,11 @@ def test_a_flax_nnx_transformer_with_tensor_parallel_kernels_sums_once(cpu_devic
             return self.head(self.second(jr.stage_boundary(h)))
 
     graphdef, params = nnx.split(LM(rngs=nnx.Rngs(0)), nnx.Param)
-
-    def spec(path, x):
-        names = [str(k.key) for k in path if hasattr(k, "key")]
-        layer, kind = names[-2], names[-1]
-        if layer in ("query", "key", "value"):
-            return P(None, "model", None) if kind == "kernel" else P("model", None)
-        if layer == "out" and kind == "kernel":
-            return P("model", None, None)
-        if layer == "up":
-            return P(None, "model") if kind == "kernel" else P("model")
-        if layer == "down" and kind == "kernel":
-            return P("model", None)
-        if layer == "ln":
-            return P("model")
-        return P()
-
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
-    placed = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path, x))), params
+    _check_sums_once_on_two_tensor_parallel_stages(
+        params,
+        lambda path: _flax_megatron_spec(path, layer_norm=P("model")),
+        lambda p, tokens: nnx.merge(graphdef, p)(tokens),
     )
-    tx = optax.sgd(0.1)
-
-    def train(params, opt_state, batch):
-        def loss_fn(params):
-            logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
-            labels = batch["tokens"][:, 1:]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
-    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
-    assert reductions == {0: ONCE, 1: ONCE}, reductions
-    got = run(step, (placed, tx.init(placed)), three_batches())
-    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))
 
 
 def test_an_equinox_transformer_with_tensor_parallel_weights_sums_once(cpu_devices):
@@ -581,9 +599,7 @@ def test_an_equinox_transformer_with_tensor_parallel_weights_sums_once(cpu_devic
     refused on an Explicit mesh ("All operands should have the same sharding"), so stage 0
     fell back. Both stages now sum once, and three steps equal jax.jit."""
     eqx = pytest.importorskip("equinox")
-    import optax
-    from jax.sharding import PartitionSpec as P
-    from test_libraries import VOCAB, assert_same, config, run, three_batches
+    from test_libraries import VOCAB
 
     import jaxreshard as jr
 
@@ -626,7 +642,7 @@ def test_an_equinox_transformer_with_tensor_parallel_weights_sums_once(cpu_devic
 
     params, static = eqx.partition(LM(jax.random.PRNGKey(0)), eqx.is_array)
 
-    def spec(path, x):
+    def spec(path):
         name = ".".join(str(getattr(k, "name", "")) for k in path)
         if name.endswith(("query_proj.weight", "key_proj.weight", "value_proj.weight")):
             return P("model", None)
@@ -638,36 +654,16 @@ def test_an_equinox_transformer_with_tensor_parallel_weights_sums_once(cpu_devic
             return P(None, "model")
         return P()
 
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
-    placed = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path, x))), params
+    _check_sums_once_on_two_tensor_parallel_stages(
+        params, spec, lambda p, tokens: eqx.combine(p, static)(tokens)
     )
-    tx = optax.sgd(0.1)
-
-    def train(params, opt_state, batch):
-        def loss_fn(p):
-            logits = eqx.combine(p, static)(batch["tokens"][:, :-1])
-            labels = batch["tokens"][:, 1:]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
-    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
-    assert reductions == {0: ONCE, 1: ONCE}, reductions
-    got = run(step, (placed, tx.init(placed)), three_batches())
-    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))
 
 
 def test_a_flax_linen_transformer_with_tensor_parallel_kernels_sums_once(cpu_devices):
     """Flax Linen's own layers (`MultiHeadDotProductAttention`, `Dense`, `LayerNorm`) laid out
     Megatron-style on two 2 x 2 stages: both stages sum once, and three steps equal jax.jit."""
     linen = pytest.importorskip("flax.linen")
-    import optax
-    from jax.sharding import PartitionSpec as P
-    from test_libraries import VOCAB, assert_same, config, run, three_batches
+    from test_libraries import VOCAB, three_batches
 
     import jaxreshard as jr
 
@@ -689,38 +685,6 @@ def test_a_flax_linen_transformer_with_tensor_parallel_kernels_sums_once(cpu_dev
 
     model = LM()
     params = model.init(jax.random.PRNGKey(0), three_batches()[0]["tokens"][:, :-1])["params"]
-
-    def spec(path, x):
-        names = [str(k.key) for k in path if hasattr(k, "key")]
-        layer, kind = names[-2], names[-1]
-        if layer in ("query", "key", "value"):
-            return P(None, "model", None) if kind == "kernel" else P("model", None)
-        if layer == "out" and kind == "kernel":
-            return P("model", None, None)
-        if layer == "up":
-            return P(None, "model") if kind == "kernel" else P("model")
-        if layer == "down" and kind == "kernel":
-            return P("model", None)
-        return P()
-
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
-    placed = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec(path, x))), params
+    _check_sums_once_on_two_tensor_parallel_stages(
+        params, _flax_megatron_spec, lambda p, tokens: model.apply({"params": p}, tokens)
     )
-    tx = optax.sgd(0.1)
-
-    def train(params, opt_state, batch):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["tokens"][:, :-1])
-            labels = batch["tokens"][:, 1:]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jr.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jr.parallelize(train, config=config(stage_mesh_shape=(2, 2)), batch_argnums=(2,))
-    reductions = step.pipeline(placed, tx.init(placed), three_batches()[0]).layout.reductions
-    assert reductions == {0: ONCE, 1: ONCE}, reductions
-    got = run(step, (placed, tx.init(placed)), three_batches())
-    assert_same(got, run(jax.jit(train), (params, tx.init(params)), three_batches()))

@@ -438,7 +438,7 @@ def test_bad_input_is_explained():
 
     error(
         lambda: jr.parallelize(scanned, config=config(), batch_argnums=(1,))(params, batch),
-        "inside `scan`.*top level of the loss",
+        "inside `scan`.*top level of the loss.*its own lax.scan",
         PipelineSplitError,
     )
 

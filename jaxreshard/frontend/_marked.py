@@ -54,9 +54,12 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
             return False
         if eqn.primitive.name not in CALLS:
             raise PipelineSplitError(
-                f"jr.stage_boundary is called inside `{eqn.primitive.name}` at {_where(eqn)}: a "
-                "boundary inside lax.scan/cond/while_loop or a custom derivative cannot be cut; "
-                "call jr.stage_boundary at the top level of the loss function"
+                f"a jr.stage_boundary (or a jr.stage_candidate chosen as a cut) is inside "
+                f"`{eqn.primitive.name}` at {_where(eqn)}: a boundary inside "
+                "lax.scan/cond/while_loop or a custom derivative cannot be cut. Call it at the "
+                "top level of the loss function; for a scanned stack of layers, give each stage "
+                "its own stacked parameters and its own lax.scan over them, with the boundary "
+                "between the scans (one stack read by two stages is sent whole every step)"
             )
         return True
 

@@ -447,8 +447,6 @@ def one(r, info):
             if v is None:
                 sched, wd = "1f1b", False
                 cfg.update(schedule=sched, weight_delay=wd, virtual_stages=None)
-    if cfg["mesh_axis_types"] == "explicit" and how.startswith("auto"):
-        how = "cuts"  # (partition="auto" refuses Explicit axes, naming this fix)
     if how == "boundary":
         cut_at = sorted(r.sample(range(candidates), stages - 1))
         marking = lambda h, i: jr.stage_boundary(h) if i in cut_at else h

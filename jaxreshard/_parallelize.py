@@ -338,7 +338,12 @@ class Parallelized:
         config, partition, kept = self.config, None, None
 
         def trace(
-            cuts: Any, expected: int | None, candidates: Any = None, donated: Any = donated
+            cuts: Any,
+            expected: int | None,
+            candidates: Any = None,
+            donated: Any = donated,
+            mesh: Any = trace_mesh,
+            specs: Any = input_specs,
         ) -> Any:
             return trace_step(
                 self.fun,
@@ -346,9 +351,9 @@ class Parallelized:
                 leaves,
                 batch_leaves,
                 config.num_micro_batches,
-                trace_mesh,
+                mesh,
                 expected,
-                input_specs,
+                specs,
                 static=static,
                 loss_reduction=config.loss_reduction,
                 donated=donated,
@@ -389,13 +394,20 @@ class Parallelized:
                 "jaxreshard.init(backend='ray', ...) first"
             )
         if config.partition == "auto" and config.cuts is None:
+            choosing, choose_trace, choose_specs = config, trace, input_specs
+            if input_specs is not None:  # [Note: cuts chosen on Auto axes]
+                choosing = dataclasses.replace(config, mesh_axis_types="auto")
+                auto = abstract_mesh(trace_mesh.axis_sizes, trace_mesh.axis_names, "auto")
+                choose_trace = functools.partial(trace, mesh=auto, specs=None)
+                choose_specs = None
             timer = None
             if on_ray:  # (see [Note: segments timed on the hosts])
                 from jaxreshard.runtime.ray._segments import time_on_host
 
-                timer = time_on_host(runtime, self.fun, static, config, in_tree, leaves,
-                                     batch_leaves, input_specs, donated)  # fmt: skip
-            partition = self._partition(trace, on_ray, leaves, timer)
+                timer = time_on_host(runtime, self.fun, static, choosing, in_tree, leaves,
+                                     batch_leaves, choose_specs, donated)  # fmt: skip
+            retyped = choose_specs is not input_specs
+            partition = self._partition(choosing, choose_trace, on_ray, leaves, timer, retyped)
             if config.partition_trials and sum(c.fits for c in partition.tried) > 1:
                 # (the chosen one's pipeline serves, if it can)
                 kept = measure_choices(partition, config, build, leaves, not (donated or recorded))
@@ -419,37 +431,60 @@ class Parallelized:
         cluster = Cluster.from_devices(devices, devices_per_host=self.config.devices_per_host)
         return meshes, cluster
 
+    # [Note: cuts chosen on Auto axes]
+    # `partition="auto"` times each segment on one device (`runtime/step/_segment_cost.py`). A
+    # step of Explicit axes is traced with its arrays typed over the whole stage mesh, so its
+    # segments cannot run there. Its cuts are chosen from a second trace of the step on Auto
+    # axes of the same names and sizes, with untyped inputs (on Ray, the timing host traces it
+    # so too): the same program, which XLA lays out itself. The chosen cuts then build the
+    # step on its own Explicit axes, and trials (`partition_trials`) run that real step. A step
+    # that JAX accepts only on Explicit axes (`reshard` to a spec, an `out_sharding=` naming
+    # an axis) does not trace on Auto ones: then the error gives JAX's reason and the fix,
+    # choosing the cuts by hand. Until 2026-11-29 Explicit axes refused `partition="auto"`.
     def _partition(
-        self, trace: Callable[..., Any], on_ray: bool, leaves: list[Any], timer: Any = None
+        self,
+        config: PipelineConfig,
+        trace: Callable[..., Any],
+        on_ray: bool,
+        leaves: list[Any],
+        timer: Any = None,
+        retyped: bool = False,
     ) -> Any:
-        """Choose the `stage_candidate` cuts (see [Note: automatic partitioning]); `timer`
-        times the segments elsewhere (on a Ray host)."""
+        """Choose the `stage_candidate` cuts (see [Note: automatic partitioning]) as `config`
+        says, from the step as `trace` traces it (`retyped`: on Auto axes, for a step of
+        Explicit ones); `timer` times the segments elsewhere (on a Ray host)."""
         from jaxreshard.runtime.step._partition import choose_cuts
         from jaxreshard.runtime.step._specs import spec_of
 
         specs = [spec_of(getattr(x, "sharding", None)) for x in leaves]
         found: list[Any] = []
-        graph_all, _ = trace("all", None, found)
-        assert self.config.num_stages is not None
+        try:
+            graph_all, _ = trace("all", None, found)
+        except Exception as e:
+            if not retyped:
+                raise
+            raise ValueError(
+                f"PipelineConfig(partition='auto') on Explicit axes: {EXPLICIT_PARTITION}; on "
+                f"Auto axes it failed with {type(e).__name__}: {e}"
+            ) from e
+        assert config.num_stages is not None
         if on_ray:  # the hosts' meshes and links; the segments timed by `timer`, on a host
             from jaxreshard.runtime import current_runtime
             from jaxreshard.runtime.ray._placement import stage_placement
 
             runtime = current_runtime()
-            num_meshes = self.config.num_meshes(self.config.num_stages)
-            meshes = stage_placement(runtime, self.config, num_meshes)[0]
-            return choose_cuts(
-                graph_all, found[1], self.config, meshes, runtime.cluster, specs, timer
-            )
-        meshes, cluster = self._local_meshes(self.config.num_stages)
-        gbps = self.config.emulate_network_gbps
+            num_meshes = config.num_meshes(config.num_stages)
+            meshes = stage_placement(runtime, config, num_meshes)[0]
+            return choose_cuts(graph_all, found[1], config, meshes, runtime.cluster, specs, timer)
+        meshes, cluster = self._local_meshes(config.num_stages)
+        gbps = config.emulate_network_gbps
         if gbps is not None:  # the links the steps will see
             devices = [d for mesh in meshes for d in mesh.devices.flat]
             cluster = Cluster.from_devices(
                 devices, devices_per_host=self.config.devices_per_host,
                 inter_host_gbytes_per_s=gbps,
             )  # fmt: skip
-        return choose_cuts(graph_all, found[1], self.config, meshes, cluster, specs)
+        return choose_cuts(graph_all, found[1], config, meshes, cluster, specs)
 
     def _trace_mesh(
         self, leaves: list[Any], batch_leaves: list[int], on_ray: bool
@@ -464,11 +499,6 @@ class Parallelized:
             names, types = tuple(self.meshes[0].axis_names), mesh_axis_types(self.meshes)
         if "explicit" not in types:
             return abstract_mesh(shapes[0], names, types), None
-        if self.config.partition == "auto" and self.config.cuts is None:  # (meshes= with Explicit)
-            raise ValueError(
-                f"parallelize(meshes=...) with Explicit axes {names} and "
-                f"PipelineConfig(partition='auto'): {EXPLICIT_PARTITION}"
-            )
         if len(set(shapes)) > 1:
             raise ValueError(
                 f"stage meshes of shapes {list(shapes)} with Explicit axes {names}: a step is "

@@ -227,21 +227,6 @@ def test_refusals_name_the_fix():
         jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
-    with pytest.raises(ValueError, match=r"mesh_axis_types='explicit'\): the partitioner times"):
-        config(partition="auto", num_stages=2, mesh_axis_types="explicit")
-    with pytest.raises(ValueError, match=r"pass them as cuts=\(\.\.\.\) with partition='manual'"):
-        config(partition="auto", num_stages=2, mesh_axis_names=("data", "model"),
-               stage_mesh_shape=(1, 1), mesh_axis_types=("auto", "explicit"))  # fmt: skip
-    assert config(partition="auto", num_stages=2, cuts=(1,), mesh_axis_types="explicit").cuts
-    explicit = (jax.sharding.AxisType.Explicit,)
-    meshes = [  # (Explicit meshes given: the config's types do not say so)
-        jax.make_mesh((1,), ("data",), axis_types=explicit, devices=jax.devices()[i : i + 1])
-        for i in range(2)
-    ]
-    step = jr.parallelize(make_step(), config=config(partition="auto", num_stages=2),
-                          batch_argnums=2, meshes=meshes)  # fmt: skip
-    with pytest.raises(ValueError, match=r"parallelize\(meshes=...\) with Explicit axes"):
-        step.plan(init_params(), OPT.init(init_params()), make_batch())
     with pytest.raises(ValueError, match=r"memory_cap_gib=-1\): must be a number of GiB"):
         jr.PipelineConfig(memory_cap_gib=-1)
     cfg = config(partition="auto", num_stages=2, memory_cap_gib=1e-4)
@@ -249,6 +234,88 @@ def test_refusals_name_the_fix():
         jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
+
+
+def test_a_candidate_inside_a_jitted_layer_is_refused_not_cut_where_nobody_chose():
+    """jax.jit reuses its cached trace of a layer without running its Python, so candidates
+    inside it would be counted once and cut where the cache has them: with cuts=(1,) this step
+    had 4 stages. Both ways of choosing now raise, naming the fix."""
+    from jaxreshard.frontend._jaxprs import PipelineSplitError
+
+    @jax.jit
+    def layer(w, h):
+        return jr.stage_candidate(jnp.tanh(h @ w))
+
+    def step_fn(params, state, batch):
+        def loss_fn(p):
+            h = batch["x"]
+            for i in range(len(WIDTHS)):
+                h = layer(p[f"l{i}"], h)
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        loss, g = jr.value_and_grad(loss_fn)(params)
+        updates, state = OPT.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    fix = r"cached trace of a jitted function.*call jr.stage_candidate .*outside it"
+    for choice in (dict(cuts=(1,)), dict(partition="auto", num_stages=2)):
+        step = jr.parallelize(step_fn, config=config(**choice), batch_argnums=2)
+        with pytest.raises(PipelineSplitError, match=fix):
+            step.plan(init_params(), OPT.init(init_params()), make_batch())
+
+
+@pytest.mark.parametrize("given", ["config", "meshes"])
+def test_auto_chooses_cuts_on_explicit_axes_from_a_trace_on_auto_axes(given):
+    """A step of Explicit axes (named by the config, or by the meshes given) has its cuts
+    chosen from a trace on Auto axes, whose segments run on one device: the cut where the least
+    crosses, as on Auto axes; the step itself runs on its Explicit axes and equals jax.jit."""
+    if given == "config":
+        cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001,
+                     stage_mesh_shape=(2,), mesh_axis_types="explicit")  # fmt: skip
+        step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    else:
+        explicit = (jax.sharding.AxisType.Explicit,)
+        meshes = [
+            jax.make_mesh((2,), ("data",), axis_types=explicit, devices=jax.devices()[i : i + 2])
+            for i in (0, 2)
+        ]
+        cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001,
+                     stage_mesh_shape=(2,))  # fmt: skip
+        step = jr.parallelize(make_step(), config=cfg, batch_argnums=2, meshes=meshes)
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    assert plan.partition.chosen in ((1,), (3,)) and plan.graph.num_stages == 2
+    mesh = plan.meshes[0]
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}, mesh.axis_types
+    assert_equal_to_jit(step)
+
+
+def test_a_step_of_explicit_axes_that_auto_axes_refuse_gets_the_manual_fix():
+    """`jax.sharding.reshard` names an Explicit axis: on Auto axes JAX refuses it, so the cuts
+    cannot be chosen there; the error says so, with JAX's reason and the fix (`cuts=`), and
+    the same step with its cuts given equals jax.jit."""
+    from jax.sharding import PartitionSpec as P
+
+    def step_fn(params, state, batch):
+        def loss_fn(p):
+            h = batch["x"]
+            for i in range(len(WIDTHS)):
+                h = jax.sharding.reshard(jnp.tanh(h @ p[f"l{i}"]), P("data"))
+                if i < len(WIDTHS) - 1:
+                    h = jr.stage_candidate(h)
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        loss, g = jr.value_and_grad(loss_fn)(params)
+        updates, state = OPT.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    explicit = dict(stage_mesh_shape=(2,), mesh_axis_types="explicit")
+    step = jr.parallelize(step_fn, config=config(partition="auto", num_stages=2, **explicit),
+                          batch_argnums=2)  # fmt: skip
+    refused = r"on Explicit axes.*pass cuts=\(\.\.\.\) with partition='manual'.*on Auto axes"
+    with pytest.raises(ValueError, match=refused + r".*reshard"):
+        step.plan(init_params(), OPT.init(init_params()), make_batch())
+    by_hand = jr.parallelize(step_fn, config=config(cuts=(1,), **explicit), batch_argnums=2)
+    assert_equal_to_jit(by_hand)
 
 
 def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
@@ -572,11 +639,12 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
 
 
 @pytest.mark.ray
-def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch):
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch, axis_types):
     """On Ray the segments are timed on the first stage mesh's host (which traces the step
     itself, and must agree with the driver's trace), not on the driver; the fastest two
     predictions are measured on the hosts (their arguments put there first); the step equals
-    jax.jit."""
+    jax.jit. With Explicit axes the host traces on Auto ones, as the driver does to choose."""
     from jaxreshard.runtime.ray import _segments
 
     answers = []
@@ -593,7 +661,11 @@ def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch):
 
     monkeypatch.setattr(_segments, "time_on_host", spy)
     step, report = auto_report(
-        backend="ray", emulate_network_gbps=None, devices_per_host=None, partition_trials=2
+        backend="ray",
+        emulate_network_gbps=None,
+        devices_per_host=None,
+        partition_trials=2,
+        mesh_axis_types=axis_types,
     )
     assert len(answers) == 1
     assert [t.cuts for t in report.trials[:2]] == [c.cuts for c in report.tried[:2]]

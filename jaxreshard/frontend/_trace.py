@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxreshard.frontend._jaxprs import PipelineSplitError
 from jaxreshard.frontend._markers import (
     candidate_count,
     candidate_cuts,
@@ -126,10 +127,13 @@ def trace_step(
         outputs = made[-1]
         found = candidate_count()
         order = marker_order()
+        if cuts is not None:
+            _check_markers_traced(full, order)
         if cuts is not None and cuts != "all" and any(c >= found for c in cuts):
             raise ValueError(
                 f"PipelineConfig(cuts={tuple(sorted(cuts))}): the step has {found} "
-                f"jr.stage_candidate markers (numbered 0 to {found - 1}); choose among them"
+                f"jr.stage_candidate markers (numbered 0 to {found - 1}); choose among them. "
+                + CACHED_CANDIDATES
             )
         if candidates is not None:
             candidates[:] = [found, order]
@@ -144,6 +148,30 @@ def trace_step(
             output_names=outputs.names(),
         )
     return dataclasses.replace(graph, donated=tuple(sorted(set(donated)))), outputs
+
+
+# Why a candidate inside a jitted function goes unseen, and the fix (see `_check_markers_traced`).
+CACHED_CANDIDATES = (
+    "A jr.stage_candidate inside a jax.jit-compiled function is counted only when jit traces "
+    "that function, not when it reuses its cached trace: call jr.stage_candidate (and then "
+    "jr.stage_boundary too) outside it, e.g. h = jr.stage_candidate(layer(p, h))"
+)
+
+
+def _check_markers_traced(jaxpr: Any, order: Sequence[Any]) -> None:
+    """With candidates in play, every boundary of the traced step must have been made by the
+    Python code of this trace (`order`): a marker in a cached trace of a jitted function the
+    loss calls again (jit reuses it without running its Python) would be a cut that no
+    candidate number names, or a candidate that this trace's choice did not choose."""
+    from jaxreshard.frontend._marked import _markers
+
+    traced = [e for e in _markers(jaxpr.jaxpr) if not e.params.get("transposed")]
+    if len(traced) != len(order):
+        raise PipelineSplitError(
+            f"the step has {len(traced)} stage boundaries, but its code made {len(order)} "
+            f"while it was traced (a jr.stage_boundary or a chosen jr.stage_candidate each): "
+            f"the others come from a cached trace of a jitted function. {CACHED_CANDIDATES}"
+        )
 
 
 def fingerprint(graph: StepGraph) -> tuple[Any, ...]:

@@ -28,12 +28,12 @@ RESHARDING = (
     "auto",
 )
 AXIS_TYPES = ("auto", "explicit")
-# Why partition="auto" cannot choose cuts on Explicit axes, and the fix.
+# When a step of Explicit axes cannot be traced on Auto ones to choose its cuts, the fix.
 EXPLICIT_PARTITION = (
-    "the partitioner times each segment on one device, and a step traced with Explicit axes "
-    "types its arrays over the whole stage mesh, so it cannot run there. Choose the cuts with "
-    "mesh_axis_types='auto' (train_step.plan(...) shows them), then pass them as cuts=(...) "
-    "with partition='manual' and Explicit axes"
+    "the partitioner chooses the cuts of a step of Explicit axes from a trace of it on Auto "
+    "axes (each segment is timed on one device, where types over the stage mesh cannot run), "
+    "and this step does not trace on Auto axes. Choose the cuts by hand: pass cuts=(...) with "
+    "partition='manual' (train_step.plan(...) shows the boundary tensors of a choice)"
 )
 # Counts past these are typos, not pipelines: the schedule alone would need more memory and time
 # than a machine has (a step of p stages and m micro-batches runs about 3 p m actions).
@@ -241,11 +241,6 @@ class PipelineConfig:
                 )
         for t in (types,) if isinstance(types, str) else types:
             _choice("mesh_axis_types", t, AXIS_TYPES)
-        if self.partition == "auto" and self.cuts is None and "explicit" in self.axis_types:
-            raise ValueError(
-                f"PipelineConfig(partition='auto', mesh_axis_types={self.mesh_axis_types!r}): "
-                + EXPLICIT_PARTITION
-            )
         if len(set(self.mesh_axis_names)) != len(self.mesh_axis_names):
             raise ValueError(
                 f"PipelineConfig: mesh_axis_names={self.mesh_axis_names} repeats a name"

@@ -57,6 +57,7 @@ import numpy as np
 
 from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._split import StepGraph
+from jaxreshard.frontend._trace import CACHED_CANDIDATES
 from jaxreshard.pipeline import Costs, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
@@ -302,7 +303,7 @@ def choose_cuts(
     if not candidates:
         raise ValueError(
             "PipelineConfig(partition='auto'): the step has no jr.stage_candidate markers; mark "
-            "where a stage may end with jr.stage_candidate(h)"
+            "where a stage may end with jr.stage_candidate(h). " + CACHED_CANDIDATES
         )
     if graph.loss.num_stages != len(markers) + 1:
         raise ValueError(

@@ -406,8 +406,8 @@ class Parallelized:
 
                 timer = time_on_host(runtime, self.fun, static, choosing, in_tree, leaves,
                                      batch_leaves, choose_specs, donated)  # fmt: skip
-            retyped = choose_specs is not input_specs
-            partition = self._partition(choosing, choose_trace, on_ray, leaves, timer, retyped)
+            typed = trace if choose_trace is not trace else None
+            partition = self._partition(choosing, choose_trace, on_ray, leaves, timer, typed)
             if config.partition_trials and sum(c.fits for c in partition.tried) > 1:
                 # (the chosen one's pipeline serves, if it can)
                 kept = measure_choices(partition, config, build, leaves, not (donated or recorded))
@@ -448,11 +448,11 @@ class Parallelized:
         on_ray: bool,
         leaves: list[Any],
         timer: Any = None,
-        retyped: bool = False,
+        typed: Callable[..., Any] | None = None,
     ) -> Any:
         """Choose the `stage_candidate` cuts (see [Note: automatic partitioning]) as `config`
-        says, from the step as `trace` traces it (`retyped`: on Auto axes, for a step of
-        Explicit ones); `timer` times the segments elsewhere (on a Ray host)."""
+        says, from the step as `trace` traces it; `typed`: the trace on the step's own Explicit
+        axes when `trace` is on Auto ones; `timer` times the segments elsewhere (a Ray host)."""
         from jaxreshard.runtime.step._partition import choose_cuts
         from jaxreshard.runtime.step._specs import spec_of
 
@@ -461,8 +461,9 @@ class Parallelized:
         try:
             graph_all, _ = trace("all", None, found)
         except Exception as e:
-            if not retyped:
+            if typed is None:
                 raise
+            typed("all", None, [])  # (an error of the step itself is raised as it is)
             raise ValueError(
                 f"PipelineConfig(partition='auto') on Explicit axes: {EXPLICIT_PARTITION}; on "
                 f"Auto axes it failed with {type(e).__name__}: {e}"

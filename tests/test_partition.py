@@ -264,6 +264,46 @@ def test_a_candidate_inside_a_jitted_layer_is_refused_not_cut_where_nobody_chose
             step.plan(init_params(), OPT.init(init_params()), make_batch())
 
 
+def test_a_forced_boundary_in_a_jitted_block_called_twice_is_two_cuts_beside_candidates():
+    """A jitted block that ends in jr.stage_boundary, called twice with the same shapes, runs
+    its Python once (jit reuses the trace): both calls are boundaries all the same, with
+    candidates chosen by hand or by the partitioner, and the step equals jax.jit."""
+
+    @jax.jit
+    def block(w, h):
+        return jr.stage_boundary(jnp.tanh(h @ w))
+
+    def make(pipelined=True):
+        def step_fn(params, state, batch):
+            def loss_fn(p):
+                h = batch["x"]
+                for i in range(len(WIDTHS)):
+                    if i in (0, 2):  # (the same shapes: the second call reuses the trace)
+                        h = block(p[f"l{i}"], h) if pipelined else jnp.tanh(h @ p[f"l{i}"])
+                    else:
+                        h = jnp.tanh(h @ p[f"l{i}"])
+                        if pipelined and i < len(WIDTHS) - 1:
+                            h = jr.stage_candidate(h)
+                return jnp.mean((h - batch["y"]) ** 2)
+
+            grad = jr.value_and_grad if pipelined else jax.value_and_grad
+            loss, g = grad(loss_fn)(params)
+            updates, state = OPT.update(g, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        return step_fn
+
+    want, want_losses = run(jax.jit(make(pipelined=False)))
+    for choice in (dict(cuts=(1,)), dict(partition="auto", num_stages=4)):
+        step = jr.parallelize(make(), config=config(**choice), batch_argnums=2)
+        plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+        assert plan.graph.num_stages == 4, choice
+        got, losses = run(step)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("given", ["config", "meshes"])
 def test_auto_chooses_cuts_on_explicit_axes_from_a_trace_on_auto_axes(given):
     """A step of Explicit axes (named by the config, or by the meshes given) has its cuts
@@ -295,6 +335,8 @@ def test_a_step_of_explicit_axes_that_auto_axes_refuse_gets_the_manual_fix():
     the same step with its cuts given equals jax.jit."""
     from jax.sharding import PartitionSpec as P
 
+    from jaxreshard.frontend._jaxprs import PipelineSplitError
+
     def step_fn(params, state, batch):
         def loss_fn(p):
             h = batch["x"]
@@ -316,6 +358,22 @@ def test_a_step_of_explicit_axes_that_auto_axes_refuse_gets_the_manual_fix():
         step.plan(init_params(), OPT.init(init_params()), make_batch())
     by_hand = jr.parallelize(step_fn, config=config(cuts=(1,), **explicit), batch_argnums=2)
     assert_equal_to_jit(by_hand)
+
+    def scanned(params, state, batch):  # (an error of the step itself stays as it is)
+        def loss_fn(p):
+            def body(h, _):
+                return jr.stage_candidate(jnp.tanh(h @ p["l1"][:32])), None
+
+            h, _ = jax.lax.scan(body, batch["x"], None, length=2)
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        loss, _ = jr.value_and_grad(loss_fn)(params)
+        return params, state, loss
+
+    step = jr.parallelize(scanned, config=config(partition="auto", num_stages=2, **explicit),
+                          batch_argnums=2)  # fmt: skip
+    with pytest.raises(PipelineSplitError, match=r"inside `scan`"):
+        step.plan(init_params(), OPT.init(init_params()), make_batch())
 
 
 def test_auto_measures_the_fastest_predicted_choices(monkeypatch):
@@ -651,6 +709,7 @@ def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch, axis
     real = _segments.time_on_host
 
     def spy(*args, **kwargs):
+        assert args[3].axis_types == ("auto",)  # (the host traces on Auto axes to choose)
         timer = real(*args, **kwargs)
 
         def timed(graph, split):

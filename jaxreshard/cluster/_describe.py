@@ -326,8 +326,8 @@ def ray_auth(token: Path | None, *, connecting: bool = False) -> Iterator[None]:
         # Ray reads the token once per process and every connection uses it: switching it for
         # another cluster would fail this process's own connection's calls (InvalidAuthToken).
         raise RuntimeError(
-            f"cannot use the Ray token {str(token)!r} of another cluster while this process is "
-            "connected to Ray: its own connection would then send that token and be refused. "
+            f"cannot switch this process's Ray token to {str(token)!r} while it is connected "
+            "to Ray: its own connection would then send that token and could be refused. "
             "Call it from a process without Ray (e.g. `jaxreshard cluster up`), or call "
             "jaxreshard.shutdown() (or ray.shutdown()) first"
         )

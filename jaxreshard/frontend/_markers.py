@@ -37,35 +37,44 @@ stage_boundary_p.multiple_results = True
 # `transposed`: a marker that JAX's reverse-mode AD made from a user's marker (the matching
 # backward boundary). `parallelize` finds a step differentiated by `jax.grad`, Equinox's or Flax
 # NNX's grad by these (see `frontend._marked.check_gradient_api`).
-stage_boundary_p.def_impl(lambda *xs, transposed: list(xs))
-stage_boundary_p.def_abstract_eval(lambda *avals, transposed: list(avals))
-mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, transposed: list(xs))
+# `candidate`: the number of the `stage_candidate` that made the marker, or -1 for a
+# `stage_boundary` (see [Note: candidate cuts]): a traced step's markers say which candidates
+# they are, also where jit reused a cached trace without running our Python.
+stage_boundary_p.def_impl(lambda *xs, **params: list(xs))
+stage_boundary_p.def_abstract_eval(lambda *avals, **params: list(avals))
+mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, **params: list(xs))
 
 
-def _mark_nonzero(values: Sequence[Any], transposed: bool) -> list[Any]:
+def _mark_nonzero(values: Sequence[Any], transposed: bool, candidate: int) -> list[Any]:
     """Apply the marker to the values that are not symbolic zeros; keep the zeros."""
     present = [v for v in values if not isinstance(v, ad.Zero)]
-    marked = iter(stage_boundary_p.bind(*present, transposed=transposed) if present else [])
+    marked = iter(
+        stage_boundary_p.bind(*present, transposed=transposed, candidate=candidate)
+        if present
+        else []
+    )
     return [v if isinstance(v, ad.Zero) else next(marked) for v in values]
 
 
 def _boundary_jvp(
-    primals: Sequence[Any], tangents: Sequence[Any], *, transposed: bool
+    primals: Sequence[Any], tangents: Sequence[Any], *, transposed: bool, candidate: int
 ) -> tuple[list[Any], list[Any]]:
     return (
-        stage_boundary_p.bind(*primals, transposed=transposed),
-        _mark_nonzero(tangents, transposed),
+        stage_boundary_p.bind(*primals, transposed=transposed, candidate=candidate),
+        _mark_nonzero(tangents, transposed, candidate),
     )
 
 
-def _boundary_transpose(cts: Sequence[Any], *args: Any, transposed: bool) -> list[Any]:
-    return _mark_nonzero(cts, True)
+def _boundary_transpose(
+    cts: Sequence[Any], *args: Any, transposed: bool, candidate: int
+) -> list[Any]:
+    return _mark_nonzero(cts, True, candidate)
 
 
 ad.primitive_jvps[stage_boundary_p] = _boundary_jvp
 ad.primitive_transposes[stage_boundary_p] = _boundary_transpose
-batching.primitive_batchers[stage_boundary_p] = lambda args, dims, *, transposed: (
-    stage_boundary_p.bind(*args, transposed=transposed),
+batching.primitive_batchers[stage_boundary_p] = lambda args, dims, **params: (
+    stage_boundary_p.bind(*args, **params),
     dims,
 )
 
@@ -86,10 +95,9 @@ def _boundary(x: Any, kind: Any) -> Any:
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         return x
-    order = getattr(_state, "order", None)
-    if getattr(_state, "cuts", None) is not None and order is not None:
-        order.append(kind)
-    return jax.tree.unflatten(treedef, stage_boundary_p.bind(*leaves, transposed=False))
+    candidate = -1 if kind == "forced" else int(kind)
+    marked = stage_boundary_p.bind(*leaves, transposed=False, candidate=candidate)
+    return jax.tree.unflatten(treedef, marked)
 
 
 # -- stage_candidate ----------------------------------------------------------------------------
@@ -126,34 +134,23 @@ def stage_candidate(x: Any) -> Any:
 def candidate_cuts(cuts: Any) -> Iterator[None]:
     """While active, the `stage_candidate` markers numbered in `cuts` (a set of ints, or "all")
     are stage boundaries. `None` leaves every candidate the identity."""
-    previous = (getattr(_state, "cuts", None), getattr(_state, "candidates", 0),
-                getattr(_state, "order", None))  # fmt: skip
+    previous = (getattr(_state, "cuts", None), getattr(_state, "candidates", 0))
     _state.cuts = None if cuts is None else (cuts if cuts == "all" else frozenset(cuts))
     _state.candidates = 0
-    _state.order = []
     try:
         yield
     finally:
-        _state.cuts, _state.candidates, _state.order = previous
+        _state.cuts, _state.candidates = previous
 
 
 def restart_candidates() -> None:
     """Number the candidates from 0 again (each trace of the step counts them afresh)."""
     _state.candidates = 0
-    order = getattr(_state, "order", None)
-    if order is not None:
-        order.clear()
 
 
 def candidate_count() -> int:
     """How many `stage_candidate` markers the current trace reached so far."""
     return getattr(_state, "candidates", 0)
-
-
-def marker_order() -> list[Any]:
-    """The boundaries the current trace bound so far, in order: "forced" (`stage_boundary`) or
-    a candidate's number."""
-    return list(getattr(_state, "order", None) or [])
 
 
 # -- pipeline_grad ------------------------------------------------------------------------------

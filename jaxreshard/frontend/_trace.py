@@ -22,7 +22,6 @@ from jaxreshard.frontend._jaxprs import PipelineSplitError
 from jaxreshard.frontend._markers import (
     candidate_count,
     candidate_cuts,
-    marker_order,
     restart_candidates,
     tracing_pipeline,
 )
@@ -126,15 +125,15 @@ def trace_step(
         full = jax.make_jaxpr(flat)(*structs(False))
         outputs = made[-1]
         found = candidate_count()
-        order = marker_order()
-        if cuts is not None:
-            _check_markers_traced(full, order)
         if cuts is not None and cuts != "all" and any(c >= found for c in cuts):
             raise ValueError(
                 f"PipelineConfig(cuts={tuple(sorted(cuts))}): the step has {found} "
                 f"jr.stage_candidate markers (numbered 0 to {found - 1}); choose among them. "
                 + CACHED_CANDIDATES
             )
+        order = _marker_order(full)
+        if cuts is not None:
+            _check_candidates_traced(order, cuts, found)
         if candidates is not None:
             candidates[:] = [found, order]
         micro = jax.make_jaxpr(flat)(*structs(True)) if m > 1 else full
@@ -150,27 +149,36 @@ def trace_step(
     return dataclasses.replace(graph, donated=tuple(sorted(set(donated)))), outputs
 
 
-# Why a candidate inside a jitted function goes unseen, and the fix (see `_check_markers_traced`).
+# Why a candidate inside a jitted function goes unseen, and the fix (see
+# `_check_candidates_traced`).
 CACHED_CANDIDATES = (
-    "A jr.stage_candidate inside a jax.jit-compiled function is counted only when jit traces "
-    "that function, not when it reuses its cached trace: call jr.stage_candidate (and then "
-    "jr.stage_boundary too) outside it, e.g. h = jr.stage_candidate(layer(p, h))"
+    "If a jr.stage_candidate is inside a jax.jit-compiled function: jit runs it from its cached "
+    "trace without counting it, so call jr.stage_candidate outside it, e.g. "
+    "h = jr.stage_candidate(layer(p, h))"
 )
 
 
-def _check_markers_traced(jaxpr: Any, order: Sequence[Any]) -> None:
-    """With candidates in play, every boundary of the traced step must have been made by the
-    Python code of this trace (`order`): a marker in a cached trace of a jitted function the
-    loss calls again (jit reuses it without running its Python) would be a cut that no
-    candidate number names, or a candidate that this trace's choice did not choose."""
+def _marker_order(jaxpr: Any) -> list[Any]:
+    """The step's boundaries in program order (nested calls included): "forced" for a
+    `stage_boundary`, else the number of the `stage_candidate` that made it."""
     from jaxreshard.frontend._marked import _markers
 
-    traced = [e for e in _markers(jaxpr.jaxpr) if not e.params.get("transposed")]
-    if len(traced) != len(order):
+    marks = [e.params["candidate"] for e in _markers(jaxpr.jaxpr) if not e.params["transposed"]]
+    return ["forced" if n < 0 else n for n in marks]
+
+
+def _check_candidates_traced(order: Sequence[Any], cuts: Any, found: int) -> None:
+    """The traced step's candidate boundaries must be the chosen ones, each once and in order.
+    jax.jit reuses its cached trace of a function without running its Python, so a candidate
+    inside a jitted function is counted only when jit traces it, and its boundary stands
+    wherever the cached trace has one (a step asked for cuts=(1,) got 4 stages)."""
+    chosen = list(range(found)) if cuts == "all" else sorted(cuts)
+    traced = [n for n in order if n != "forced"]
+    if traced != chosen:
         raise PipelineSplitError(
-            f"the step has {len(traced)} stage boundaries, but its code made {len(order)} "
-            f"while it was traced (a jr.stage_boundary or a chosen jr.stage_candidate each): "
-            f"the others come from a cached trace of a jitted function. {CACHED_CANDIDATES}"
+            f"the step's traced boundaries are the jr.stage_candidate markers {traced}, but "
+            f"the choice was {chosen} of the {found} the step's code reached while traced: "
+            f"some come from a cached trace of a jitted function. {CACHED_CANDIDATES}"
         )
 
 

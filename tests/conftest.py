@@ -105,7 +105,7 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """If the interpreter has not exited a minute after the last test (a worker thread of some
+    """If the interpreter has not exited a minute after it began to (a worker thread of some
     pool still waiting, which would hold the interpreter's exit up), print every thread's stack
     so the culprit is named, and fail (exit status 3 if the tests passed) instead of hanging CI
     or hiding the leak. An xdist worker also leaves the stacks where the controller looks
@@ -116,8 +116,20 @@ def pytest_sessionfinish(session, exitstatus):
     import time
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # The minute counts from when the interpreter starts to exit, not from here: an xdist
+    # worker whose files are done is told to finish early, then waits (rightly) for the
+    # controller to release it once the other worker is done too, which may take minutes.
+    # `threading._register_atexit` callbacks run as the exit begins, before non-daemon
+    # threads are joined (CPython 3.9+; concurrent.futures relies on it).
+    exiting = threading.Event()
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        exiting.set()
+    else:
+        register(exiting.set)
 
     def watchdog():
+        exiting.wait()
         time.sleep(60)
         print(
             "\nFAILED: the tests ended a minute ago and the process is still here (a thread that "

@@ -86,6 +86,10 @@ CASES = [
     ([*PROFILE, "--json", "p.json", "--trace", "p.json"], ["--trace p.json", "same path"]),
     ([*PROFILE, "--compile-cache", "a_file"], ["--compile-cache a_file", "folder"]),
     ([*PROFILE, "--address", "1.2.3.4:5"], ["--address", "--backend ray"]),
+    (  # (crashed as "internal error" in the model's first gather or matmul)
+        [*PROFILE, "--mesh-axis-types", "explicit"],
+        ["mesh_axis_types='explicit' (from --mesh-axis-types)", "written for Auto", "'auto'"],
+    ),
     (
         ["schedule", "1f1b", "--stages", "2", "--micro-batches", "2", "--plot", "out"],
         ["is a directory"],

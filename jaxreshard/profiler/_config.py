@@ -263,6 +263,16 @@ def load_profile_config(
             f"join, but backend={pipeline.backend!r}{_from(origin, 'pipeline', 'backend')}; set "
             "backend = 'ray' (--backend ray) to use it, or drop the address"
         )
+    if "explicit" in pipeline.axis_types:
+        raise ValueError(
+            f"mesh_axis_types={pipeline.mesh_axis_types!r}"
+            f"{_from(origin, 'pipeline', 'mesh_axis_types')}: the shipped {model} model is "
+            "written for Auto mesh axes. It lays its weights out tensor-parallel, and on "
+            "Explicit axes JAX asks its code for `out_sharding`s of its lookups and matmuls, "
+            "which it does not carry. Use mesh_axis_types = 'auto' (XLA lays that layout out); "
+            "Explicit axes are for steps written against JAX's explicit sharding "
+            "(jaxreshard.parallelize)"
+        )
     units = spec.num_units(model_config)
     if pipeline.num_stages > units:
         raise ValueError(

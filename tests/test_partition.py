@@ -27,19 +27,23 @@ def init_params():
     return params
 
 
-def make_step(pipelined=True, forced=(), tied=False):
+def make_step(pipelined=True, forced=(), tied=False, layer=None):
     """The step; `tied`: the last segment reads the first layer's weight again (as a tied
-    embedding's output head does)."""
+    embedding's output head does); `layer(i, h, w)`: layer i and its marker, if not the
+    default's (a candidate after every layer but the last, a boundary after those `forced`)."""
+
+    def default(i, h, w):
+        h = jnp.tanh(h @ w)
+        if i in forced:
+            return jr.stage_boundary(h)
+        return jr.stage_candidate(h) if i < len(WIDTHS) - 1 else h
 
     def step(params, state, batch):
         def loss_fn(p):
             h = batch["x"]
             for i in range(len(WIDTHS)):
-                h = jnp.tanh(h @ p[f"l{i}"])
-                if pipelined and i in forced:
-                    h = jr.stage_boundary(h)
-                elif pipelined and i < len(WIDTHS) - 1:
-                    h = jr.stage_candidate(h)
+                w = p[f"l{i}"]
+                h = (layer or default)(i, h, w) if pipelined else jnp.tanh(h @ w)
             if tied:
                 h = h + 0.1 * jnp.tanh(h @ p["l0"]) @ p["l0"].T
             return jnp.mean((h - batch["y"]) ** 2)
@@ -246,17 +250,7 @@ def test_a_candidate_inside_a_jitted_layer_is_refused_not_cut_where_nobody_chose
     def layer(w, h):
         return jr.stage_candidate(jnp.tanh(h @ w))
 
-    def step_fn(params, state, batch):
-        def loss_fn(p):
-            h = batch["x"]
-            for i in range(len(WIDTHS)):
-                h = layer(p[f"l{i}"], h)
-            return jnp.mean((h - batch["y"]) ** 2)
-
-        loss, g = jr.value_and_grad(loss_fn)(params)
-        updates, state = OPT.update(g, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
+    step_fn = make_step(layer=lambda i, h, w: layer(w, h))
     fix = r"cached trace of a jitted function.*call jr.stage_candidate .*outside it"
     for choice in (dict(cuts=(1,)), dict(partition="auto", num_stages=2)):
         step = jr.parallelize(step_fn, config=config(**choice), batch_argnums=2)
@@ -273,35 +267,17 @@ def test_a_forced_boundary_in_a_jitted_block_called_twice_is_two_cuts_beside_can
     def block(w, h):
         return jr.stage_boundary(jnp.tanh(h @ w))
 
-    def make(pipelined=True):
-        def step_fn(params, state, batch):
-            def loss_fn(p):
-                h = batch["x"]
-                for i in range(len(WIDTHS)):
-                    if i in (0, 2):  # (the same shapes: the second call reuses the trace)
-                        h = block(p[f"l{i}"], h) if pipelined else jnp.tanh(h @ p[f"l{i}"])
-                    else:
-                        h = jnp.tanh(h @ p[f"l{i}"])
-                        if pipelined and i < len(WIDTHS) - 1:
-                            h = jr.stage_candidate(h)
-                return jnp.mean((h - batch["y"]) ** 2)
+    def layer(i, h, w):
+        if i in (0, 2):  # (the same shapes: the second call reuses the trace)
+            return block(w, h)
+        h = jnp.tanh(h @ w)
+        return jr.stage_candidate(h) if i < len(WIDTHS) - 1 else h
 
-            grad = jr.value_and_grad if pipelined else jax.value_and_grad
-            loss, g = grad(loss_fn)(params)
-            updates, state = OPT.update(g, state, params)
-            return optax.apply_updates(params, updates), state, loss
-
-        return step_fn
-
-    want, want_losses = run(jax.jit(make(pipelined=False)))
     for choice in (dict(cuts=(1,)), dict(partition="auto", num_stages=4)):
-        step = jr.parallelize(make(), config=config(**choice), batch_argnums=2)
+        step = jr.parallelize(make_step(layer=layer), config=config(**choice), batch_argnums=2)
         plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
         assert plan.graph.num_stages == 4, choice
-        got, losses = run(step)
-        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+        assert_equal_to_jit(step)
 
 
 @pytest.mark.parametrize("given", ["config", "meshes"])
@@ -337,18 +313,11 @@ def test_a_step_of_explicit_axes_that_auto_axes_refuse_gets_the_manual_fix():
 
     from jaxreshard.frontend._jaxprs import PipelineSplitError
 
-    def step_fn(params, state, batch):
-        def loss_fn(p):
-            h = batch["x"]
-            for i in range(len(WIDTHS)):
-                h = jax.sharding.reshard(jnp.tanh(h @ p[f"l{i}"]), P("data"))
-                if i < len(WIDTHS) - 1:
-                    h = jr.stage_candidate(h)
-            return jnp.mean((h - batch["y"]) ** 2)
+    def layer(i, h, w):
+        h = jax.sharding.reshard(jnp.tanh(h @ w), P("data"))
+        return jr.stage_candidate(h) if i < len(WIDTHS) - 1 else h
 
-        loss, g = jr.value_and_grad(loss_fn)(params)
-        updates, state = OPT.update(g, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    step_fn = make_step(layer=layer)
 
     explicit = dict(stage_mesh_shape=(2,), mesh_axis_types="explicit")
     step = jr.parallelize(step_fn, config=config(partition="auto", num_stages=2, **explicit),

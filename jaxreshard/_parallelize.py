@@ -478,14 +478,17 @@ class Parallelized:
             meshes = stage_placement(runtime, config, num_meshes)[0]
             return choose_cuts(graph_all, found[1], config, meshes, runtime.cluster, specs, timer)
         meshes, cluster = self._local_meshes(config.num_stages)
+        devices = [d for mesh in meshes for d in mesh.devices.flat]
         gbps = config.emulate_network_gbps
         if gbps is not None:  # the links the steps will see
-            devices = [d for mesh in meshes for d in mesh.devices.flat]
             cluster = Cluster.from_devices(
                 devices, devices_per_host=self.config.devices_per_host,
                 inter_host_gbytes_per_s=gbps,
             )  # fmt: skip
-        return choose_cuts(graph_all, found[1], config, meshes, cluster, specs)
+        # (the stages' own collectives run in this process: see [Note: gradient sums in the
+        # partitioner])
+        inside = Cluster.from_devices(devices)
+        return choose_cuts(graph_all, found[1], config, meshes, cluster, specs, None, inside)
 
     def _trace_mesh(
         self, leaves: list[Any], batch_leaves: list[int], on_ray: bool

@@ -665,6 +665,54 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
     assert longer >= base + 1.0
 
 
+@pytest.mark.parametrize("reduce", ["once", "every_micro_batch"])
+def test_auto_charges_each_segments_gradient_sum_over_the_batch_axis(reduce):
+    """On stage meshes that split the batch, each segment's gradients are summed over that
+    axis: the report gives each segment's seconds on each mesh (a ring of its gradient bytes
+    per device in the cluster model: within one host on the local runtime, whatever links the
+    boundary tensors get), and every choice's costs carry its chunks' sums, once a step in the
+    apply, or in every W when summed per micro-batch. On meshes that do not split the batch
+    nothing is summed."""
+    from jaxreshard.comm._cluster import PAPER_INTRA_HOST_GBYTES_PER_S, PAPER_LATENCY_S
+    from jaxreshard.runtime.step._memory import chunks_of
+
+    _, report = auto_report(stage_mesh_shape=(2,), reduce_gradients=reduce)
+    held = 32 * 512 * 4  # (every layer's weight: 32 x 512 or 512 x 32 float32)
+    ring = held / (PAPER_INTRA_HOST_GBYTES_PER_S * 1e9) + 2 * PAPER_LATENCY_S
+    assert report.gradient_sums == [[pytest.approx(ring)] * 2] * len(WIDTHS)
+    assert "summing each segment's gradients over the batch axis once" in report.summary()
+    for choice in report.tried:
+        bounds = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
+        for c, segs in enumerate(chunks_of(bounds, len(WIDTHS))):
+            summed = len(segs) * ring
+            apply = sum(report.segments[i].apply for i in segs)
+            weight = sum(report.segments[i].weight_grad for i in segs)
+            once = reduce == "once"
+            assert choice.costs.apply[c] == pytest.approx(apply + (summed if once else 0.0))
+            assert choice.costs.weight_grad[c] == pytest.approx(weight + (0.0 if once else summed))
+    _, whole = auto_report(reduce_gradients=reduce)  # ((1,) meshes)
+    assert whole.gradient_sums == [[0.0] * 2] * len(WIDTHS)
+    assert "summing each segment's gradients" not in whole.summary()
+
+
+def test_a_gradient_sum_moves_the_cut_compute_alone_would_choose():
+    """Six segments of equal compute cut in two balance at the middle; a gradient sum of 6 ms
+    per micro-batch on the last segment (its weights summed over a batch axis that crosses a
+    slow link, every micro-batch) makes the later cut the balanced one."""
+    from jaxreshard.runtime.step._partition import _predict
+    from jaxreshard.runtime.step._segment_cost import SegmentCost
+
+    segments = [SegmentCost(1e-3, 2e-3, 1e-3)] * 6
+    crossing = {p: [0.0] for p in range(5)}
+    cfg = config(num_stages=2, reduce_gradients="every_micro_batch")
+
+    def best(sums):
+        return min(range(5), key=lambda p: _predict(cfg, segments, crossing, [p], (), sums)[0])
+
+    assert best(None) == 2
+    assert best(([[0.0, 0.0]] * 5 + [[6e-3, 6e-3]], [0, 1])) == 3
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_auto_on_ray_times_the_segments_on_a_host(ray_runtime, monkeypatch, axis_types):

@@ -7,7 +7,8 @@ not interfere. Inside a host every device has its own link of `intra_host_gbytes
 direction. Every message pays `latency_s` once. A pipelined broadcast moves data in chunks of
 `chunk_bytes` (NCCL's ring steps are of that order), which sets its pipeline-fill cost. The defaults
 are the paper's cluster (AWS p3.8xlarge: 4 GPUs per host, 10 Gbit/s between hosts, NVLink inside).
-The planner, the simulator and the lower bound all read this one model.
+The planner, the simulator, the lower bound and the partitioner's gradient sums
+(`all_reduce_seconds`) all read this one model.
 """
 
 from __future__ import annotations
@@ -169,6 +170,35 @@ class Cluster:
                 f"{self.describe()}. Pass a Cluster that lists every device (e.g. "
                 "Cluster.from_devices(jax.devices())), or omit `cluster` to derive one."
             )
+
+    def all_reduce_seconds(self, groups: Iterable[Sequence[int]], nbytes: int) -> float:
+        """Seconds for every group of device ids to all-reduce `nbytes` per device, all groups
+        at once (the gradient sums over a mesh axis: one group per position on the other axes).
+
+        Each group runs a ring in host order: every device sends `2 (d - 1) / d` of its bytes
+        to the next. A ring edge between hosts goes over the sender's NIC, which every group
+        crossing that host shares (one edge out of each host a group spans, at most); an edge
+        inside a host takes that device's own link. `2 (d - 1)` ring steps each pay
+        `latency_s`."""
+        nic: dict[int, float] = {}  # bytes each host's NIC sends
+        inside, steps = 0.0, 0
+        for group in groups:
+            d = len(group)
+            if d < 2 or nbytes <= 0:
+                continue
+            edge = 2 * (d - 1) / d * nbytes
+            ring = sorted(group, key=lambda g: (self.host_of(g), g))
+            for a, b in zip(ring, ring[1:] + ring[:1]):
+                src, dst = self.host_of(a), self.host_of(b)
+                if src != dst:
+                    nic[src] = nic.get(src, 0.0) + edge
+                else:
+                    inside = edge
+            steps = max(steps, 2 * (d - 1))
+        if not steps:
+            return 0.0
+        busiest = max(nic.values(), default=0.0) / self.inter_host_bytes_per_s
+        return max(busiest, inside / self.intra_host_bytes_per_s) + steps * self.latency_s
 
     def describe(self) -> str:
         parts = []

@@ -22,7 +22,10 @@ For each segment:
   keeps it, and its copies out at the step's start and the gradient contributions back before
   that chunk's optimizer are simulated (`Costs.shared`; a tiny GPT's tied embedding at 0.01
   GB/s was a fifth of its measured step, and left out it made every prediction ~50% short);
-- its memory per device on each mesh ([Note: stage memory estimate] in `_memory.py`).
+- its memory per device on each mesh ([Note: stage memory estimate] in `_memory.py`);
+- on each mesh whose batch axis splits the micro-batch, the sum of its weight gradients over
+  that axis ([Note: gradient sums in the partitioner] in `_collectives.py`): once a step in
+  the chunk's apply, or in every W.
 Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Costs` (each
 chunk the sum of its segments, each boundary its crossing tensors' time) for the configured
 schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its chunks' state,
@@ -61,6 +64,7 @@ from jaxreshard.frontend._trace import CACHED_CANDIDATES
 from jaxreshard.pipeline import Costs, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._collectives import gradient_sum_seconds
 from jaxreshard.runtime.step._cut_transfers import SharedParams, crossing_seconds
 from jaxreshard.runtime.step._memory import (
     GIB,
@@ -132,6 +136,8 @@ class PartitionReport:
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
     # Parameters read by more than one segment: (index, bytes, segments reading it)
     shared: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    # Seconds to sum each segment's gradients over each mesh's batch axis once: [seg][mesh]
+    gradient_sums: list[list[float]] = dataclasses.field(default_factory=list)
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -159,6 +165,7 @@ class PartitionReport:
             "markers": [m if m == "forced" else int(m) for m in self.markers],
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
+            "gradient_sum_seconds": [list(v) for v in self.gradient_sums],
             "shared_params": [
                 {"param": k, "bytes": held, "segments": list(segs)} for k, held, segs in self.shared
             ],
@@ -211,6 +218,13 @@ class PartitionReport:
                 f"  {i:7d} {seg.forward * 1e3:8.2f} ms {seg.backward * 1e3:8.2f} ms "
                 f"{seg.weight_grad * 1e3:7.2f} ms  {size(mem.state):>9} {size(mem.residuals):>9}"
                 f"     {after}"
+            )
+        sums = [max(v) for v in self.gradient_sums]
+        if any(sums):
+            once = ", ".join(f"{i}: {t * 1e3:.2f} ms" for i, t in enumerate(sums))
+            lines.append(
+                "  summing each segment's gradients over the batch axis once (the slowest "
+                f"mesh), charged to its chunk: {once}"
             )
         for k, held, segs in self.shared:
             lines.append(
@@ -288,13 +302,14 @@ def choose_cuts(
     cluster: Any,
     specs: Sequence[Any] | None = None,
     timer: Callable[[StepGraph, int], list[tuple[SegmentCost, int]]] | None = None,
+    collectives: Any = None,
 ) -> PartitionReport:
     """Choose `config.num_stages - 1` boundaries among `markers` for `graph` (traced with every
     candidate a boundary) on `meshes` (one per rank); `specs`: each step argument's
     PartitionSpec (None: replicated); `timer`: `(graph, batch split) ->` each segment's cost
     and scratch bytes, measured elsewhere (None: here, on the first mesh's first device, or on
-    this process's first device for a Ray runtime's meshes); see [Note: automatic
-    partitioning]."""
+    this process's first device for a Ray runtime's meshes); `collectives`: the cluster model
+    of the stages' own collectives (None: `cluster`'s); see [Note: automatic partitioning]."""
     start = time.perf_counter()
     num_stages = config.num_stages
     assert num_stages is not None
@@ -365,12 +380,19 @@ def choose_cuts(
         for i in range(len(markers))
     }
     shared = SharedParams(graph, specs, config, cluster, meshes, mesh_of)
+    sums = [
+        [gradient_sum_seconds(graph, s, mesh, specs, config, collectives or cluster)
+         for mesh in meshes]
+        for s in range(graph.loss.num_stages)
+    ]  # fmt: skip
     tried = []
     positions = {m: i for i, m in enumerate(markers) if m != "forced"}
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
-        step, schedule, costs = _predict(config, segments, crossing, bounds, shared.costs(bounds))
+        step, schedule, costs = _predict(
+            config, segments, crossing, bounds, shared.costs(bounds), (sums, mesh_of)
+        )
         need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
         fits = cap is None or max(need) <= cap
         tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
@@ -382,6 +404,7 @@ def choose_cuts(
         memory, cap,
     )  # fmt: skip
     report.shared = shared.listed()
+    report.gradient_sums = sums
     return report
 
 
@@ -422,15 +445,25 @@ def _predict(
     crossing: dict[int, list[float]],
     bounds: Sequence[int],
     shared: tuple[SharedCost, ...] = (),
+    sums: tuple[Sequence[Sequence[float]], Sequence[int]] | None = None,
 ) -> tuple[float, Any, Costs]:
     """The simulated step of the chunks that `bounds` (boundary positions) make, their
     schedule, and the costs it was built and simulated with (`shared`: their parameters
-    read by several chunks)."""
+    read by several chunks; `sums`: each segment's gradient sum per mesh, and each chunk's
+    mesh: see [Note: gradient sums in the partitioner])."""
     stages = chunks_of(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
     weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
     apply = tuple(sum(segments[i].apply for i in r) for r in stages)
+    if sums is not None:
+        seconds, mesh_of = sums
+        summed = [sum(seconds[i][mesh_of[c]] for i in r) for c, r in enumerate(stages)]
+        if config.reduce_gradients == "once" and config.num_micro_batches > 1:
+            apply = tuple(a + t for a, t in zip(apply, summed))  # (the chunk's `reduce`)
+        else:  # (inside every backward's W)
+            backward = tuple(b + t for b, t in zip(backward, summed))
+            weight = tuple(w + t for w, t in zip(weight, summed))
     comm = tuple(crossing[b][k] for k, b in enumerate(bounds))
     tiny = 1e-9  # (the simulator wants positive compute)
     costs = Costs(

@@ -11,12 +11,14 @@ over `data, model`, 1-4 micro-batches, how the cuts are made (`jr.stage_boundary
 `partition="auto"` by prediction or with its trial), the resharding strategy, gradient
 reduction, optimizer fusion, steps in flight, donation (and with `--explicit`, Explicit mesh
 axes in 1 of 3 cases; with `--tensor-parallel`, the weights of a case whose mesh has a `model`
-axis split over it, column- and row-wise by turns, with Auto axes); runs 2 steps pipelined and under
-`jax.jit`, and compares the losses (rtol 2e-4) and the state (rtol 2e-3; atol 2e-5, or 1e-3
-for adaptive optimizers, which divide near-zero gradients by their own size).
+axis split over it, column- and row-wise by turns, with Auto axes; with `--resume`, the state
+saved after the first step by `jr.save_checkpoint` and the second step taken in another layout
+drawn at random, restored into its `placement`); runs 2 steps pipelined and under `jax.jit`, and
+compares the losses (rtol 2e-4) and the state (rtol 2e-3; atol 2e-5, or 1e-3 for adaptive
+optimizers, which divide near-zero gradients by their own size).
 
     python benchmarks/equal_to_jit_sweep.py --seed 7 --cases 100 [--backend ray] [--explicit]
-        [--models scan linen linen_scan ...] [--out F]
+        [--tensor-parallel] [--resume] [--models scan linen linen_scan ...] [--out F]
 
 By default it draws the first five models (the recorded runs' seeds draw the same cases
 again); `--models` names the others.
@@ -31,6 +33,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -483,11 +486,17 @@ def one(r, info):
     got, want = copy(got_state), copy(want_state)  # (a donating step deletes its inputs)
     # (not with Explicit axes: the weights' split is then their type, and JAX asks the step for
     # `out_sharding`s that a model written without it lacks, under `jax.jit` as here)
-    if TENSOR_PARALLEL and shape[1] > 1 and cfg["mesh_axis_types"] == "auto":
+    split_weights = TENSOR_PARALLEL and shape[1] > 1 and cfg["mesh_axis_types"] == "auto"
+    if split_weights:
         got = [tensor_parallel(got[0], shape), *got[1:]]
         info["label"] = label = label + " tensor-parallel"
     gl, wl = [], []
-    for b in batches:
+    for i, b in enumerate(batches):
+        if RESUME and i == 1:  # saved after step 1, resumed in another layout
+            got, step = resumed(
+                r, got, b, pstep, cfg, stages, how, candidates, donate, split_weights, info
+            )
+            label = info["label"]
         *got, loss = step(*got, b)
         gl.append(float(loss))
         *want, loss = jstep(*want, b)
@@ -499,6 +508,64 @@ def one(r, info):
         atol = 2e-5 if o in ("sgd", "momentum") else 1e-3
         np.testing.assert_allclose(x, y, rtol=2e-3, atol=atol, err_msg="state")
     return label
+
+
+def resumed(r, state, batch, pstep, cfg, stages, how, candidates, donate, split_weights, info):
+    """`state` saved to a checkpoint and restored into another layout drawn by `relayout` (a
+    pipeline of the same step on other meshes, schedule, micro-batches and, where the cuts are
+    chosen, another stage count and cuts): the restored state and the new step; the case's
+    label gets what changed. Weights split over `model` keep Auto axes (as the first layout
+    does: see `one`)."""
+    new = relayout(random.Random(r.random()), cfg, stages, how, candidates)
+    if split_weights:
+        new["mesh_axis_types"] = "auto"
+    changed = {k: v for k, v in new.items() if cfg.get(k) != v}
+    info["label"] += f" resumed in {changed}"
+    step = jr.parallelize(
+        pstep, config=jr.PipelineConfig(**new), batch_argnums=2, donate_argnums=donate
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        jr.save_checkpoint(f"{tmp}/ckpt", tuple(state))
+        target = step.placement(*state, batch)[:2]
+        restored = jr.restore_checkpoint(f"{tmp}/ckpt", target)
+    return list(restored), step
+
+
+def relayout(r, cfg, stages, how, candidates):
+    """Another pipeline config for the step of `cfg`: the stage count and cuts stay where
+    forced boundaries make them (`how == "boundary"`), and are drawn again otherwise; the
+    schedule, mesh, micro-batches and the runtime's choices are drawn again."""
+    if how != "boundary":
+        stages = r.randint(2, candidates + 1)
+    virtual = stages >= 4 and stages % 2 == 0
+    sched, v, wd = r.choice([s for s in SCHEDULES if s[1] is None or virtual])
+    meshes = stages // (v or 1)
+    shape = r.choice([s for s in SHAPES if s[0] * s[1] * meshes <= 8])
+    m = r.choice([1, 2, 4])
+    if B // m % shape[0]:
+        m = 2
+    new = dict(cfg)
+    new.update(
+        num_micro_batches=m,
+        schedule=sched,
+        weight_delay=wd,
+        virtual_stages=v,
+        stage_mesh_shape=shape,
+        reduce_gradients=r.choice(["once", "every_micro_batch"]),
+        resharding=r.choice(["auto", "send_recv", "broadcast_greedy", "allgather"]),
+        fuse_optimizer=r.choice(["auto", "never"]),
+        mesh_axis_types=r.choice(["auto", "auto", "explicit"]) if EXPLICIT else "auto",
+        steps_in_flight=r.choice([1, 2, 3]),
+    )
+    for key in ("num_stages", "cuts", "partition", "partition_trials"):
+        new.pop(key, None)
+    if how != "boundary":
+        new["num_stages"] = stages
+        if r.random() < 0.5:
+            new["cuts"] = tuple(sorted(r.sample(range(candidates), stages - 1)))
+        else:
+            new.update(partition="auto", partition_trials=r.choice([0, 1]))
+    return new
 
 
 def tensor_parallel(params: Any, shape: tuple[int, int]) -> Any:
@@ -527,10 +594,11 @@ def tensor_parallel(params: Any, shape: tuple[int, int]) -> Any:
 BACKEND = "local"
 EXPLICIT = False
 TENSOR_PARALLEL = False
+RESUME = False
 
 
 def main():
-    global BACKEND, EXPLICIT, TENSOR_PARALLEL
+    global BACKEND, EXPLICIT, TENSOR_PARALLEL, RESUME
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=50)
@@ -546,6 +614,12 @@ def main():
         "over it by turns",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="save a checkpoint after the first step and take the second in another layout "
+        "drawn at random, restored from it",
+    )
+    parser.add_argument(
         "--models",
         nargs="+",
         choices=MODELS + MORE_MODELS,
@@ -553,6 +627,7 @@ def main():
     )
     args = parser.parse_args()
     BACKEND, EXPLICIT, TENSOR_PARALLEL = args.backend, args.explicit, args.tensor_parallel
+    RESUME = args.resume
     if args.models:
         MODELS[:] = args.models
     if BACKEND == "ray" and MODELS == ["eqx"]:
@@ -582,11 +657,12 @@ def main():
     failed = sum(c["error"] is not None for c in cases)
     print(f"{failed} failed of {len(cases)} (seed {args.seed}, backend {BACKEND}, explicit axes "
           f"{'drawn' if EXPLICIT else 'not drawn'}"
-          f"{', tensor-parallel weights' if TENSOR_PARALLEL else ''})")  # fmt: skip
+          f"{', tensor-parallel weights' if TENSOR_PARALLEL else ''}"
+          f"{', resumed in another layout' if RESUME else ''})")  # fmt: skip
     if args.out:
         record = {"benchmark": "equal_to_jit_sweep", "date": time.strftime("%Y-%m-%d"),
                   "seed": args.seed, "backend": BACKEND, "explicit": EXPLICIT,
-                  "tensor_parallel": TENSOR_PARALLEL,
+                  "tensor_parallel": TENSOR_PARALLEL, "resume": RESUME,
                   "models": list(MODELS),
                   "jax": jax.__version__,
                   "failed": failed, "cases": cases}  # fmt: skip

@@ -495,23 +495,32 @@ def test_compute_scale_is_fitted_to_measured_steps(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_action_costs_are_fitted_to_a_recorded_step(schedule):
+@pytest.mark.parametrize("summed", [False, True])
+def test_action_costs_are_fitted_to_a_recorded_step(schedule, summed):
     """A recorded step whose actions each take 2x their predicted compute plus 0.5 ms (a
     simulated one) gives back k = 2 and c = 0.5 ms, and every choice is predicted again with
-    them: fastest first, as those costs simulate. Actions that show one predicted time only
-    give no fit (the step times then fit the factor alone)."""
+    them: fastest first, as those costs simulate. Gradient sums (`summed`: once a step, a
+    `reduce` event apart from the apply, and per micro-batch, inside W) are the links' time:
+    neither scaled nor fitted. Actions that show one predicted time only give no fit (the step
+    times then fit the factor alone)."""
     from jaxreshard.pipeline import simulate
     from jaxreshard.runtime.engine._events import Event
+    from jaxreshard.runtime.step._collectives import Sums, with_sums
     from jaxreshard.runtime.step._partition import Trial, _schedule
     from jaxreshard.runtime.step._refit import _simulated, calibrated, fit_actions
 
     cfg = config(partition="auto", num_stages=2, emulate_network_gbps=0.001, schedule=schedule)
     _, report = auto_report(schedule=schedule)
+    if summed:
+        report.tried = [c._replace(sums=Sums((3e-3, 1e-3), (2e-3, 4e-4))) for c in report.tried]
     choice = report.tried[0]
-    sched = _schedule(cfg, choice.costs).with_apply()
-    timed = simulate(sched, calibrated(choice.costs, 2.0, 5e-4, sched.split_backward))
+    sched = _schedule(cfg, with_sums(choice.costs, choice.sums)).with_apply()
+    scaled = calibrated(choice.costs, 2.0, 5e-4, sched.split_backward)
+    timed = simulate(sched, with_sums(scaled, choice.sums))
+    once = choice.sums.once if summed else (0.0, 0.0)
     events = [
-        Event(t.action.stage_index, t.action.kind, t.action.microbatch_index, t.start, t.end,
+        Event(t.action.stage_index, t.action.kind, t.action.microbatch_index, t.start,
+              t.end - (once[t.action.stage_index] if t.action.kind == "A" else 0.0),
               "apply" if t.action.kind == "A" else str(t.action))
         for stage in timed.stages for t in stage
     ]  # fmt: skip
@@ -522,7 +531,7 @@ def test_action_costs_are_fitted_to_a_recorded_step(schedule):
     assert report.compute_scale == pytest.approx(2.0, rel=1e-3)
     assert report.action_cost == pytest.approx(5e-4, rel=1e-2)
     assert report.step_scale == pytest.approx(1.1, rel=1e-2)
-    want = {c.cuts: 1.1 * _simulated(cfg, c.costs, 2.0, 5e-4) for c in report.tried}
+    want = {c.cuts: 1.1 * _simulated(cfg, c.costs, 2.0, 5e-4, c.sums) for c in report.tried}
     assert [c for c, _ in report.refitted] == sorted(want, key=want.get)
     for cuts, predicted in report.refitted:
         assert predicted == pytest.approx(want[cuts], rel=2e-2)
@@ -534,11 +543,12 @@ def test_action_costs_are_fitted_to_a_recorded_step(schedule):
     assert not fit_actions(report, cfg, {choice.cuts: one_kind})
 
 
-def auto_report(step_fn=None, **overrides):
+def auto_report(step_fn=None, params=None, **overrides):
     base = dict(partition="auto", num_stages=2, emulate_network_gbps=0.001)
     cfg = config(**{**base, **overrides})
     step = jr.parallelize(step_fn or make_step(), config=cfg, batch_argnums=2)
-    return step, step.plan(init_params(), OPT.init(init_params()), make_batch()).partition
+    params = init_params() if params is None else params
+    return step, step.plan(params, OPT.init(params), make_batch()).partition
 
 
 def test_auto_respects_the_memory_cap():
@@ -666,39 +676,83 @@ def test_auto_traces_each_segments_residuals_once(monkeypatch):
 
 
 @pytest.mark.parametrize("reduce", ["once", "every_micro_batch"])
-def test_auto_charges_each_segments_gradient_sum_over_the_batch_axis(reduce):
-    """On stage meshes that split the batch, each segment's gradients are summed over that
-    axis: the report gives each segment's seconds on each mesh (a ring of its gradient bytes
-    per device in the cluster model: within one host on the local runtime, whatever links the
-    boundary tensors get), and every choice's costs carry its chunks' sums, once a step in the
-    apply, or in every W when summed per micro-batch. On meshes that do not split the batch
-    nothing is summed."""
-    from jaxreshard.comm._cluster import PAPER_INTRA_HOST_GBYTES_PER_S, PAPER_LATENCY_S
-    from jaxreshard.runtime.step._memory import chunks_of
+def test_auto_charges_each_chunks_gradient_sum_over_the_batch_axis(reduce):
+    """On stage meshes that split the batch, each chunk sums its weight gradients over that
+    axis: one ring of its gradient bytes per device (the cluster model: within one host on the
+    local runtime, whatever links the boundary tensors get), once a step (in the chunk's
+    apply) or in every W when summed per micro-batch. Every choice carries its chunks' sums
+    apart from their compute and is simulated with both. On meshes that do not split the
+    batch nothing is summed."""
+    from jaxreshard.pipeline import simulate
+    from jaxreshard.runtime.step._collectives import with_sums
+    from jaxreshard.runtime.step._partition import _schedule
 
     _, report = auto_report(stage_mesh_shape=(2,), reduce_gradients=reduce)
     held = 32 * 512 * 4  # (every layer's weight: 32 x 512 or 512 x 32 float32)
-    ring = held / (PAPER_INTRA_HOST_GBYTES_PER_S * 1e9) + 2 * PAPER_LATENCY_S
-    assert report.gradient_sums == [[pytest.approx(ring)] * 2] * len(WIDTHS)
-    assert "summing each segment's gradients over the batch axis once" in report.summary()
+    assert report.gradient_bytes == [[held, held]] * len(WIDTHS)
+    assert "gradient bytes per device each segment sums over the batch axis" in report.summary()
+    cfg = config(partition="auto", num_stages=2, stage_mesh_shape=(2,), reduce_gradients=reduce)
     for choice in report.tried:
-        bounds = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
-        for c, segs in enumerate(chunks_of(bounds, len(WIDTHS))):
-            summed = len(segs) * ring
-            apply = sum(report.segments[i].apply for i in segs)
-            weight = sum(report.segments[i].weight_grad for i in segs)
-            once = reduce == "once"
-            assert choice.costs.apply[c] == pytest.approx(apply + (summed if once else 0.0))
-            assert choice.costs.weight_grad[c] == pytest.approx(weight + (0.0 if once else summed))
+        (cut,) = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
+        for c, segments in enumerate((cut + 1, len(WIDTHS) - cut - 1)):
+            ring = segments * held / 50e9 + 2 * 2e-5  # (2 devices: each sends all it holds)
+            once, every = (ring, 0.0) if reduce == "once" else (0.0, ring)
+            assert choice.sums.once[c] == pytest.approx(once)
+            assert choice.sums.every[c] == pytest.approx(every)
+        assert (
+            choice.costs.apply
+            == tuple(  # (compute alone: the sums are apart)
+                sum(s.apply for s in report.segments[a:b])
+                for a, b in ((0, cut + 1), (cut + 1, len(WIDTHS)))
+            )
+        )
+        summed = with_sums(choice.costs, choice.sums)
+        assert choice.step == simulate(_schedule(cfg, summed).with_apply(), summed).makespan
     _, whole = auto_report(reduce_gradients=reduce)  # ((1,) meshes)
-    assert whole.gradient_sums == [[0.0] * 2] * len(WIDTHS)
-    assert "summing each segment's gradients" not in whole.summary()
+    assert whole.gradient_bytes == [[0, 0]] * len(WIDTHS)
+    assert all(not any(c.sums.once + c.sums.every) for c in whole.tried)
+    assert "gradient bytes per device" not in whole.summary()
+
+
+def test_gradient_sums_as_the_runtime_runs_them():
+    """bf16 weights count their own bytes; one micro-batch sums in its backward; a weight read
+    on both sides of the cut (tied) is summed by both chunks every micro-batch, the rest once;
+    weights split over the batch axis (ZeRO-style) are reduce-scattered every micro-batch, and
+    their chunk sums nothing once."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    held = 32 * 512 * 4
+    ring = held / 50e9 + 2 * 2e-5  # (one weight's ring within a host, 2 devices)
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in init_params().items()}
+    _, report = auto_report(stage_mesh_shape=(2,), params=bf16)
+    assert report.gradient_bytes == [[held // 2] * 2] * len(WIDTHS)
+    _, report = auto_report(stage_mesh_shape=(2,), num_micro_batches=1)
+    assert all(c.sums.once == (0.0, 0.0) and min(c.sums.every) > 0 for c in report.tried)
+    _, report = auto_report(make_step(tied=True), stage_mesh_shape=(2,))
+    for choice in report.tried:
+        (cut,) = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
+        once = [(cut + 1 - 1) * held, (len(WIDTHS) - cut - 1) * held]  # (l0 apart)
+        assert choice.sums.every == pytest.approx((ring, ring))
+        assert choice.sums.once == pytest.approx(
+            tuple(0.0 if n == 0 else n / 50e9 + 2 * 2e-5 for n in once)
+        )
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    zero = jax.device_put(init_params(), NamedSharding(mesh, P("data")))
+    _, report = auto_report(stage_mesh_shape=(2,), params=zero)
+    for choice in report.tried:
+        (cut,) = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
+        assert choice.sums.once == (0.0, 0.0)
+        for c, segments in enumerate((cut + 1, len(WIDTHS) - cut - 1)):
+            scatter = segments * held / 2 / 50e9 + 2e-5  # ((d - 1) / d of each whole part)
+            assert choice.sums.every[c] == pytest.approx(scatter)
 
 
 def test_a_gradient_sum_moves_the_cut_compute_alone_would_choose():
     """Six segments of equal compute cut in two balance at the middle; a gradient sum of 6 ms
-    per micro-batch on the last segment (its weights summed over a batch axis that crosses a
-    slow link, every micro-batch) makes the later cut the balanced one."""
+    per micro-batch in the last chunk (its weights summed over a batch axis that crosses a slow
+    link, every micro-batch) makes the later cut the balanced one."""
+    from jaxreshard.runtime.step._collectives import Sums
     from jaxreshard.runtime.step._partition import _predict
     from jaxreshard.runtime.step._segment_cost import SegmentCost
 
@@ -710,7 +764,7 @@ def test_a_gradient_sum_moves_the_cut_compute_alone_would_choose():
         return min(range(5), key=lambda p: _predict(cfg, segments, crossing, [p], (), sums)[0])
 
     assert best(None) == 2
-    assert best(([[0.0, 0.0]] * 5 + [[6e-3, 6e-3]], [0, 1])) == 3
+    assert best(Sums((0.0, 0.0), (0.0, 6e-3))) == 3
 
 
 @pytest.mark.ray

@@ -223,8 +223,9 @@ def test_cluster_errors():
 
 def test_an_all_reduce_is_a_ring_whose_edges_between_hosts_share_the_nics():
     """`Cluster.all_reduce_seconds`: a ring of d devices sends 2 (d - 1) / d of the bytes
-    along each edge, in 2 (d - 1) latency-paying steps; inside a host each device has its own
-    link; the rings that cross a host share its NIC, one edge out of it per ring."""
+    along each edge, in 2 (d - 1) latency-paying steps (a reduce-scatter half of both); inside
+    a host each device has its own link; the rings that cross a host share its NIC, one edge
+    out of it per ring."""
     cluster = Cluster(((0, 1), (2, 3)), inter_host_gbytes_per_s=1.0, intra_host_gbytes_per_s=10.0,
                       latency_s=1e-3)  # fmt: skip
     mb = 1_000_000
@@ -236,5 +237,7 @@ def test_an_all_reduce_is_a_ring_whose_edges_between_hosts_share_the_nics():
     assert both == pytest.approx(2 * mb / 1e9 + 2e-3)
     four = cluster.all_reduce_seconds([[0, 1, 2, 3]], mb)  # (one edge out of each host)
     assert four == pytest.approx(1.5 * mb / 1e9 + 6e-3)
+    scatter = cluster.all_reduce_seconds([[0, 1, 2, 3]], mb, scatter=True)  # (half of it)
+    assert scatter == pytest.approx(0.75 * mb / 1e9 + 3e-3)
     assert cluster.all_reduce_seconds([[0], [1]], mb) == 0.0
     assert cluster.all_reduce_seconds([[0, 1]], 0) == 0.0

@@ -171,30 +171,34 @@ class Cluster:
                 "Cluster.from_devices(jax.devices())), or omit `cluster` to derive one."
             )
 
-    def all_reduce_seconds(self, groups: Iterable[Sequence[int]], nbytes: int) -> float:
-        """Seconds for every group of device ids to all-reduce `nbytes` per device, all groups
-        at once (the gradient sums over a mesh axis: one group per position on the other axes).
+    def all_reduce_seconds(
+        self, groups: Iterable[Sequence[int]], nbytes: int, *, scatter: bool = False
+    ) -> float:
+        """Seconds for every group of device ids to all-reduce `nbytes` per device (with
+        `scatter`, to reduce-scatter them), all groups at once: the gradient sums over a mesh
+        axis, one group per position on the other axes.
 
         Each group runs a ring in host order: every device sends `2 (d - 1) / d` of its bytes
-        to the next. A ring edge between hosts goes over the sender's NIC, which every group
-        crossing that host shares (one edge out of each host a group spans, at most); an edge
-        inside a host takes that device's own link. `2 (d - 1)` ring steps each pay
-        `latency_s`."""
+        to the next (`(d - 1) / d` to reduce-scatter). A ring edge between hosts goes over the
+        sender's NIC, which every group crossing that host shares (one edge out of each host a
+        group spans, at most); an edge inside a host takes that device's own link. Each of the
+        `2 (d - 1)` ring steps (`d - 1`) pays `latency_s`."""
         nic: dict[int, float] = {}  # bytes each host's NIC sends
         inside, steps = 0.0, 0
         for group in groups:
             d = len(group)
             if d < 2 or nbytes <= 0:
                 continue
-            edge = 2 * (d - 1) / d * nbytes
+            rounds = d - 1 if scatter else 2 * (d - 1)
+            edge = rounds / d * nbytes
             ring = sorted(group, key=lambda g: (self.host_of(g), g))
             for a, b in zip(ring, ring[1:] + ring[:1]):
                 src, dst = self.host_of(a), self.host_of(b)
                 if src != dst:
                     nic[src] = nic.get(src, 0.0) + edge
                 else:
-                    inside = edge
-            steps = max(steps, 2 * (d - 1))
+                    inside = max(inside, edge)
+            steps = max(steps, rounds)
         if not steps:
             return 0.0
         busiest = max(nic.values(), default=0.0) / self.inter_host_bytes_per_s

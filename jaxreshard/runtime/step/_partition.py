@@ -23,9 +23,9 @@ For each segment:
   that chunk's optimizer are simulated (`Costs.shared`; a tiny GPT's tied embedding at 0.01
   GB/s was a fifth of its measured step, and left out it made every prediction ~50% short);
 - its memory per device on each mesh ([Note: stage memory estimate] in `_memory.py`);
-- on each mesh whose batch axis splits the micro-batch, the sum of its weight gradients over
-  that axis ([Note: gradient sums in the partitioner] in `_collectives.py`): once a step in
-  the chunk's apply, or in every W.
+- on each mesh whose batch axis splits the micro-batch, its weight gradients' bytes per
+  device, which each choice's chunks sum over that axis ([Note: gradient sums in the
+  partitioner] in `_collectives.py`): once a step in the chunk's apply, or in every W.
 Every choice of S - 1 boundaries (the forced ones plus candidates) is then a `Costs` (each
 chunk the sum of its segments, each boundary its crossing tensors' time) for the configured
 schedule, and `pipeline._simulate` predicts its step; each mesh's memory is its chunks' state,
@@ -64,7 +64,7 @@ from jaxreshard.frontend._trace import CACHED_CANDIDATES
 from jaxreshard.pipeline import Costs, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._collectives import gradient_sum_seconds
+from jaxreshard.runtime.step._collectives import GradientSums, Sums, with_sums
 from jaxreshard.runtime.step._cut_transfers import SharedParams, crossing_seconds
 from jaxreshard.runtime.step._memory import (
     GIB,
@@ -111,8 +111,9 @@ class Choice(NamedTuple):
     step: float  # predicted seconds
     memory: tuple[int, ...]  # estimated peak bytes per device, per mesh
     fits: bool  # under the memory cap (or no cap)
-    costs: Costs | None = None  # per chunk, seconds per micro-batch: what it was simulated with
+    costs: Costs | None = None  # per chunk, seconds per micro-batch: compute and transfers
     scratch: tuple[int, ...] = ()  # of `memory`, per mesh: XLA scratch (no array shows it)
+    sums: Sums | None = None  # per chunk: its gradient sums (simulated with `costs`)
 
 
 @dataclasses.dataclass
@@ -136,8 +137,8 @@ class PartitionReport:
     refitted: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
     # Parameters read by more than one segment: (index, bytes, segments reading it)
     shared: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
-    # Seconds to sum each segment's gradients over each mesh's batch axis once: [seg][mesh]
-    gradient_sums: list[list[float]] = dataclasses.field(default_factory=list)
+    # Gradient bytes per device each segment sums over each mesh's batch axis: [seg][mesh]
+    gradient_bytes: list[list[int]] = dataclasses.field(default_factory=list)
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -152,7 +153,7 @@ class PartitionReport:
             return {}
         if any(getattr(config, n) != defaults[n] for n in names):
             return {}  # the user's own
-        c = chosen.costs
+        c = with_sums(chosen.costs, chosen.sums)
         ms = [tuple(x * 1e3 for x in v) for v in (c.forward, c.backward, c.weight_grad, c.comm)]
         return dict(zip(names, ms))
 
@@ -165,7 +166,7 @@ class PartitionReport:
             "markers": [m if m == "forced" else int(m) for m in self.markers],
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
-            "gradient_sum_seconds": [list(v) for v in self.gradient_sums],
+            "gradient_bytes_per_device": [list(v) for v in self.gradient_bytes],
             "shared_params": [
                 {"param": k, "bytes": held, "segments": list(segs)} for k, held, segs in self.shared
             ],
@@ -176,6 +177,16 @@ class PartitionReport:
                     "predicted_seconds": c.step,
                     "peak_bytes": list(c.memory),
                     "fits": c.fits,
+                    **(
+                        {
+                            "gradient_sum_seconds": {
+                                "once": list(c.sums.once),
+                                "every_micro_batch": list(c.sums.every),
+                            }
+                        }
+                        if c.sums is not None and any(c.sums.once + c.sums.every)
+                        else {}
+                    ),
                 }
                 for c in self.tried
             ],
@@ -219,12 +230,17 @@ class PartitionReport:
                 f"{seg.weight_grad * 1e3:7.2f} ms  {size(mem.state):>9} {size(mem.residuals):>9}"
                 f"     {after}"
             )
-        sums = [max(v) for v in self.gradient_sums]
-        if any(sums):
-            once = ", ".join(f"{i}: {t * 1e3:.2f} ms" for i, t in enumerate(sums))
+        held = [max(v) for v in self.gradient_bytes]
+        chosen = next((c for c in self.tried if c.cuts == self.chosen), None)
+        if any(held) and chosen is not None and chosen.sums is not None:
+            sums = ", ".join(
+                f"{c}: {once * 1e3:.2f} ms once a step, {every * 1e3:.2f} ms per micro-batch"
+                for c, (once, every) in enumerate(zip(*chosen.sums))
+            )
             lines.append(
-                "  summing each segment's gradients over the batch axis once (the slowest "
-                f"mesh), charged to its chunk: {once}"
+                "  gradient bytes per device each segment sums over the batch axis: "
+                + ", ".join(size(n) for n in held)
+                + f"; the chosen chunks' sums: {sums}"
             )
         for k, held, segs in self.shared:
             lines.append(
@@ -380,22 +396,19 @@ def choose_cuts(
         for i in range(len(markers))
     }
     shared = SharedParams(graph, specs, config, cluster, meshes, mesh_of)
-    sums = [
-        [gradient_sum_seconds(graph, s, mesh, specs, config, collectives or cluster)
-         for mesh in meshes]
-        for s in range(graph.loss.num_stages)
-    ]  # fmt: skip
+    sums = GradientSums(graph, specs, config, meshes, mesh_of, collectives or cluster)
     tried = []
     positions = {m: i for i, m in enumerate(markers) if m != "forced"}
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
+        summed = sums.costs(bounds)
         step, schedule, costs = _predict(
-            config, segments, crossing, bounds, shared.costs(bounds), (sums, mesh_of)
+            config, segments, crossing, bounds, shared.costs(bounds), summed
         )
         need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
         fits = cap is None or max(need) <= cap
-        tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch))
+        tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch, summed))
     tried.sort(key=lambda c: (not c.fits, c.step))
     if not tried[0].fits:
         raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of))
@@ -404,7 +417,7 @@ def choose_cuts(
         memory, cap,
     )  # fmt: skip
     report.shared = shared.listed()
-    report.gradient_sums = sums
+    report.gradient_bytes = sums.bytes_per_device()
     return report
 
 
@@ -445,25 +458,17 @@ def _predict(
     crossing: dict[int, list[float]],
     bounds: Sequence[int],
     shared: tuple[SharedCost, ...] = (),
-    sums: tuple[Sequence[Sequence[float]], Sequence[int]] | None = None,
+    sums: Sums | None = None,
 ) -> tuple[float, Any, Costs]:
     """The simulated step of the chunks that `bounds` (boundary positions) make, their
-    schedule, and the costs it was built and simulated with (`shared`: their parameters
-    read by several chunks; `sums`: each segment's gradient sum per mesh, and each chunk's
-    mesh: see [Note: gradient sums in the partitioner])."""
+    schedule, and their costs of compute and transfers (`shared`: their parameters read by
+    several chunks); built and simulated with their gradient sums `sums` added (see [Note:
+    gradient sums in the partitioner])."""
     stages = chunks_of(bounds, len(segments))
     forward = tuple(sum(segments[i].forward for i in r) for r in stages)
     backward = tuple(sum(segments[i].backward for i in r) for r in stages)
     weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
     apply = tuple(sum(segments[i].apply for i in r) for r in stages)
-    if sums is not None:
-        seconds, mesh_of = sums
-        summed = [sum(seconds[i][mesh_of[c]] for i in r) for c, r in enumerate(stages)]
-        if config.reduce_gradients == "once" and config.num_micro_batches > 1:
-            apply = tuple(a + t for a, t in zip(apply, summed))  # (the chunk's `reduce`)
-        else:  # (inside every backward's W)
-            backward = tuple(b + t for b, t in zip(backward, summed))
-            weight = tuple(w + t for w, t in zip(weight, summed))
     comm = tuple(crossing[b][k] for k, b in enumerate(bounds))
     tiny = 1e-9  # (the simulator wants positive compute)
     costs = Costs(
@@ -474,8 +479,9 @@ def _predict(
         apply=apply,
         shared=shared,
     )
-    schedule = _schedule(config, costs)
-    return simulate(schedule.with_apply(), costs).makespan, schedule, costs
+    summed = with_sums(costs, sums)
+    schedule = _schedule(config, summed)
+    return simulate(schedule.with_apply(), summed).makespan, schedule, costs
 
 
 def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:

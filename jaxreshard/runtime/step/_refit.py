@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.runtime._config import PipelineConfig
+from jaxreshard.runtime.step._collectives import Sums, with_sums
 
 # The factors on every choice's compute that `fit_compute_scale` tries: 1/4 to 8, 5% apart.
 COMPUTE_SCALES = tuple(0.25 * 1.05**i for i in range(72))
@@ -71,29 +72,33 @@ def calibrated(costs: Costs, k: float, c: float = 0.0, split: bool = False) -> C
     )
 
 
-def _simulated(config: PipelineConfig, costs: Costs, k: float = 1.0, c: float = 0.0) -> float:
-    """The step of the schedule `costs` place (as the runtime is given them: unscaled),
-    simulated with each action `k` times its compute plus `c`."""
-    schedule = _schedule(config, costs)
-    return simulate(
-        schedule.with_apply(), calibrated(costs, k, c, schedule.split_backward)
-    ).makespan
+def _simulated(
+    config: PipelineConfig, costs: Costs, k: float = 1.0, c: float = 0.0, sums: Sums | None = None
+) -> float:
+    """The step of the schedule `costs` and their gradient sums place (as the runtime is given
+    them: unscaled), simulated with each action `k` times its compute plus `c`, the sums as
+    they are (links, not compute: see [Note: gradient sums in the partitioner])."""
+    schedule = _schedule(config, with_sums(costs, sums))
+    scaled = calibrated(costs, k, c, schedule.split_backward)
+    return simulate(schedule.with_apply(), with_sums(scaled, sums)).makespan
 
 
 def _refit(report: Any, config: PipelineConfig, k: float, c: float, step: float = 1.0) -> None:
     report.compute_scale, report.action_cost, report.step_scale = k, c, step
     report.refitted = sorted(
-        ((ch.cuts, step * _simulated(config, ch.costs, k, c)) for ch in report.tried
+        ((ch.cuts, step * _simulated(config, ch.costs, k, c, ch.sums)) for ch in report.tried
          if ch.fits and ch.costs is not None),
         key=lambda item: item[1],
     )  # fmt: skip
 
 
 def action_points(
-    costs: Costs, split: bool, events: Sequence[Any]
+    costs: Costs, split: bool, events: Sequence[Any], sums: Sums | None = None
 ) -> list[tuple[float, float, int]]:
-    """(predicted, measured median, count) per chunk and action kind of a recorded step's
-    `events`."""
+    """(predicted compute, measured median, count) per chunk and action kind of a recorded
+    step's `events`; the measured backward part that holds a per-micro-batch gradient sum (W,
+    or B unsplit) less that sum's predicted seconds (the `reduce` of a sum once a step is an
+    event of its own, not an apply)."""
     by: dict[tuple[int, str], list[float]] = {}
     for e in events:
         if e.kind in _ACTION_KINDS and (e.kind != "A" or e.name == "apply"):
@@ -104,8 +109,9 @@ def action_points(
             continue
         f, b, w, a = costs.forward[s], costs.backward[s], costs.weight_grad[s], costs.apply[s]
         predicted = {"F": f, "B": b - (w if split else 0.0), "W": w, "A": a}[kind]
+        summed = sums.every[s] if sums is not None and kind == ("W" if split else "B") else 0.0
         if predicted > 0:
-            points.append((predicted, statistics.median(times), len(times)))
+            points.append((predicted, statistics.median(times) - summed, len(times)))
     return points
 
 
@@ -117,12 +123,13 @@ def fit_actions(report: Any, config: PipelineConfig, recorded: Mapping[Any, Sequ
     `report.step_scale`, `report.action_points`: the medians fitted, `report.refitted`).
     False, changing nothing, where the events show fewer than two different predicted
     times."""
-    by_cuts = {ch.cuts: ch.costs for ch in report.tried if ch.costs is not None}
+    by_cuts = {ch.cuts: ch for ch in report.tried if ch.costs is not None}
     points = []
     for cuts, events in recorded.items():
         if cuts in by_cuts:
-            split = _schedule(config, by_cuts[cuts]).split_backward
-            points += action_points(by_cuts[cuts], split, events)
+            ch = by_cuts[cuts]
+            split = _schedule(config, with_sums(ch.costs, ch.sums)).split_backward
+            points += action_points(ch.costs, split, events, ch.sums)
     if len({round(p, 9) for p, _, _ in points}) < 2:
         return False
     predicted, measured, counts = (np.array(x, dtype=float) for x in zip(*points))
@@ -134,7 +141,7 @@ def fit_actions(report: Any, config: PipelineConfig, recorded: Mapping[Any, Sequ
     k, c = min(max(float(k), COMPUTE_SCALES[0]), COMPUTE_SCALES[-1]), float(c)
     # The step's level: the trials' measured steps over their predictions with these costs.
     ratios = [
-        t.measured / _simulated(config, by_cuts[t.cuts], k, c)
+        t.measured / _simulated(config, by_cuts[t.cuts].costs, k, c, by_cuts[t.cuts].sums)
         for t in report.trials
         if t.cuts in by_cuts and t.measured > 0
     ]
@@ -150,21 +157,24 @@ def fit_compute_scale(report: Any, config: PipelineConfig) -> None:
     no recorded step gives `fit_actions` its points. Transfers are the planner's, under the
     cluster's measured or shaped links; a factor on compute changes how a cut's imbalance
     weighs against its transfers, which is where the choices differ."""
-    by_cuts = {ch.cuts: ch.costs for ch in report.tried if ch.costs is not None}
+    by_cuts = {ch.cuts: ch for ch in report.tried if ch.costs is not None}
     trials = [t for t in report.trials if t.cuts in by_cuts and t.measured > 0]
     if not trials:
         return
     # (each choice's schedule is the one its pipeline runs: placed by the unscaled costs)
-    schedules = {t.cuts: _schedule(config, by_cuts[t.cuts]).with_apply() for t in trials}
+    schedules = {
+        t.cuts: _schedule(
+            config, with_sums(by_cuts[t.cuts].costs, by_cuts[t.cuts].sums)
+        ).with_apply()
+        for t in trials
+    }
+
+    def step(t: Any, k: float) -> float:
+        ch = by_cuts[t.cuts]
+        return simulate(schedules[t.cuts], with_sums(calibrated(ch.costs, k), ch.sums)).makespan
 
     def error(k: float) -> float:
-        return sum(
-            math.log(
-                simulate(schedules[t.cuts], calibrated(by_cuts[t.cuts], k)).makespan / t.measured
-            )
-            ** 2
-            for t in trials
-        )
+        return sum(math.log(step(t, k) / t.measured) ** 2 for t in trials)
 
     _refit(report, config, min(COMPUTE_SCALES, key=error), 0.0)
     report.action_points, report.action_cost, report.step_scale = 0, None, None

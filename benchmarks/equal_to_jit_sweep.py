@@ -412,6 +412,18 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))]
 
 
+def runtime_choices(r):
+    """The runtime's choices a case draws: gradient reduction, resharding strategy, optimizer
+    fusion, mesh axis types (with `--explicit`) and steps in flight."""
+    return dict(
+        reduce_gradients=r.choice(["once", "every_micro_batch"]),
+        resharding=r.choice(["auto", "send_recv", "broadcast_greedy", "allgather"]),
+        fuse_optimizer=r.choice(["auto", "never"]),
+        mesh_axis_types=r.choice(["auto", "auto", "explicit"]) if EXPLICIT else "auto",
+        steps_in_flight=r.choice([1, 2, 3]),
+    )
+
+
 def one(r, info):
     model = r.choice(MODELS)
     sched, v, wd = r.choice(SCHEDULES)
@@ -431,11 +443,7 @@ def one(r, info):
         stage_mesh_shape=shape,
         mesh_axis_names=("data", "model"),
         backend=BACKEND,
-        reduce_gradients=r.choice(["once", "every_micro_batch"]),
-        resharding=r.choice(["auto", "send_recv", "broadcast_greedy", "allgather"]),
-        fuse_optimizer=r.choice(["auto", "never"]),
-        mesh_axis_types=r.choice(["auto", "auto", "explicit"]) if EXPLICIT else "auto",
-        steps_in_flight=r.choice([1, 2, 3]),
+        **runtime_choices(r),
     )
     donate = r.choice([(), (0, 1)])
     depth = 3 if model == "conv" else 4  # (marker positions: depth - 1)
@@ -551,11 +559,7 @@ def relayout(r, cfg, stages, how, candidates):
         weight_delay=wd,
         virtual_stages=v,
         stage_mesh_shape=shape,
-        reduce_gradients=r.choice(["once", "every_micro_batch"]),
-        resharding=r.choice(["auto", "send_recv", "broadcast_greedy", "allgather"]),
-        fuse_optimizer=r.choice(["auto", "never"]),
-        mesh_axis_types=r.choice(["auto", "auto", "explicit"]) if EXPLICIT else "auto",
-        steps_in_flight=r.choice([1, 2, 3]),
+        **runtime_choices(r),
     )
     for key in ("num_stages", "cuts", "partition", "partition_trials"):
         new.pop(key, None)

@@ -516,11 +516,13 @@ def test_action_costs_are_fitted_to_a_recorded_step(schedule, summed):
     choice = report.tried[0]
     sched = _schedule(cfg, with_sums(choice.costs, choice.sums)).with_apply()
     scaled = calibrated(choice.costs, 2.0, 5e-4, sched.split_backward)
-    timed = simulate(sched, with_sums(scaled, choice.sums))
-    once = choice.sums.once if summed else (0.0, 0.0)
+    # (a sum once a step is a `reduce` call of its own, after the apply: its seconds and c)
+    reduce = [t + 5e-4 if t > 0 else 0.0 for t in choice.sums.once] if summed else [0.0, 0.0]
+    scaled = dataclasses.replace(scaled, apply=tuple(a + r for a, r in zip(scaled.apply, reduce)))
+    timed = simulate(sched, with_sums(scaled, choice.sums._replace(once=(0.0, 0.0))))
     events = [
         Event(t.action.stage_index, t.action.kind, t.action.microbatch_index, t.start,
-              t.end - (once[t.action.stage_index] if t.action.kind == "A" else 0.0),
+              t.end - (reduce[t.action.stage_index] if t.action.kind == "A" else 0.0),
               "apply" if t.action.kind == "A" else str(t.action))
         for stage in timed.stages for t in stage
     ]  # fmt: skip
@@ -708,6 +710,13 @@ def test_auto_charges_each_chunks_gradient_sum_over_the_batch_axis(reduce):
         )
         summed = with_sums(choice.costs, choice.sums)
         assert choice.step == simulate(_schedule(cfg, summed).with_apply(), summed).makespan
+    # The runtime places delayed W's by the costs the choice was simulated with, sums included.
+    split = config(num_stages=2, schedule="zb_h1")
+    chosen = next(c for c in report.tried if c.cuts == report.chosen)
+    want = with_sums(chosen.costs, chosen.sums).weight_grad
+    assert report.placement_costs(split)["cost_weight_grad"] == pytest.approx(
+        tuple(w * 1e3 for w in want)
+    )
     _, whole = auto_report(reduce_gradients=reduce)  # ((1,) meshes)
     assert whole.gradient_bytes == [[0, 0]] * len(WIDTHS)
     assert all(not any(c.sums.once + c.sums.every) for c in whole.tried)
@@ -746,6 +755,23 @@ def test_gradient_sums_as_the_runtime_runs_them():
         for c, segments in enumerate((cut + 1, len(WIDTHS) - cut - 1)):
             scatter = segments * held / 2 / 50e9 + 2e-5  # ((d - 1) / d of each whole part)
             assert choice.sums.every[c] == pytest.approx(scatter)
+    # Only l0 split: its chunk sums every micro-batch (l0 reduce-scattered), the other once;
+    # as the runtime's plan says for the chosen cut.
+    one = {**init_params(), "l0": zero["l0"]}
+    step, report = auto_report(stage_mesh_shape=(2,), params=one)
+    for choice in report.tried:
+        (cut,) = [p for p, kind in enumerate(report.markers) if kind in choice.cuts]
+        rest = cut * held / 50e9 + 2 * 2e-5 if cut else 0.0
+        assert choice.sums.once == pytest.approx((0.0, (len(WIDTHS) - cut - 1) * held / 50e9
+                                                  + 2 * 2e-5))  # fmt: skip
+        assert choice.sums.every == pytest.approx((rest + held / 2 / 50e9 + 2e-5, 0.0))
+    plan = step.plan(one, OPT.init(one), make_batch())
+    assert [plan.layout.reductions[s].startswith("once") for s in (0, 1)] == [False, True]
+    # A batch axis that does not divide the micro-batch's 16 rows splits nothing: no sums.
+    with pytest.warns(jr.ReplicatedSpecWarning, match="not a multiple of mesh axis 'data'"):
+        _, report = auto_report(stage_mesh_shape=(3,))
+    assert report.gradient_bytes == [[0, 0]] * len(WIDTHS)
+    assert all(not any(c.sums.once + c.sums.every) for c in report.tried)
 
 
 def test_a_gradient_sum_moves_the_cut_compute_alone_would_choose():

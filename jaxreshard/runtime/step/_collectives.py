@@ -24,11 +24,15 @@ step] in `_refit.py`). On the emulated U-Transformer whose stages span hosts at 
 step; before this, the cut on such meshes rested on compute and boundary transfers alone.
 On the local runtime every stage runs in this process, whatever links `emulate_network_gbps`
 gives the boundary tensors, so its sums are charged as within one host.
+A batch axis that splits no micro-batch (rows it does not divide, or no batch argument) sums
+nothing: every device computes the whole micro-batch.
 Not modelled: a stage's tensor-parallel collectives (activations summed or gathered over a model
-axis, every layer), whose sizes only the program compiled for the stage mesh knows; a JAX
-refusal that leaves a stage summing every micro-batch (the plan names it); and, with several
-chunks on one mesh (virtual stages), the simulator runs every chunk's apply at the mesh's end,
-where the runtime runs a chunk's `reduce` after that chunk's last backward.
+axis, every layer), whose sizes only the program compiled for the stage mesh knows; sums over
+another axis that splits the stage's inputs and leaves its parameters whole (the runtime keeps
+those unreduced too); a JAX refusal that leaves a stage summing every micro-batch (the plan
+names it); and, with several chunks on one mesh (virtual stages), the simulator runs every
+chunk's apply at the mesh's end, where the runtime runs a chunk's `reduce` after that chunk's
+last backward.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from jaxreshard.comm._layout import device_key, spec_axes
 from jaxreshard.frontend._split import PARAM, StepGraph
 from jaxreshard.pipeline import Costs
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._memory import chunks_of, per_device
+from jaxreshard.runtime.step._memory import chunks_of, micro_batch_rows, per_device
 from jaxreshard.runtime.step._reduction import _jax_supports
 from jaxreshard.runtime.step._specs import transplant_spec
 
@@ -81,28 +85,33 @@ class GradientSums:
         self.config, self.mesh_of, self.cluster = config, mesh_of, cluster
         self.segments = graph.loss.num_stages
         axis = config.batch_axis
+        rows = micro_batch_rows(graph)
         self.rings: list[list[list[int]] | None] = []
         for mesh in meshes:
             shape = dict(mesh.shape)
-            if graph.forward_only or not axis or shape.get(axis, 1) < 2:
-                self.rings.append(None)
+            size = shape.get(axis, 1) if axis else 1
+            if graph.forward_only or size < 2 or not rows or rows % size:
+                self.rings.append(None)  # (the axis splits no micro-batch: nothing to sum)
                 continue
             ids = np.vectorize(device_key, otypes=[int])(np.asarray(mesh.devices, dtype=object))
             at = list(mesh.axis_names).index(axis)
             rings = np.moveaxis(ids, at, -1).reshape(-1, ids.shape[at])
             self.rings.append([[int(d) for d in ring] for ring in rings])
         outer = graph.outer.jaxpr
-        # Per parameter: (segments reading it, bytes per device per mesh, split over the axis)
+        # Per parameter: (segments reading it, gradient bytes per device per mesh (0: none to
+        # sum), split over the axis); a split one without a gradient still makes its chunk sum
+        # every micro-batch, as `reduction_axes` does
         self.params: list[tuple[tuple[int, ...], list[int], list[bool]]] = []
         for k, i in enumerate(graph.params):
             aval = outer.invars[i].aval
             readers = tuple(sorted(set(graph.loss.users(PARAM, k))))
-            if not readers or not jnp.issubdtype(aval.dtype, jnp.inexact):
-                continue  # (no gradient to sum)
+            if not readers:
+                continue
+            summed = jnp.issubdtype(aval.dtype, jnp.inexact)
             held, split = [], []
             for mesh in meshes:
                 shape = dict(mesh.shape)
-                held.append(per_device(aval, specs[i], shape))
+                held.append(per_device(aval, specs[i], shape) if summed else 0)
                 with warnings.catch_warnings():  # (a spec that does not fit is replicated)
                     warnings.simplefilter("ignore")
                     fitted = transplant_spec(specs[i], shape, aval.shape)
@@ -117,7 +126,8 @@ class GradientSums:
 
     def bytes_per_device(self) -> list[list[int]]:
         """Each segment's gradient bytes per device on each mesh, of the parameters it reads
-        first (for the report)."""
+        first (for the report: a parameter read by several chunks is summed by each, and one
+        split over the batch axis is reduce-scattered from its whole size)."""
         out = [[0] * len(self.rings) for _ in range(self.segments)]
         for readers, held, _ in self.params:
             for m, n in enumerate(held):

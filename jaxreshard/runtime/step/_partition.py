@@ -74,6 +74,7 @@ from jaxreshard.runtime.step._memory import (
     device_limit,
     exports_of,
     mesh_bytes,
+    micro_batch_rows,
     segment_memory,
     size,
 )
@@ -238,7 +239,8 @@ class PartitionReport:
                 for c, (once, every) in enumerate(zip(*chosen.sums))
             )
             lines.append(
-                "  gradient bytes per device each segment sums over the batch axis: "
+                "  gradient bytes per device each segment sums over the batch axis (a parameter "
+                "at its first reader; by each reading chunk where a cut separates them): "
                 + ", ".join(size(n) for n in held)
                 + f"; the chosen chunks' sums: {sums}"
             )
@@ -360,7 +362,7 @@ def choose_cuts(
     probe = _schedule(config, None)  # (where each chunk runs does not depend on costs)
     mesh_of = [probe.rank_of(c) for c in range(num_stages)]
     mesh0 = meshes[0]
-    split = _batch_split(config, dict(mesh0.shape))
+    split = _batch_split(config, dict(mesh0.shape), micro_batch_rows(graph))
     device = mesh0.devices.flat[0]
     cap = _cap(config, device if isinstance(mesh0, jax.sharding.Mesh) else None)
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
@@ -484,5 +486,8 @@ def _predict(
     return simulate(schedule.with_apply(), summed).makespan, schedule, costs
 
 
-def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int]) -> int:
-    return mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
+def _batch_split(config: PipelineConfig, mesh_shape: dict[str, int], rows: int) -> int:
+    """The ways the batch axis splits a micro-batch of `rows` rows (1 where it does not divide
+    them: every device then computes the whole micro-batch)."""
+    size = mesh_shape.get(config.batch_axis, 1) if config.batch_axis else 1
+    return size if rows and rows % size == 0 else 1

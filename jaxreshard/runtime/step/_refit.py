@@ -24,6 +24,10 @@ where one factor on compute fitted to the step times gave 15.2% and 10.6%, and t
 alone (s = 1) 4.4% and 30.8%; both refits with `s` put the best hand cut first. Where no
 recorded step gives a fit (it failed, or its actions show one predicted time only), the factor
 alone is fitted to the trials' step times (`fit_compute_scale`).
+A choice's gradient sums ([Note: gradient sums in the partitioner] in `_collectives.py`) are
+the links' time, not compute: a W (or an unsplit B) that sums every micro-batch is fitted less
+its sum's predicted seconds, a sum once a step is a `reduce` event apart from the apply (and
+pays its own `c`), and both are added to the simulated step unscaled.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ def _simulated(
     they are (links, not compute: see [Note: gradient sums in the partitioner])."""
     schedule = _schedule(config, with_sums(costs, sums))
     scaled = calibrated(costs, k, c, schedule.split_backward)
+    if sums is not None and c:  # (a sum once a step is a `reduce` call of its own)
+        called = tuple(a + c if t > 0 else a for a, t in zip(scaled.apply, sums.once))
+        scaled = dataclasses.replace(scaled, apply=called)
     return simulate(schedule.with_apply(), with_sums(scaled, sums)).makespan
 
 
@@ -110,8 +117,9 @@ def action_points(
         f, b, w, a = costs.forward[s], costs.backward[s], costs.weight_grad[s], costs.apply[s]
         predicted = {"F": f, "B": b - (w if split else 0.0), "W": w, "A": a}[kind]
         summed = sums.every[s] if sums is not None and kind == ("W" if split else "B") else 0.0
-        if predicted > 0:
-            points.append((predicted, statistics.median(times) - summed, len(times)))
+        measured = statistics.median(times) - summed
+        if predicted > 0 and measured > 0:  # (a sum priced over what was measured: no point)
+            points.append((predicted, measured, len(times)))
     return points
 
 

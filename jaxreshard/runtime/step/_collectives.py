@@ -1,5 +1,6 @@
 """A stage's own collectives, for `partition="auto"` (see [Note: automatic partitioning] in
-`_partition.py`): the sums of its weight gradients over its mesh's batch axis.
+`_partition.py`): the sums of its weight gradients over its mesh's batch axis, and the `Sums`
+that carry them with its tensor-parallel collectives.
 
 [Note: gradient sums in the partitioner]
 A segment is timed on one device, so its times hold no collective. On a mesh whose batch axis
@@ -26,10 +27,11 @@ On the local runtime every stage runs in this process, whatever links `emulate_n
 gives the boundary tensors, so its sums are charged as within one host.
 A batch axis that splits no micro-batch (rows it does not divide, or no batch argument) sums
 nothing: every device computes the whole micro-batch.
-Not modelled: a stage's tensor-parallel collectives (activations summed or gathered over a model
-axis, every layer), whose sizes only the program compiled for the stage mesh knows; sums over
-another axis that splits the stage's inputs and leaves its parameters whole (the runtime keeps
-those unreduced too); a JAX refusal that leaves a stage summing every micro-batch (the plan
+A stage's tensor-parallel collectives (activations summed or gathered over a model axis, every
+layer) are priced apart ([Note: tensor-parallel stages in the partitioner] in
+`_tensor_parallel.py`) and carried in the same `Sums`. Not modelled: sums over another axis
+that splits the stage's inputs and leaves its parameters whole (the runtime keeps those
+unreduced too); a JAX refusal that leaves a stage summing every micro-batch (the plan
 names it); and, with several chunks on one mesh (virtual stages), the simulator runs every
 chunk's apply at the mesh's end, where the runtime runs a chunk's `reduce` after that chunk's
 last backward.
@@ -55,21 +57,44 @@ from jaxreshard.runtime.step._specs import transplant_spec
 
 
 class Sums(NamedTuple):
-    """Seconds of a choice's gradient sums, per chunk: once a step, and per micro-batch."""
+    """Seconds of a choice's own collectives, per chunk: its gradient sums once a step and per
+    micro-batch (in W), and its tensor-parallel collectives per micro-batch in F, B and W
+    ([Note: tensor-parallel stages in the partitioner] in `_tensor_parallel.py`; empty: none)."""
 
     once: tuple[float, ...]
     every: tuple[float, ...]
+    forward: tuple[float, ...] = ()
+    input_grad: tuple[float, ...] = ()
+    weight: tuple[float, ...] = ()
+
+    def in_forward(self, c: int) -> float:
+        return self.forward[c] if self.forward else 0.0
+
+    def in_input_grad(self, c: int) -> float:
+        """Chunk `c`'s collectives in B (the input gradients) per micro-batch."""
+        return self.input_grad[c] if self.input_grad else 0.0
+
+    def in_weight_grad(self, c: int) -> float:
+        """Chunk `c`'s collectives in W per micro-batch: its gradient sum and its
+        tensor-parallel ones."""
+        return self.every[c] + (self.weight[c] if self.weight else 0.0)
 
 
 def with_sums(costs: Costs, sums: Sums | None) -> Costs:
-    """`costs` (compute and transfers) with the gradient sums of its chunks: once a step in the
-    apply, per micro-batch in the backward's W."""
+    """`costs` (compute and transfers) with the collectives of its chunks: the gradient sums
+    once a step in the apply, per micro-batch in the backward's W; the tensor-parallel ones in
+    F, B and W."""
     if sums is None:
         return costs
+    chunks = range(costs.num_stages)
     return dataclasses.replace(
         costs,
-        backward=tuple(b + t for b, t in zip(costs.backward, sums.every)),
-        weight_grad=tuple(w + t for w, t in zip(costs.weight_grad, sums.every)),
+        forward=tuple(f + sums.in_forward(c) for c, f in zip(chunks, costs.forward)),
+        backward=tuple(
+            b + sums.in_input_grad(c) + sums.in_weight_grad(c)
+            for c, b in zip(chunks, costs.backward)
+        ),
+        weight_grad=tuple(w + sums.in_weight_grad(c) for c, w in zip(chunks, costs.weight_grad)),
         apply=tuple(a + t for a, t in zip(costs.apply, sums.once)),
     )
 

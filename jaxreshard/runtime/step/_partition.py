@@ -9,7 +9,10 @@ For each segment:
   residuals; the whole backward, from those residuals and an output cotangent, adding the
   parameter gradients to accumulators; and, of that, what the input gradients alone take (B of
   a split backward; W is the rest). A stage whose mesh splits the batch (`batch_axis`) divides
-  the times by that axis's size. The post-gradient code (the
+  the times by that axis's size; on a mesh with a model axis, each part is scaled by XLA's
+  flops per device there over one device's, and the collectives XLA adds over the model axes
+  are priced by the cluster model ([Note: tensor-parallel stages in the partitioner] in
+  `_tensor_parallel.py`). The post-gradient code (the
   optimizer) that the trace places on the segment is timed too, undivided: its part of the
   step's update, once a step, simulated as the chunk's apply after its last backward;
 - for each candidate, the tensors that cross it (made at or before it, used after it) get a
@@ -86,6 +89,7 @@ from jaxreshard.runtime.step._refit import (  # noqa: F401 (re-exported for the 
     fit_compute_scale,
 )
 from jaxreshard.runtime.step._segment_cost import SegmentCost, segment_cost
+from jaxreshard.runtime.step._tensor_parallel import TensorParallel
 
 MAX_CHOICES = 20_000
 TRIAL_WARMUP = 2  # steps run before a measured choice (`partition_trials`) is timed
@@ -140,6 +144,9 @@ class PartitionReport:
     shared: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
     # Gradient bytes per device each segment sums over each mesh's batch axis: [seg][mesh]
     gradient_bytes: list[list[int]] = dataclasses.field(default_factory=list)
+    # Per mesh, its tensor-parallel work: the plan's lines and the JSON (see `_tensor_parallel`)
+    tensor_parallel: list[str] = dataclasses.field(default_factory=list)
+    tensor_parallel_json: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -168,6 +175,7 @@ class PartitionReport:
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
             "gradient_bytes_per_device": [list(v) for v in self.gradient_bytes],
+            "tensor_parallel": self.tensor_parallel_json,
             "shared_params": [
                 {"param": k, "bytes": held, "segments": list(segs)} for k, held, segs in self.shared
             ],
@@ -186,6 +194,18 @@ class PartitionReport:
                             }
                         }
                         if c.sums is not None and any(c.sums.once + c.sums.every)
+                        else {}
+                    ),
+                    **(
+                        {
+                            "tensor_parallel_seconds": {
+                                "forward": list(c.sums.forward),
+                                "input_grad": list(c.sums.input_grad),
+                                "weight_grad": list(c.sums.weight),
+                            }
+                        }
+                        if c.sums is not None
+                        and any(c.sums.forward + c.sums.input_grad + c.sums.weight)
                         else {}
                     ),
                 }
@@ -236,13 +256,28 @@ class PartitionReport:
         if any(held) and chosen is not None and chosen.sums is not None:
             sums = ", ".join(
                 f"{c}: {once * 1e3:.2f} ms once a step, {every * 1e3:.2f} ms per micro-batch"
-                for c, (once, every) in enumerate(zip(*chosen.sums))
+                for c, (once, every) in enumerate(zip(chosen.sums.once, chosen.sums.every))
             )
             lines.append(
                 "  gradient bytes per device each segment sums over the batch axis (a parameter "
                 "at its first reader; by each reading chunk where a cut separates them): "
                 + ", ".join(size(n) for n in held)
                 + f"; the chosen chunks' sums: {sums}"
+            )
+        lines.extend(f"  {line}" for line in self.tensor_parallel)
+        if (
+            chosen is not None
+            and chosen.sums is not None
+            and any(chosen.sums.forward + chosen.sums.input_grad + chosen.sums.weight)
+        ):
+            lines.append(
+                "  the chosen chunks' tensor-parallel collectives per micro-batch (F / B / W): "
+                + ", ".join(
+                    f"{c}: {f * 1e3:.2f} / {b * 1e3:.2f} / {w * 1e3:.2f} ms"
+                    for c, (f, b, w) in enumerate(
+                        zip(chosen.sums.forward, chosen.sums.input_grad, chosen.sums.weight)
+                    )
+                )
             )
         for k, held, segs in self.shared:
             lines.append(
@@ -362,7 +397,9 @@ def choose_cuts(
     probe = _schedule(config, None)  # (where each chunk runs does not depend on costs)
     mesh_of = [probe.rank_of(c) for c in range(num_stages)]
     mesh0 = meshes[0]
-    split = _batch_split(config, dict(mesh0.shape), micro_batch_rows(graph))
+    rows = micro_batch_rows(graph)
+    splits = [_batch_split(config, dict(mesh.shape), rows) for mesh in meshes]
+    split = splits[0]
     device = mesh0.devices.flat[0]
     cap = _cap(config, device if isinstance(mesh0, jax.sharding.Mesh) else None)
     if not isinstance(mesh0, jax.sharding.Mesh):  # Ray hosts' devices: time on this process's
@@ -375,6 +412,7 @@ def choose_cuts(
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
+    tensor = TensorParallel(graph, specs, config.batch_axis, meshes, splits, collectives or cluster)
     memory = []
     for s, (_, scratch) in enumerate(timed):
         # (a segment's residuals cost a trace of its VJP: once, whatever the meshes)
@@ -404,9 +442,10 @@ def choose_cuts(
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
     for cuts in itertools.combinations(candidates, free):
         bounds = sorted(forced_at + [positions[c] for c in cuts])
-        summed = sums.costs(bounds)
+        f, b, w = tensor.costs(bounds, mesh_of)
+        summed = sums.costs(bounds)._replace(forward=f, input_grad=b, weight=w)
         step, schedule, costs = _predict(
-            config, segments, crossing, bounds, shared.costs(bounds), summed
+            config, segments, crossing, bounds, shared.costs(bounds), summed, tensor, mesh_of
         )
         need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
         fits = cap is None or max(need) <= cap
@@ -420,6 +459,8 @@ def choose_cuts(
     )  # fmt: skip
     report.shared = shared.listed()
     report.gradient_bytes = sums.bytes_per_device()
+    report.tensor_parallel = tensor.summary()
+    report.tensor_parallel_json = tensor.to_json()
     return report
 
 
@@ -461,15 +502,24 @@ def _predict(
     bounds: Sequence[int],
     shared: tuple[SharedCost, ...] = (),
     sums: Sums | None = None,
+    tensor: TensorParallel | None = None,
+    mesh_of: Sequence[int] = (),
 ) -> tuple[float, Any, Costs]:
     """The simulated step of the chunks that `bounds` (boundary positions) make, their
     schedule, and their costs of compute and transfers (`shared`: their parameters read by
-    several chunks); built and simulated with their gradient sums `sums` added (see [Note:
-    gradient sums in the partitioner])."""
+    several chunks); built and simulated with their own collectives `sums` added (see [Note:
+    gradient sums in the partitioner]); `tensor`: each segment's compute per device on each
+    mesh (`mesh_of`: each chunk's), where not the timed one's (see [Note: tensor-parallel
+    stages in the partitioner])."""
     stages = chunks_of(bounds, len(segments))
-    forward = tuple(sum(segments[i].forward for i in r) for r in stages)
-    backward = tuple(sum(segments[i].backward for i in r) for r in stages)
-    weight = tuple(sum(segments[i].weight_grad for i in r) for r in stages)
+    if tensor is not None:
+        parts = [[tensor.compute(segments, i, mesh_of[c]) for i in r] for c, r in enumerate(stages)]
+    else:
+        parts = [[(segments[i].forward, segments[i].backward, segments[i].weight_grad)
+                  for i in r] for r in stages]  # fmt: skip
+    forward = tuple(sum(p[0] for p in chunk) for chunk in parts)
+    backward = tuple(sum(p[1] for p in chunk) for chunk in parts)
+    weight = tuple(sum(p[2] for p in chunk) for chunk in parts)
     apply = tuple(sum(segments[i].apply for i in r) for r in stages)
     comm = tuple(crossing[b][k] for k, b in enumerate(bounds))
     tiny = 1e-9  # (the simulator wants positive compute)

@@ -24,10 +24,12 @@ where one factor on compute fitted to the step times gave 15.2% and 10.6%, and t
 alone (s = 1) 4.4% and 30.8%; both refits with `s` put the best hand cut first. Where no
 recorded step gives a fit (it failed, or its actions show one predicted time only), the factor
 alone is fitted to the trials' step times (`fit_compute_scale`).
-A choice's gradient sums ([Note: gradient sums in the partitioner] in `_collectives.py`) are
-the links' time, not compute: a W (or an unsplit B) that sums every micro-batch is fitted less
-its sum's predicted seconds, a sum once a step is a `reduce` event apart from the apply (and
-pays its own `c`), and both are added to the simulated step unscaled.
+A choice's gradient sums ([Note: gradient sums in the partitioner] in `_collectives.py`) and
+tensor-parallel collectives ([Note: tensor-parallel stages in the partitioner]) are the links'
+time, not compute: an action is fitted less the predicted seconds of the collectives in it (a
+W, or an unsplit B, its gradient sum every micro-batch), a sum once a step is a `reduce`
+event apart from the apply (and pays its own `c`), and both are added to the simulated step
+unscaled.
 """
 
 from __future__ import annotations
@@ -116,7 +118,11 @@ def action_points(
             continue
         f, b, w, a = costs.forward[s], costs.backward[s], costs.weight_grad[s], costs.apply[s]
         predicted = {"F": f, "B": b - (w if split else 0.0), "W": w, "A": a}[kind]
-        summed = sums.every[s] if sums is not None and kind == ("W" if split else "B") else 0.0
+        summed = 0.0
+        if sums is not None:  # (the collectives priced in this action: links, not compute)
+            w = sums.in_weight_grad(s)
+            summed = {"F": sums.in_forward(s), "B": sums.in_input_grad(s) + (0.0 if split else w),
+                      "W": w, "A": 0.0}[kind]  # fmt: skip
         measured = statistics.median(times) - summed
         if predicted > 0 and measured > 0:  # (a sum priced over what was measured: no point)
             points.append((predicted, measured, len(times)))

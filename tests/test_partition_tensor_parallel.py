@@ -211,3 +211,34 @@ def test_a_slice_this_process_cannot_compile_keeps_the_timed_compute(monkeypatch
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=1024" in tensor.notes[1]
     assert all(w.factors == (1.0, 1.0, 1.0) for w in tensor.work[1])
     assert "mesh 1: tensor-parallel work not priced" in "\n".join(tensor.summary())
+
+
+def test_a_forward_only_step_prices_its_forwards():
+    """An inference step pipelined forward only: each segment's forward alone is compiled for
+    the slice, its compute divided and its collectives (the row-parallel layers' sums) in F."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), NAMES)
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, P(None, "model") if i % 2 == 0 else P("model")))
+        for i, (k, v) in enumerate(sorted(init_params().items()))
+    }
+
+    def forward(p, x):
+        h = x
+        for i in range(len(WIDTHS)):
+            h = jax.numpy.tanh(h @ p[f"l{i}"])
+            h = jr.stage_candidate(h) if i < len(WIDTHS) - 1 else h
+        return h
+
+    config = jr.PipelineConfig(
+        partition="auto", num_stages=2, stage_mesh_shape=(1, 4), mesh_axis_names=NAMES,
+        num_micro_batches=4, partition_trials=0, backend="local", devices_per_host=1,
+    )  # fmt: skip
+    step = jr.parallelize(forward, config=config, batch_argnums=1)
+    x = make_batch()["x"]
+    report = step.plan(params, x).partition
+    ring = Cluster.from_devices(jax.devices()[:8]).all_reduce_seconds([[0, 1, 2, 3]], ROW)
+    work = report.tensor_parallel_json[0]
+    assert [s[0] for s in work["collective_seconds"]] == pytest.approx([0, ring] * 3)
+    assert all(0.2 < f[0] < 0.3 for f in work["factors"])
+    want = jax.jit(forward)(init_params(), x)
+    np.testing.assert_allclose(np.asarray(step(params, x)), want, rtol=1e-5, atol=1e-6)

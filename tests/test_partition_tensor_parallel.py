@@ -88,6 +88,17 @@ def test_collectives_are_read_from_compiled_programs():
     compiled = jax.jit(blocks, in_shardings=shardings).lower(*args).compile()
     assert collectives_of(compiled.as_text()) == [Collective("all-reduce", 8 * 16 * 4, 4, 5)]
 
+    # Nested: 3 times a scan of 5 (the text prints the inner body before the outer).
+    def nested(h, w1, w2):
+        return jax.lax.scan(lambda h, ws: (blocks(h, *ws), None), h, (w1, w2))[0]
+
+    shardings = [
+        NamedSharding(mesh, s) for s in (P(), P(*[None] * 3, "model"), P(None, None, "model"))
+    ]
+    args = [np.zeros(s, np.float32) for s in ((8, 16), (3, 5, 16, 32), (3, 5, 32, 16))]
+    compiled = jax.jit(nested, in_shardings=shardings).lower(*args).compile()
+    assert collectives_of(compiled.as_text()) == [Collective("all-reduce", 8 * 16 * 4, 4, 15)]
+
 
 def test_auto_divides_compute_and_prices_the_model_axis_collectives():
     """On two (1, 4) meshes of a Megatron-style model: each segment's compute per device is
@@ -108,6 +119,7 @@ def test_auto_divides_compute_and_prices_the_model_axis_collectives():
             want_b = ring if s % 2 == 0 and s > 0 else 0.0
             assert seconds == pytest.approx([want_f, want_b, 0.0])
             assert 0.2 < factors[0] < 0.3 and 0.2 < factors[2] < 0.3
+            assert 0.2 < factors[1] < 0.3 if s > 0 else factors[1] == 1.0  # (no B: the ratio)
     assert "mesh 0: 5 collectives over its model axes per micro-batch" in report.summary()
     cfg = jr.PipelineConfig(
         num_stages=2, stage_mesh_shape=(1, 4), mesh_axis_names=NAMES, num_micro_batches=4,
@@ -152,6 +164,27 @@ def test_auto_divides_compute_and_prices_the_model_axis_collectives():
     got = step(params, OPT.init(params), make_batch())[2]
     want = jax.jit(make_step(pipelined=False))(init_params(), OPT.init(init_params()), make_batch())
     np.testing.assert_allclose(float(got), float(want[2]), rtol=1e-5)
+
+
+def test_a_replicated_weight_gathers_its_gradient_in_w():
+    """A weight replicated over `model` that reads a column-parallel layer's split output:
+    its gradient comes out split and is gathered to its accumulator's layout in every W (an
+    all-gather over the mesh), its forward's partial products summed in F."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), NAMES)
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, P(None, "model") if i % 2 == 0 else P()))
+        for i, (k, v) in enumerate(sorted(init_params().items()))
+    }
+    _, report = auto_report(params=params, stage_mesh_shape=(1, 4), mesh_axis_names=NAMES)
+    inside = Cluster.from_devices(jax.devices()[:8])
+    gather = inside.all_reduce_seconds([[0, 1, 2, 3]], 512 * 32 * 4, scatter=True)
+    seconds = report.tensor_parallel_json[0]["collective_seconds"]
+    for s in (1, 3, 5):
+        assert seconds[s] == pytest.approx(
+            [inside.all_reduce_seconds([[0, 1, 2, 3]], ROW), 0, gather]
+        )
+    for s in (0, 2, 4):
+        assert seconds[s][2] == 0.0
 
 
 def test_model_axis_collectives_across_hosts_weigh_on_the_choice(monkeypatch):

@@ -14,8 +14,9 @@ each mesh (`TensorParallel`):
    on the mesh's model slice (its devices at the first position of the batch axis): the
    forward, from the segment's inputs to its outputs and its VJP's residuals; the whole
    backward and its input gradients alone (B), from those residuals and an output cotangent,
-   laid out where the forward leaves them. The parameters are laid out by their arguments'
-   specs, an activation where the segment before left it (inside a chunk, XLA keeps a
+   laid out where the forward leaves them, the parameter gradients laid out as the parameters
+   are (as the runtime's accumulators are: a replicated parameter's gradient, computed split,
+   is gathered in every W). The parameters are laid out by their arguments' specs, an activation where the segment before left it (inside a chunk, XLA keeps a
    column-parallel output split; received replicated, a row-parallel layer's weight gradient
    would be charged in full), the other inputs replicated (the runtime splits a stage's
    micro-batch over the batch axis only). No program is run.
@@ -144,12 +145,12 @@ def _loop_counts(hlo: str) -> dict[str, int]:
 
     def visit(name: str, n: int) -> None:
         for body, trips in bodies.get(name, ()):
-            if body not in counts:  # (a body is one loop's)
-                counts[body] = n * trips
-                visit(body, n * trips)
+            counts[body] = n * trips
+            visit(body, n * trips)
 
-    for name in list(bodies):
-        if name not in counts:
+    inner = {body for loops in bodies.values() for body, _ in loops}
+    for name in bodies:  # (from the computations no loop runs: the text prints callees first)
+        if name not in inner:
             visit(name, 1)
     return counts
 
@@ -297,7 +298,7 @@ class TensorParallel:
                 (_flops(alone), None, None), self._single[s],
                 (tuple(collectives_of(alone.as_text())), (), ()),
             )  # fmt: skip
-        forward, n = parts
+        forward, n, params = parts
         outs, residuals = jax.eval_shape(forward, *structs)
         if s not in self._single:
             everywhere = (one,) * len(structs)
@@ -305,7 +306,10 @@ class TensorParallel:
                                      lambda tree: jax.tree.map(lambda _: one, tree))  # fmt: skip
             self._single[s] = _flops_of(on_one)
         with jax.set_mesh(mesh):
-            programs = _compiled_parts(forward, n, structs, tuple(shardings), outs, residuals)
+            grads_at = [shardings[i] for i in params]
+            programs = _compiled_parts(
+                forward, n, structs, tuple(shardings), outs, residuals, None, grads_at
+            )
         return _Compiled(
             _flops_of(programs),
             self._single[s],
@@ -369,7 +373,7 @@ def _priced(c: _Compiled, ratio: float, rings: np.ndarray, split: int, cluster: 
     f, whole, only = (sum(_seconds(x, rings, split, cluster) for x in program)
                       for program in c.collectives)  # fmt: skip
     seconds = (f, only, max(whole - only, 0.0))
-    count = len(c.collectives[0]) + len(c.collectives[1])
+    count = sum(x.times for program in c.collectives[:2] for x in program)  # (F; B + W)
     return MeshWork(tuple(factors), seconds, count)  # type: ignore[arg-type]
 
 
@@ -391,9 +395,10 @@ def _flops_of(programs: Sequence[Any]) -> tuple[float | None, ...]:
     return tuple(_flops(p) if p is not None else None for p in programs)
 
 
-def _forward(graph: StepGraph, s: int) -> tuple[Any, int] | None:
+def _forward(graph: StepGraph, s: int) -> tuple[Any, int, list[int]] | None:
     """Segment `s`'s forward as the runtime runs it (its outputs and its VJP's residuals, from
-    its inputs) and how many differentiable activations it reads; None without a
+    its inputs), how many differentiable activations it reads, and its differentiable
+    parameters (input positions, in its VJP's order after them); None without a
     differentiable input."""
     stage = graph.loss.stages[s]
     closed = stage.jaxpr
@@ -402,16 +407,18 @@ def _forward(graph: StepGraph, s: int) -> tuple[Any, int] | None:
     params = [i for i, r in enumerate(stage.inputs) if r.kind == PARAM and inexact[i]]
     if graph.forward_only or not acts + params:
         return None
-    return _vjp_forward(jc.jaxpr_as_fun(closed), acts + params, closed, stage), len(acts)
+    return _vjp_forward(jc.jaxpr_as_fun(closed), acts + params, closed, stage), len(acts), params
 
 
 def _compiled_parts(
     forward: Any, n: int, structs: Sequence[Any], shardings: Sequence[Any], outs: Any,
-    residuals: Any, laid: Any = None,
+    residuals: Any, laid: Any = None, grads_at: Sequence[Any] = (),
 ) -> list[Any]:  # fmt: skip
     """The forward compiled for `shardings`, and the backward as the runtime runs it, from the
     forward's residuals and an output cotangent (each laid out where the forward leaves them,
-    or by `laid(tree)`): whole, and its input gradients alone (None without any)."""
+    or by `laid(tree)`): whole, its parameter gradients laid out by `grads_at` (as the
+    runtime's accumulators are: a replicated parameter's gradient is gathered there), and its
+    input gradients alone (None without any)."""
     compiled = jax.jit(forward, in_shardings=tuple(shardings)).lower(*structs).compile()
     if laid is None:  # (in the trees of `outs` and `residuals`: a VJP's traces differ)
         at = jax.tree.leaves(compiled.output_shardings)
@@ -420,7 +427,13 @@ def _compiled_parts(
         outs_at, residuals_at = laid(outs), laid(residuals)
 
     def backward(keep: int | None) -> Any:
-        program = jax.jit(lambda f, cts: f(cts)[:keep], in_shardings=(residuals_at, outs_at))
+        def run(f: Any, cts: Any) -> Any:
+            grads = list(f(cts))
+            for k, at in enumerate(grads_at):
+                grads[n + k] = jax.lax.with_sharding_constraint(grads[n + k], at)
+            return grads[:keep]
+
+        program = jax.jit(run, in_shardings=(residuals_at, outs_at))
         return program.lower(residuals, outs).compile()
 
     return [compiled, backward(None), backward(n) if n else None]

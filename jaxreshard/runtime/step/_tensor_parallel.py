@@ -16,10 +16,11 @@ each mesh (`TensorParallel`):
    backward and its input gradients alone (B), from those residuals and an output cotangent,
    laid out where the forward leaves them, the parameter gradients laid out as the parameters
    are (as the runtime's accumulators are: a replicated parameter's gradient, computed split,
-   is gathered in every W). The parameters are laid out by their arguments' specs, an activation where the segment before left it (inside a chunk, XLA keeps a
-   column-parallel output split; received replicated, a row-parallel layer's weight gradient
-   would be charged in full), the other inputs replicated (the runtime splits a stage's
-   micro-batch over the batch axis only). No program is run.
+   is gathered in every W). The parameters are laid out by their arguments' specs, an
+   activation where the segment before left it (inside a chunk, XLA keeps a column-parallel
+   output split; received replicated, a row-parallel layer's weight gradient would be charged
+   in full), the other inputs replicated (the runtime splits a stage's micro-batch over the
+   batch axis only). No program is run.
 2. Compute: XLA's flops per device of each part on the slice over those on one device (W: the
    whole backward's less B's) scale the segment's timed F, B and W on that mesh, times the
    first mesh's batch share over this mesh's.

@@ -31,6 +31,7 @@ from jaxreshard._arguments import (
 )
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard._plan import PipelinePlan
+from jaxreshard._reuse import same_but_specs, stage_specs
 from jaxreshard._tracebacks import api_boundary
 from jaxreshard._trials import close_entry as _close
 from jaxreshard._trials import measure_choices
@@ -109,6 +110,7 @@ class _Entry:
     in_tree: Any
     outputs: StepOutputs
     partition: Any = None  # the PartitionReport of partition="auto"
+    stage_specs: Any = None  # what the stages make of the arguments' specs (`_reuse.py`)
 
 
 # Compiles of one argument structure that differ only in static leaves before a warning.
@@ -224,26 +226,48 @@ class Parallelized:
         donated = [
             dynamic[i] for i in _batch_leaf_indices(args, self.donate_argnums) if i in dynamic
         ]
-        entry = self._compile(arrays, in_tree, batch_leaves, static, recorded, donated)
+        entry = self._equivalent(key, arrays)  # [Note: one compile for equivalent placements]
+        if entry is None:
+            entry = self._compile(arrays, in_tree, batch_leaves, static, recorded, donated)
+            entry.stage_specs = stage_specs(entry.pipeline, arrays)
         self._remember(key, entry)
         return entry, arrays
 
+    def _equivalent(self, key: tuple[Any, ...], arrays: list[Any]) -> _Entry | None:
+        """A cached step these arguments would compile alike (see [Note: one compile for
+        equivalent placements]), or None."""
+        for other, entry in list(self._cache.items()):  # (other threads may call meanwhile)
+            if entry.stage_specs is None or getattr(entry.pipeline, "closed", False):
+                continue
+            if not same_but_specs(other, key, _STATIC):
+                continue
+            if stage_specs(entry.pipeline, arrays) == entry.stage_specs:
+                stage_specs(entry.pipeline, arrays, quiet=False)  # (this placement's warnings)
+                return entry
+        return None
+
     def _remember(self, key: Any, entry: _Entry) -> None:
-        """Cache a compiled step; past `MAX_COMPILED` signatures the least recently used one is
-        dropped and its pipeline closed (its threads end; its buffers go with it)."""
+        """Cache a compiled step; past `MAX_COMPILED` compiled steps the least recently used
+        signature is dropped, and its pipeline closed (its threads end; its buffers go with it)
+        once no other signature shares it."""
         old = self._cache.pop(key, None)
-        if old is not None:
-            _close(old)
+        if old is not None and old is not entry:
+            self._drop(old)
         self._cache[key] = entry
-        while len(self._cache) > MAX_COMPILED:
+        while len({id(e) for e in list(self._cache.values())}) > MAX_COMPILED:
             _, dropped = self._cache.popitem(last=False)
-            _close(dropped)
+            self._drop(dropped)
+
+    def _drop(self, entry: _Entry) -> None:
+        """Close a step no longer cached under any signature (several may share one)."""
+        if all(e is not entry for e in list(self._cache.values())):
+            _close(entry)
 
     def close(self) -> None:
         """Free every compiled pipeline now (threads, pools, device buffers it holds); a later
         call compiles again. Dropping the parallelized step does the same."""
         while self._cache:
-            _close(self._cache.popitem()[1])
+            self._drop(self._cache.popitem()[1])
 
     def _note_static(self, key: tuple[Any, ...], static: dict[int, Any], paths: list[str]) -> None:
         """Warn once when static leaves keep changing (every value compiles the step again)."""

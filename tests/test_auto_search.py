@@ -3,6 +3,7 @@ counts, the best few run beside plain data parallelism, and the measured fastest
 layout slower than data parallelism); its config is written as a profile TOML."""
 
 import dataclasses
+import itertools
 import json
 from math import comb
 
@@ -24,15 +25,26 @@ BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", 
 def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
     flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out),
-             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2"]  # fmt: skip
+             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2",
+             "--auto-mixed", "1"]  # fmt: skip
     assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
     assert len(labels) == 2 and labels[-1] == "data parallel"
-    # Every uniform stage mesh over the 4 devices, each calibrated: the configured 1x2 first.
+    # Every uniform stage mesh over the 4 devices, each calibrated: the configured 1x2 first;
+    # then the mix of two of those meshes their calibrations estimate fastest.
     layouts = [entry["layout"] for entry in record["layouts"]]
-    assert layouts == ["2 x 1x2", "2 x 1x1", "2 x 2x1"]
+    assert layouts[:3] == ["2 x 1x2", "2 x 1x1", "2 x 2x1"] and len(layouts) == 4
     assert all(len(entry["micro_batch_rows"]) == 2 for entry in record["layouts"])
+    mixes = record["mixed_layouts"]
+    assert len(mixes) == 6  # every ordered pair of the 3 shapes on 2 meshes, fastest first
+    estimates = [m["estimate_seconds"] for m in mixes]
+    assert estimates == sorted(estimates) and all(m["same_cut"] for m in mixes)
+    assert [m["calibrated"] for m in mixes] == [True] + [False] * 5
+    mixed = ", ".join("x".join(map(str, s)) for s in mixes[0]["stage_mesh_shape"])
+    assert layouts[3] == mixed
+    assert record["layouts"][3]["changes"]["stage_mesh_shape"] == mixes[0]["stage_mesh_shape"]
+    assert any(p["label"].endswith(f"meshes {mixed}") for p in record["predicted"])
     configured = [p for p in record["predicted"] if "stage_mesh_shape" not in p["changes"]]
     assert len(configured) == 20  # 4 schedules x 1, 2, 4, 8, 16 micro-batches of 16 rows
     # The 2x1 meshes split a micro-batch over 2 devices: no one-row micro-batches there.
@@ -70,6 +82,45 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     assert "predictions over memory_cap_gib=" in capsys.readouterr().out
 
 
+def test_mixed_meshes_are_estimated_from_the_uniform_calibrations():
+    """Stage 0 is fast on meshes of shape A, stage 1 on B: the mix (A, B) is estimated
+    fastest, from each stage's costs on its own mesh; mixes the hosts cannot hold (a mesh
+    across a host's edge, more devices than there are) are not considered."""
+    from jaxreshard.pipeline import Costs
+    from jaxreshard.profiler._auto_fit import CostModel
+    from jaxreshard.profiler._auto_mixed import mixed_layouts, placeable
+
+    def model(f0, f1, comm=0.001):
+        costs = Costs(forward=(f0, f1), backward=(2 * f0, 2 * f1), weight_grad=(f0, f1),
+                      comm=(comm,), apply=(0.0, 0.0))  # fmt: skip
+        return CostModel([(4, costs)], 0.002)
+
+    a, b = (2, 1), (1, 2)
+    sources = [(a, model(0.010, 0.040), None), (b, model(0.040, 0.010), None)]
+    mixes = mixed_layouts(sources, 2, 4, 2, "1f1b", False, 4, 4)
+    assert [m["stage_mesh_shape"] for m in mixes] == [[[2, 1], [1, 2]], [[1, 2], [2, 1]]]
+    fast, slow = (m["estimate_seconds"] for m in mixes)
+    assert fast < 0.5 * slow  # every stage 10 ms against 40 ms a forward
+    # A third shape of one device: (1x1, 2x1) would cross the first host's edge.
+    one = (1, 1)
+    sources.append((one, model(0.020, 0.020), None))
+    shapes = [m["stage_mesh_shape"] for m in mixed_layouts(sources, 2, 4, 2, "1f1b", False, 4, 4)]
+    assert [[1, 1], [2, 1]] not in shapes and [[2, 1], [1, 1]] in shapes
+    assert not placeable([(1, 1), (1, 2)], 4, 2) and placeable([(1, 2), (1, 1)], 4, 2)
+    assert placeable([(1, 2), (2, 2)], 8, 2) and not placeable([(2, 2), (2, 2)], 6, 2)
+    assert not placeable([(1, 1), (2, 2)], 8, 2)  # 4 devices from the middle of a host
+    assert mixed_layouts(sources[:1], 2, 4, 2, "1f1b", False, 4, 4) == []  # nothing to mix
+    # An interleaved schedule configured with one model stage per mesh estimates as such.
+    assert mixed_layouts(sources, 2, 4, 2, "interleaved_1f1b", False, 4, 4)
+    # Many shapes on many meshes: the mixes the hosts hold are found, not capped away.
+    four = CostModel([(4, Costs.make(4, forward=0.01, backward=0.02, comm=0.001))], 0.002)
+    many = [((1, n), four, None) for n in (1, 2, 4, 8)]
+    found = mixed_layouts(many, 4, 32, 8, "1f1b", False, 8, 4)
+    shapes = [(1, n) for n in (1, 2, 4, 8)]
+    held = [m for m in itertools.product(shapes, repeat=4) if placeable(m, 32, 8)]
+    assert len(found) == sum(len(set(m)) > 1 for m in held) == 90
+
+
 def test_auto_refuses_what_it_does_not_go_with(capsys):
     assert main([*BASE, "--auto", "--compare-schedules"]) == 2
     assert "--auto searches layouts on its own" in capsys.readouterr().err
@@ -81,7 +132,7 @@ def test_the_cost_fit_predicts_its_calibration_points_as_measured():
     """Two calibration points give a line where its fixed and per-row parts are >= 0; where
     noise makes one negative, the fit still predicts each point as measured (it once put a
     2-row point at 2.4x its measurement, from a clamped line through a 4-row point)."""
-    from jaxreshard.profiler._auto import _fit
+    from jaxreshard.profiler._auto_fit import _fit
 
     assert _fit(2, 10.0, 4, 14.0, 1) == 8.0  # a line: 6 ms fixed + 2 ms a row
     assert _fit(2, 11.0, 4, 37.5, 2) == 11.0 and _fit(2, 11.0, 4, 37.5, 4) == 37.5

@@ -18,6 +18,7 @@ LAYERS = [
     {
         "_parallelize",
         "_trials",
+        "_reuse",
         "_arguments",
         "_plan",
         "_reshard",

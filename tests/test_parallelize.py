@@ -290,6 +290,38 @@ def test_specs_with_trailing_none_compile_once(cpu_devices):
     assert len(step._cache) == 1
 
 
+def test_mixed_stage_meshes_compile_once_for_the_placement_the_step_returns(cpu_devices):
+    """Stage meshes (1, 2) and (1, 1): parameters placed over the model axis of 2 come back
+    from stage 1 replicated on its one device, a new signature that lays out alike on the
+    stages; it reuses the compiled step (it compiled the pipeline again, a 4-5 s first timed
+    step in a profile). A placement that changes what a stage compiles still compiles."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]).reshape(1, 2), ("data", "model"))
+    cfg = config(num_micro_batches=2, stage_mesh_shape=((1, 2), (1, 1)))
+    step = jr.parallelize(make_step(2), config=cfg, batch_argnums=(1,))
+    placed = {
+        k: jax.device_put(v, NamedSharding(mesh, P(None, "model") if v.ndim == 2 else P()))
+        for k, v in make_params(2).items()
+    }
+    params, expected = placed, make_params(2)
+    for _ in range(3):
+        params, loss = step(params, make_batch())
+        expected, want = jax.jit(make_step(2))(expected, make_batch())
+        np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
+    assert params["w1"].sharding.spec in (P(), P(None, None))  # stage 1's one device
+    assert placed["w1"].sharding.spec == P(None, "model")
+    assert len(step._cache) == 2 and len({id(e) for e in step._cache.values()}) == 1
+    for k in params:
+        np.testing.assert_allclose(params[k], expected[k], rtol=1e-5, atol=1e-6)
+    # Stage 0's weight replicated instead of split over its model axis of 2: a new layout.
+    other = {**params, "emb": jax.device_put(np.asarray(params["emb"]), NamedSharding(mesh, P()))}
+    step.plan(other, make_batch())
+    assert len({id(e) for e in step._cache.values()}) == 2
+    step.close()
+
+
 def test_boundary_tensors_are_what_the_model_implies():
     step = jr.parallelize(
         make_step(3, skip=True, shared=True), config=config(num_micro_batches=2), batch_argnums=(1,)

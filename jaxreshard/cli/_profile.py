@@ -76,6 +76,7 @@ def _profile(args: argparse.Namespace) -> int:
             meshes=args.auto_meshes == "search",
             cuts=args.auto_cuts == "search",
             virtual=args.auto_virtual == "search",
+            mixed=args.auto_mixed,
         )
         if args.json:
             write_json(args.json, record)
@@ -131,6 +132,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1 or value > 10**9:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step count from 1 to 10**9")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or value > 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count from 0 to 1000")
     return value
 
 
@@ -223,6 +234,15 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             default="search",
             help="with --auto: also search the stage meshes (every uniform mesh over the "
             "layout's devices, each calibrated by a few steps; default) or keep the configured",
+        )
+        out.add_argument(
+            "--auto-mixed",
+            type=_count,
+            default=2,
+            metavar="N",
+            help="with --auto and the mesh search: also calibrate the N mixes of stage meshes "
+            "(stages on meshes of different shapes) that the uniform layouts' calibrations "
+            "estimate fastest (default 2; 0: uniform meshes only)",
         )
         out.add_argument(
             "--auto-cuts",

@@ -40,19 +40,27 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
 5. Choose: the fastest measured, data parallelism included, so the search never picks a
    layout slower than it; the winner's config is written as TOML (`--auto-toml`), and `--json`
    records every configuration tried.
-Heterogeneous stage meshes are not searched.
+Mixed stage meshes (stages on meshes of different shapes) are estimated from the uniform
+layouts' calibrations, and the best few of them are calibrated and ranked like the others:
+[Note: mixed stage meshes in the search] in `_auto_mixed.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
 from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.profiler._auto_fit import CostModel
 from jaxreshard.profiler._auto_memory import LayoutMemory, memory_point
+from jaxreshard.profiler._auto_mixed import MAX_MIXES, mix_text, mixes_of
+from jaxreshard.profiler._auto_report import (
+    DATA_PARALLEL,
+    profile_toml,
+    summary_lines,
+)
 from jaxreshard.profiler._compare import (
     compare,
     cost_fields,
@@ -73,7 +81,6 @@ from jaxreshard.runtime.step._partition import MAX_CHOICES, NoCutFits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 UNCAPPED_GIB = 1e9  # (a cap no device reaches: the partitioner's cut without one)
-DATA_PARALLEL = "data parallel"
 
 
 def auto_search(
@@ -86,53 +93,58 @@ def auto_search(
     meshes: bool = True,
     cuts: bool = True,
     virtual: bool = True,
+    mixed: int = 2,
 ) -> dict[str, Any]:
     """Search, measure and choose (see [Note: configuration search]); returns the JSON record.
     `meshes=False` keeps the configured stage meshes, `cuts=False` the model's configured cut
-    (even stages, or the config's `cuts`), `virtual=False` its model stages per mesh."""
+    (even stages, or the config's `cuts`), `virtual=False` its model stages per mesh; `mixed`:
+    how many mixes of stage meshes (see [Note: mixed stage meshes in the search]) to
+    calibrate beside the uniform layouts, 0 for none."""
     pc = _emulating(pc)
     calibrated: list[dict[str, Any]] = []
+    mixes: list[dict[str, Any]] = []
     with runtime_for(pc) as runtime:
         hosts = getattr(runtime, "hosts", None)  # (Ray: each host's devices)
         sizes = {len(h) for h in hosts or ()}
         per_host = sizes.pop() if len(sizes) == 1 else None  # (uneven hosts: the config's)
         layouts = mesh_layouts(pc, per_host) if meshes else [{}]
-        plans = [{**layout, **cut} for layout in layouts for cut in cut_options(pc, cuts, virtual)]
-        for i, changes in enumerate(plans):
-            lpc = pc.replace_pipeline(**changes)
-            entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
-            try:
-                entry["measured"], entry["memory"], chosen = _calibrate(
-                    lpc, runtime, console, progress
-                )
-            except Exception as e:  # (a mesh the model does not shard on, say)
-                if type(e).__name__ == "RuntimeBroken":  # (a host died: nothing more can run)
-                    raise
-                entry["error"] = error_line(e, 300)
-                if console is not None:
-                    console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
-                if i == 0:  # the configured layout must build
-                    raise
-            else:
-                if chosen is not None:  # partition="auto" chose; every later run takes its cut
-                    entry["cuts"] = list(chosen)
-                    kept = {k: v for k, v in changes.items() if k != "partition_trials"}
-                    if pc.pipeline.partition_trials > 1:  # (trials are partition='auto''s)
-                        kept["partition_trials"] = 1
-                    entry["changes"] = {**kept, "partition": "manual", "cuts": chosen}
-            calibrated.append(entry)
+        options = cut_options(pc, cuts, virtual)
+        for layout in layouts:
+            for o, cut in enumerate(options):
+                entry = _calibrated(pc, {**layout, **cut}, runtime, console, progress,
+                                    required=not calibrated)  # fmt: skip
+                entry["option"] = o
+                calibrated.append(entry)
+        if meshes and mixed > 0:  # [Note: mixed stage meshes in the search]
+            mixes = mixes_of(pc, calibrated, per_host)
+            if mixes and console is not None:
+                best = ", ".join(mix_text(m) for m in mixes[:mixed])
+                capped = f" (the first {MAX_MIXES} placeable)" if len(mixes) >= MAX_MIXES else ""
+                console.print(f"mixed stage meshes: {len(mixes)}{capped} estimated from the "
+                              f"uniform calibrations; calibrating the best "
+                              f"{min(mixed, len(mixes))}: {best}", highlight=False)  # fmt: skip
+            for mix in mixes[:mixed]:
+                changes = {"stage_mesh_shape": tuple(map(tuple, mix["stage_mesh_shape"])),
+                           **options[0]}  # fmt: skip
+                entry = _calibrated(pc, changes, runtime, console, progress, required=False)
+                entry["option"] = 0
+                mix["calibrated"] = "measured" in entry
+                if "error" in entry:
+                    mix["error"] = entry["error"]
+                calibrated.append(entry)
     predictions = []
     memory: dict[str, int | None] = {}  # label -> estimated peak bytes per device
     cap = pc.pipeline.memory_cap_gib
     cap_bytes = int(cap * (1 << 30)) if cap is not None else None
     over_cap: list[dict[str, Any]] = []
+    searched = {entry["layout"] for entry in calibrated}
     for entry in calibrated:
         if "measured" not in entry:
             continue
         lpc = pc.replace_pipeline(**entry["changes"])
         model = CostModel.fit(entry["measured"])
         entry["model"] = model
-        where = f", meshes {entry['layout']}" if len(layouts) > 1 else ""
+        where = f", meshes {entry['layout']}" if len(searched) > 1 else ""
         if "cuts" in entry:
             where += f", cuts {entry['cuts']}"
         v = lpc.pipeline.chunks_per_mesh
@@ -191,6 +203,7 @@ def auto_search(
         "preset": pc.preset,
         "calibration": _calibration_json(first),
         "layouts": [_calibration_json(entry) for entry in calibrated],
+        "mixed_layouts": [{"calibrated": False, **m} for m in mixes],
         "predicted": [
             {
                 "label": label,
@@ -217,6 +230,37 @@ def auto_search(
         if console is not None:
             console.print(f"wrote {toml_path} (jaxreshard profile {pc.model} --config {toml_path})")
     return record
+
+
+def _calibrated(
+    pc: ProfileConfig,
+    changes: dict[str, Any],
+    runtime: Any,
+    console: Any,
+    progress: bool,
+    required: bool,
+) -> dict[str, Any]:
+    """Calibrate the layout `changes` make (see `_calibrate`): its search entry, with the cut
+    `partition="auto"` chose as every later run's, or the error that skipped it (raised when
+    `required`: the configured layout must build)."""
+    lpc = pc.replace_pipeline(**changes)
+    entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
+    try:
+        entry["measured"], entry["memory"], chosen = _calibrate(lpc, runtime, console, progress)
+    except Exception as e:  # (a mesh the model does not shard on, say)
+        if type(e).__name__ == "RuntimeBroken" or required:  # (a host died: nothing more runs)
+            raise
+        entry["error"] = error_line(e, 300)
+        if console is not None:
+            console.print(f"skipped meshes {entry['layout']}: {entry['error']}")
+        return entry
+    if chosen is not None:  # partition="auto" chose; every later run takes its cut
+        entry["cuts"] = list(chosen)
+        kept = {k: v for k, v in changes.items() if k != "partition_trials"}
+        if pc.pipeline.partition_trials > 1:  # (trials are partition='auto''s)
+            kept["partition_trials"] = 1
+        entry["changes"] = {**kept, "partition": "manual", "cuts": chosen}
+    return entry
 
 
 def _calibrate(
@@ -388,50 +432,6 @@ def _calibration_points(pc: ProfileConfig) -> list[int]:
     return fits[:2] or [m]
 
 
-@dataclasses.dataclass
-class CostModel:
-    """Per stage and action kind, seconds = fixed + per_row * micro-batch rows (fitted through
-    the calibration points; with one point, proportional to the rows)."""
-
-    points: list[tuple[int, Costs]]
-    overhead: float
-
-    @classmethod
-    def fit(cls, measured: list[tuple[int, Costs, float]]) -> CostModel:
-        overhead = sum(o for _, _, o in measured) / len(measured)
-        return cls([(rows, costs) for rows, costs, _ in measured], overhead)
-
-    def at(self, rows: int) -> Costs:
-        def line(get: Any) -> tuple[float, ...]:
-            if len(self.points) == 1:
-                ((r0, c0),) = self.points
-                return tuple(v * rows / r0 for v in get(c0))
-            (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
-            return tuple(_fit(r0, v0, r1, v1, rows) for v0, v1 in zip(get(c0), get(c1)))
-
-        forward = line(lambda c: c.forward)
-        backward = line(lambda c: c.backward)
-        weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
-        return Costs(forward=forward, backward=backward, weight_grad=weight,
-                     comm=line(lambda c: c.comm), apply=self.points[0][1].apply)  # fmt: skip
-
-
-def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:
-    """A time at `rows` from two calibration points (r0 < r1): on the line through them where
-    it has a fixed cost and a cost per row that are both >= 0; else (noise: more rows took
-    less time, or more than proportionally more) between the points linearly, and outside them
-    proportionally to the nearer point's rows (or flat, where more rows took less). Either way
-    a calibration point is predicted as measured."""
-    slope = (v1 - v0) / (r1 - r0)
-    fixed = v0 - slope * r0
-    if slope >= 0 and fixed >= 0:
-        return fixed + slope * rows
-    if r0 <= rows <= r1:
-        return v0 + slope * (rows - r0)
-    r, v = (r0, v0) if rows < r0 else (r1, v1)
-    return v if slope < 0 else v * rows / r
-
-
 def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]:
     """The simulated step of `changes`' schedule at `m` micro-batches of these costs, and the
     schedule."""
@@ -448,13 +448,14 @@ def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]
 
 
 def _batch_split(pc: ProfileConfig) -> int:
-    """The most ways a stage mesh splits a micro-batch (its batch axis's largest size)."""
+    """The rows a micro-batch needs a multiple of for every stage mesh to split it evenly (the
+    least common multiple of their batch axes' sizes)."""
     p = pc.pipeline
     if p.batch_axis is None:
         return 1
     k = p.mesh_axis_names.index(p.batch_axis)
     shapes = p.mesh_shapes(p.num_meshes(pc.num_stages))
-    return max((shape[k] for shape in shapes if k < len(shape)), default=1)
+    return math.lcm(*(shape[k] for shape in shapes if k < len(shape))) if shapes else 1
 
 
 def data_parallel_changes(pc: ProfileConfig) -> dict[str, Any] | None:
@@ -478,55 +479,3 @@ def _size(shape: tuple[int, ...]) -> int:
     for n in shape:
         out *= n
     return out
-
-
-def summary_lines(record: dict[str, Any]) -> list[str]:
-    rows = record["measured"]
-    lines = ["search: predicted (calibrated simulator) beside measured, and the estimated "
-             "peak memory per device"]  # fmt: skip
-    for row in rows:
-        predicted = row.get("search_predicted_seconds")
-        text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "
-        peak = row.get("estimated_peak_bytes")
-        mem = f"{peak / (1 << 20):9.1f} MiB" if peak is not None else "        -    "
-        lines.append(f"  {row['label']:<48} predicted {text}  measured "
-                     f"{row['step_seconds'] * 1e3:9.1f} ms  memory {mem}")  # fmt: skip
-    over = record.get("over_memory_cap") or []
-    if over:
-        lines.append(f"not measured: {len(over)} predictions over memory_cap_gib="
-                     f"{record['memory_cap_gib']} (the fastest of them "
-                     f"{min(over, key=lambda o: o['predicted_seconds'])['label']})")  # fmt: skip
-    speedup = record["speedup_over_data_parallel"]
-    if record["winner"] == DATA_PARALLEL:
-        lines.append("winner: plain data parallelism; no pipeline layout tried beats it here")
-    elif speedup is not None:
-        lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's step")
-    else:
-        lines.append(f"winner: {record['winner']} (no data-parallel baseline: no batch axis)")
-    return lines
-
-
-def profile_toml(pc: ProfileConfig) -> str:
-    """`pc` as a profile config file ([model], [run], [pipeline])."""
-    model = {"name": pc.model, "preset": pc.preset,
-             **dataclasses.asdict(pc.model_config)}  # fmt: skip
-    tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
-    out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
-    for name, values in tables.items():
-        out.append(f"\n[{name}]")
-        for key, value in values.items():
-            if value is not None:
-                out.append(f"{key} = {_toml(value)}")
-    return "\n".join(out) + "\n"
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} to TOML")

@@ -1,0 +1,63 @@
+"""What `jaxreshard profile MODEL --auto` prints of its record, and its winner as a profile
+config file."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxreshard.profiler._config import ProfileConfig
+
+DATA_PARALLEL = "data parallel"
+
+
+def summary_lines(record: dict[str, Any]) -> list[str]:
+    rows = record["measured"]
+    lines = ["search: predicted (calibrated simulator) beside measured, and the estimated "
+             "peak memory per device"]  # fmt: skip
+    for row in rows:
+        predicted = row.get("search_predicted_seconds")
+        text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "
+        peak = row.get("estimated_peak_bytes")
+        mem = f"{peak / (1 << 20):9.1f} MiB" if peak is not None else "        -    "
+        lines.append(f"  {row['label']:<48} predicted {text}  measured "
+                     f"{row['step_seconds'] * 1e3:9.1f} ms  memory {mem}")  # fmt: skip
+    over = record.get("over_memory_cap") or []
+    if over:
+        lines.append(f"not measured: {len(over)} predictions over memory_cap_gib="
+                     f"{record['memory_cap_gib']} (the fastest of them "
+                     f"{min(over, key=lambda o: o['predicted_seconds'])['label']})")  # fmt: skip
+    speedup = record["speedup_over_data_parallel"]
+    if record["winner"] == DATA_PARALLEL:
+        lines.append("winner: plain data parallelism; no pipeline layout tried beats it here")
+    elif speedup is not None:
+        lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's step")
+    else:
+        lines.append(f"winner: {record['winner']} (no data-parallel baseline: no batch axis)")
+    return lines
+
+
+def profile_toml(pc: ProfileConfig) -> str:
+    """`pc` as a profile config file ([model], [run], [pipeline])."""
+    model = {"name": pc.model, "preset": pc.preset,
+             **dataclasses.asdict(pc.model_config)}  # fmt: skip
+    tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
+    out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
+    for name, values in tables.items():
+        out.append(f"\n[{name}]")
+        for key, value in values.items():
+            if value is not None:
+                out.append(f"{key} = {_toml(value)}")
+    return "\n".join(out) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")

@@ -490,7 +490,12 @@ def test_compute_scale_is_fitted_to_measured_steps(schedule):
     fit_compute_scale(report, cfg)
     assert report.compute_scale == pytest.approx(2.0, rel=0.05)
     assert report.compute_scale != pytest.approx(1.0, rel=0.05)
-    assert [c for c, _ in report.refitted] == sorted(doubled, key=doubled.get)
+    # Fastest first, as the doubled costs simulate; two choices within the fitted factor's
+    # grid step of each other (segments timed here) may come in either order.
+    order = [c for c, _ in report.refitted]
+    assert sorted(order) == sorted(doubled)
+    for a, b in zip(order, order[1:]):
+        assert doubled[a] <= doubled[b] * 1.05, (order, doubled)
     assert "compute x 2.0" in report.summary() or "compute x 1.9" in report.summary()
 
 

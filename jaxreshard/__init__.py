@@ -22,7 +22,7 @@ _EXPORTS = {
     "collect": "jaxreshard._state",
     "PipelineSplitError": "jaxreshard.frontend",
     "MicroBatchWarning": "jaxreshard.frontend",
-    "BatchArgnumsWarning": "jaxreshard._parallelize",
+    "BatchArgnumsWarning": "jaxreshard._arguments",
     "PipelineError": "jaxreshard.runtime.engine._events",
     "RuntimeBroken": "jaxreshard.runtime.ray._wait",
     "ReplicatedSpecWarning": "jaxreshard.runtime.step._specs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,3 +210,69 @@ def typed_specs(
         else:
             out.append(transplant_spec(spec_of(getattr(leaf, "sharding", None)), sizes, shape))
     return out
+
+
+class BatchArgnumsWarning(UserWarning):
+    """`num_micro_batches > 1` but no `batch_argnums`: nothing is split into micro-batches, so
+    every micro-batch computes the step on the whole input (the result equals `jax.jit`'s, at
+    `num_micro_batches` times the work). The message names the argument that looks like the
+    batch and the fix."""
+
+
+def warn_no_batch(fun: Callable[..., Any], args: tuple[Any, ...], m: int) -> None:
+    """Warn that without `batch_argnums` every micro-batch takes the whole input, naming
+    the argument that looks like the batch (see `likely_batch_argnum`)."""
+    name = getattr(fun, "__name__", "the step")
+    guess = likely_batch_argnum(args, m)
+    if guess is None:
+        hint = (
+            "Pass batch_argnums=(i,) naming the arguments that hold the batch (every leaf "
+            f"with a batch dim 0 that {m} divides)"
+        )
+    else:
+        rows = next(x for x in jax.tree.leaves(args[guess]) if is_array(x)).shape[0]
+        hint = (
+            f"Argument {guess}{_arg_name(fun, guess)} looks like the batch (every leaf "
+            f"has {rows} rows along dim 0, which no other argument's leaves all share): "
+            f"pass batch_argnums=({guess},) to split it"
+        )
+    warnings.warn(
+        f"parallelize({name}) has num_micro_batches={m} but no batch_argnums, so no argument "
+        f"is split into micro-batches: each of the {m} micro-batches computes the step on "
+        f"the whole input (the result equals jax.jit's, at {m} times the work). {hint}, or "
+        "use num_micro_batches=1 if the step has no batch.",
+        BatchArgnumsWarning,
+        stacklevel=4,
+    )
+
+
+def check_batch(leaves: list[Any], batch_leaves: list[int], paths: list[str], m: int) -> None:
+    """Refuse batch leaves that cannot split into `m` micro-batches alike."""
+    for i in batch_leaves:
+        shape = leaves[i].shape
+        if not shape:
+            raise ValueError(
+                f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
+                "to split into micro-batches"
+            )
+        if shape[0] == 0:
+            raise ValueError(
+                f"batch leaf {paths[i]} has 0 rows along dim 0: an empty batch has no loss "
+                "to compute; give at least num_micro_batches rows"
+            )
+        if shape[0] % m:
+            raise ValueError(
+                f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
+                f"num_micro_batches={m} does not divide; use a batch size that is a "
+                f"multiple of {m} (e.g. {shape[0] // m * m or m}) or another micro-batch count"
+            )
+    rows: dict[int, str] = {}
+    for i in batch_leaves:
+        rows.setdefault(leaves[i].shape[0], paths[i])
+    if len(rows) > 1:
+        sizes = ", ".join(f"{path} has {n}" for n, path in sorted(rows.items()))
+        raise ValueError(
+            f"batch leaves have different sizes along dim 0 ({sizes}); they must agree to "
+            "be split into the same micro-batches: give every batch leaf the same rows, or "
+            "pass the odd one in an argument outside batch_argnums"
+        )

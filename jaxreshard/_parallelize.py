@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import functools
 import math
@@ -17,23 +15,22 @@ from jax.sharding import Mesh
 
 from jaxreshard._arguments import (
     _STATIC,
-    _arg_name,
     _batch_leaf_indices,
     _check_argnums,
     _check_mesh_list,
     _hashable,
     _jax_dtype,
     _leaf_paths,
-    likely_batch_argnum,
+    check_batch,
     mesh_axis_types,
     signature,
     typed_specs,
+    warn_no_batch,
 )
 from jaxreshard._jax_compat import abstract_mesh, make_mesh
 from jaxreshard._plan import PipelinePlan
-from jaxreshard._reuse import same_but_specs, stage_specs
+from jaxreshard._reuse import StepCache, stage_specs
 from jaxreshard._tracebacks import api_boundary
-from jaxreshard._trials import close_entry as _close
 from jaxreshard._trials import measure_choices
 from jaxreshard.comm import Cluster
 from jaxreshard.frontend._split import StepGraph
@@ -96,13 +93,6 @@ def parallelize(
     return Parallelized(fun, config, batch_argnums, meshes, donate_argnums)
 
 
-class BatchArgnumsWarning(UserWarning):
-    """`num_micro_batches > 1` but no `batch_argnums`: nothing is split into micro-batches, so
-    every micro-batch computes the step on the whole input (the result equals `jax.jit`'s, at
-    `num_micro_batches` times the work). The message names the argument that looks like the
-    batch and the fix."""
-
-
 @dataclasses.dataclass
 class _Entry:
     graph: StepGraph
@@ -154,8 +144,7 @@ class Parallelized:
                 "into micro-batches, not reused: drop it from donate_argnums"
             )
         self.meshes = _check_mesh_list(meshes)
-        # Compiled steps by argument signature, least recently used first (see `_remember`).
-        self._cache: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self._cache = StepCache()  # compiled steps by argument signature
         self._static_seen: dict[Any, list[dict[int, Any]]] = {}
         functools.update_wrapper(self, fun)
 
@@ -178,9 +167,7 @@ class Parallelized:
         signed, arrays = signature(leaves, self._unit_axes)
         try:
             key = (in_tree, *signed)
-            entry = self._cache.get(key)
-            if entry is not None and getattr(entry.pipeline, "closed", False):
-                entry = None  # closed by `close` or `jaxreshard.shutdown()`: compile again
+            entry = self._cache.lookup(key)
         except TypeError:  # an unhashable static leaf
             bad = next(i for i, x in enumerate(leaves) if not is_array(x) and not _hashable(x))
             raise TypeError(
@@ -190,8 +177,6 @@ class Parallelized:
                 "make it hashable, or close over it in the step"
             ) from None
         if entry is not None:
-            with contextlib.suppress(KeyError):  # (dropped by another thread meanwhile)
-                self._cache.move_to_end(key)  # (the least recently used goes first)
             return entry, arrays
         for name, argnums in (
             ("batch_argnums", self.batch_argnums),
@@ -201,7 +186,7 @@ class Parallelized:
                 if not -len(args) <= i < len(args):
                     raise ValueError(f"{name}={argnums} but the step got {len(args)} arguments")
         if not self.batch_argnums and self.config.num_micro_batches > 1:
-            self._warn_no_batch(args)
+            warn_no_batch(self.fun, args, self.config.num_micro_batches)
         static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
         dynamic = {i: n for n, i in enumerate(i for i in range(len(leaves)) if i not in static)}
         batch_leaves = []
@@ -221,53 +206,23 @@ class Parallelized:
                     "arrays cannot hold; convert it (e.g. np.asarray(x, np.float32)) or "
                     "close over it in the step"
                 )
-        self._check_batch(arrays, batch_leaves, paths)
+        check_batch(arrays, batch_leaves, paths, self.config.num_micro_batches)
         self._note_static(key, static, _leaf_paths(args))
         donated = [
             dynamic[i] for i in _batch_leaf_indices(args, self.donate_argnums) if i in dynamic
         ]
-        entry = self._equivalent(key, arrays)  # [Note: one compile for equivalent placements]
+        # [Note: one compile for equivalent placements]
+        entry = self._cache.equivalent(key, arrays, _STATIC)
         if entry is None:
             entry = self._compile(arrays, in_tree, batch_leaves, static, recorded, donated)
             entry.stage_specs = stage_specs(entry.pipeline, arrays)
-        self._remember(key, entry)
+        self._cache.remember(key, entry, MAX_COMPILED)
         return entry, arrays
-
-    def _equivalent(self, key: tuple[Any, ...], arrays: list[Any]) -> _Entry | None:
-        """A cached step these arguments would compile alike (see [Note: one compile for
-        equivalent placements]), or None."""
-        for other, entry in list(self._cache.items()):  # (other threads may call meanwhile)
-            if entry.stage_specs is None or getattr(entry.pipeline, "closed", False):
-                continue
-            if not same_but_specs(other, key, _STATIC):
-                continue
-            if stage_specs(entry.pipeline, arrays) == entry.stage_specs:
-                stage_specs(entry.pipeline, arrays, quiet=False)  # (this placement's warnings)
-                return entry
-        return None
-
-    def _remember(self, key: Any, entry: _Entry) -> None:
-        """Cache a compiled step; past `MAX_COMPILED` compiled steps the least recently used
-        signature is dropped, and its pipeline closed (its threads end; its buffers go with it)
-        once no other signature shares it."""
-        old = self._cache.pop(key, None)
-        if old is not None and old is not entry:
-            self._drop(old)
-        self._cache[key] = entry
-        while len({id(e) for e in list(self._cache.values())}) > MAX_COMPILED:
-            _, dropped = self._cache.popitem(last=False)
-            self._drop(dropped)
-
-    def _drop(self, entry: _Entry) -> None:
-        """Close a step no longer cached under any signature (several may share one)."""
-        if all(e is not entry for e in list(self._cache.values())):
-            _close(entry)
 
     def close(self) -> None:
         """Free every compiled pipeline now (threads, pools, device buffers it holds); a later
         call compiles again. Dropping the parallelized step does the same."""
-        while self._cache:
-            self._drop(self._cache.popitem()[1])
+        self._cache.close_all()
 
     def _note_static(self, key: tuple[Any, ...], static: dict[int, Any], paths: list[str]) -> None:
         """Warn once when static leaves keep changing (every value compiles the step again)."""
@@ -285,64 +240,6 @@ class Parallelized:
                 "value compiles the step again. Pass values that change between calls as arrays "
                 "(jnp.asarray(x)).",
                 stacklevel=4,
-            )
-
-    def _warn_no_batch(self, args: tuple[Any, ...]) -> None:
-        """Warn that without `batch_argnums` every micro-batch takes the whole input, naming
-        the argument that looks like the batch (see `likely_batch_argnum`)."""
-        m = self.config.num_micro_batches
-        name = getattr(self.fun, "__name__", "the step")
-        guess = likely_batch_argnum(args, m)
-        if guess is None:
-            hint = (
-                "Pass batch_argnums=(i,) naming the arguments that hold the batch (every leaf "
-                f"with a batch dim 0 that {m} divides)"
-            )
-        else:
-            rows = next(x for x in jax.tree.leaves(args[guess]) if is_array(x)).shape[0]
-            hint = (
-                f"Argument {guess}{_arg_name(self.fun, guess)} looks like the batch (every leaf "
-                f"has {rows} rows along dim 0, which no other argument's leaves all share): "
-                f"pass batch_argnums=({guess},) to split it"
-            )
-        warnings.warn(
-            f"parallelize({name}) has num_micro_batches={m} but no batch_argnums, so no argument "
-            f"is split into micro-batches: each of the {m} micro-batches computes the step on "
-            f"the whole input (the result equals jax.jit's, at {m} times the work). {hint}, or "
-            "use num_micro_batches=1 if the step has no batch.",
-            BatchArgnumsWarning,
-            stacklevel=4,
-        )
-
-    def _check_batch(self, leaves: list[Any], batch_leaves: list[int], paths: list[str]):
-        m = self.config.num_micro_batches
-        for i in batch_leaves:
-            shape = leaves[i].shape
-            if not shape:
-                raise ValueError(
-                    f"batch leaf {paths[i]} is a scalar; every batch leaf needs a batch dim 0 "
-                    "to split into micro-batches"
-                )
-            if shape[0] == 0:
-                raise ValueError(
-                    f"batch leaf {paths[i]} has 0 rows along dim 0: an empty batch has no loss "
-                    "to compute; give at least num_micro_batches rows"
-                )
-            if shape[0] % m:
-                raise ValueError(
-                    f"batch leaf {paths[i]} has {shape[0]} rows along dim 0, which "
-                    f"num_micro_batches={m} does not divide; use a batch size that is a "
-                    f"multiple of {m} (e.g. {shape[0] // m * m or m}) or another micro-batch count"
-                )
-        rows: dict[int, str] = {}
-        for i in batch_leaves:
-            rows.setdefault(leaves[i].shape[0], paths[i])
-        if len(rows) > 1:
-            sizes = ", ".join(f"{path} has {n}" for n, path in sorted(rows.items()))
-            raise ValueError(
-                f"batch leaves have different sizes along dim 0 ({sizes}); they must agree to "
-                "be split into the same micro-batches: give every batch leaf the same rows, or "
-                "pass the odd one in an argument outside batch_argnums"
             )
 
     def _compile(

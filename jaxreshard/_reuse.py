@@ -1,4 +1,5 @@
-"""One compile for arguments placed differently but laid out alike on the stage meshes.
+"""The compiled steps of a `parallelize`d function, by argument signature; one compile for
+arguments placed differently but laid out alike on the stage meshes.
 
 [Note: one compile for equivalent placements]
 A compiled step is cached by its arguments'
@@ -23,14 +24,65 @@ its inputs by their specs, and a Ray pipeline keeps its own layout on the hosts.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from jaxreshard._jax_compat import axis_type_names
+from jaxreshard._trials import close_entry
 from jaxreshard.comm._layout import normalized_spec
 from jaxreshard.frontend._split import PARAM
 from jaxreshard.runtime.step._layout import extra_specs, parameter_specs
+
+
+class StepCache(collections.OrderedDict):
+    """Compiled steps (`_Entry`) by argument signature, least recently used first. Several
+    signatures may share one step (see [Note: one compile for equivalent placements]); a
+    step's pipeline is closed (its threads end, its buffers go) once no signature holds it."""
+
+    def lookup(self, key: Any) -> Any:
+        """The step cached for `key`, now the most recently used (None: none, or closed by
+        `close` or `jaxreshard.shutdown()`); a TypeError for an unhashable key."""
+        entry = self.get(key)
+        if entry is None or getattr(entry.pipeline, "closed", False):
+            return None
+        with contextlib.suppress(KeyError):  # (dropped by another thread meanwhile)
+            self.move_to_end(key)
+        return entry
+
+    def equivalent(self, key: tuple[Any, ...], arrays: Sequence[Any], static: object) -> Any:
+        """A cached step these arguments would compile alike (signature `key`, array leaves
+        `arrays`), or None."""
+        for other, entry in list(self.items()):  # (other threads may call meanwhile)
+            if entry.stage_specs is None or getattr(entry.pipeline, "closed", False):
+                continue
+            if not same_but_specs(other, key, static):
+                continue
+            if stage_specs(entry.pipeline, arrays) == entry.stage_specs:
+                stage_specs(entry.pipeline, arrays, quiet=False)  # (this placement's warnings)
+                return entry
+        return None
+
+    def remember(self, key: Any, entry: Any, limit: int) -> None:
+        """Cache `entry` for `key`; past `limit` compiled steps the least recently used
+        signatures are dropped."""
+        old = self.pop(key, None)
+        if old is not None and old is not entry:
+            self._drop(old)
+        self[key] = entry
+        while len({id(e) for e in list(self.values())}) > limit:
+            _, dropped = self.popitem(last=False)
+            self._drop(dropped)
+
+    def close_all(self) -> None:
+        while self:
+            self._drop(self.popitem()[1])
+
+    def _drop(self, entry: Any) -> None:
+        if all(e is not entry for e in list(self.values())):
+            close_entry(entry)
 
 
 def stage_specs(pipeline: Any, leaves: Sequence[Any], quiet: bool = True) -> Any:

@@ -242,7 +242,7 @@ def warn_no_batch(fun: Callable[..., Any], args: tuple[Any, ...], m: int) -> Non
         f"the whole input (the result equals jax.jit's, at {m} times the work). {hint}, or "
         "use num_micro_batches=1 if the step has no batch.",
         BatchArgnumsWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

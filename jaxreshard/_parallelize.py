@@ -239,7 +239,7 @@ class Parallelized:
                 f"{changing}; non-array leaves are static, as in eqx.filter_jit, and every new "
                 "value compiles the step again. Pass values that change between calls as arrays "
                 "(jnp.asarray(x)).",
-                stacklevel=4,
+                stacklevel=5,
             )
 
     def _compile(

@@ -724,6 +724,9 @@ def test_a_missing_batch_argnums_warns_naming_the_batch():
         r"num_micro_batches=1",
     ):
         plan = step.plan(params, optimizer.init(params), batch)
+    with pytest.warns(jr.BatchArgnumsWarning) as caught:  # (a new signature warns again)
+        step(params, optimizer.init(params), {k: v[:4] for k, v in batch.items()})
+    assert [w.filename for w in caught] == [__file__]  # the user's call, not jaxreshard's
     first = str(plan).splitlines()[0]
     assert first == (
         "pipeline: 2 stages, 4 micro-batches, no batch argument (batch_argnums=()): each "
@@ -738,7 +741,7 @@ def test_a_missing_batch_argnums_warns_naming_the_batch():
 
 
 def test_the_batch_argument_guess():
-    from jaxreshard._parallelize import likely_batch_argnum
+    from jaxreshard._arguments import likely_batch_argnum
 
     w, rows = np.zeros((8, 8), np.float32), np.zeros((8, 3), np.float32)
     params = make_params(2)  # dims 0 of 6 and 8: not one batch

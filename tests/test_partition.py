@@ -3,6 +3,7 @@
 compute, the planner's transfer time of every cut); either way the step equals jax.jit."""
 
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -494,7 +495,7 @@ def test_compute_scale_is_fitted_to_measured_steps(schedule):
     # grid step of each other (segments timed here) may come in either order.
     order = [c for c, _ in report.refitted]
     assert sorted(order) == sorted(doubled)
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         assert doubled[a] <= doubled[b] * 1.05, (order, doubled)
     assert "compute x 2.0" in report.summary() or "compute x 1.9" in report.summary()
 

@@ -27,6 +27,7 @@ estimate (its stages' costs are of other layers), which the JSON marks (`same_cu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,7 @@ def mixed_layouts(
     by_shape: dict[tuple[int, ...], tuple[Any, Any]] = {}
     for shape, model, cuts in sources:
         by_shape.setdefault(tuple(shape), (model, cuts))
-    shapes = sorted(by_shape, key=lambda s: (_size(s), s))
+    shapes = sorted(by_shape, key=lambda s: (math.prod(s), s))
     if num_meshes < 2 or len(shapes) < 2:
         return []
     out = []
@@ -117,7 +118,7 @@ def placeable(shapes: Sequence[Sequence[int]], devices: int, per_host: int) -> b
     `per_host`, each fit in one host or take whole hosts (as the runtime places them)."""
     at = 0
     for shape in shapes:
-        n = _size(shape)
+        n = math.prod(shape)
         if n <= per_host:
             if at % per_host + n > per_host:
                 return False
@@ -129,13 +130,6 @@ def placeable(shapes: Sequence[Sequence[int]], devices: int, per_host: int) -> b
 
 def _key(cuts: Any) -> Any:
     return tuple(cuts) if cuts is not None else None
-
-
-def _size(shape: Sequence[int]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def mixes_of(pc: ProfileConfig, calibrated: list[dict[str, Any]], per_host: int | None) -> list:

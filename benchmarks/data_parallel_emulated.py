@@ -190,11 +190,14 @@ def pipeline(address: str, model: str, config: str, steps: int, auto: int = 0) -
 
 
 def model_of(config: str, default: str) -> str:
-    """The model a profile TOML names (its [model] table's `name`), else `default`."""
+    """The model a profile TOML names (its [model] table's `name`), else `default`; a model
+    file's path made absolute (the host processes run elsewhere)."""
     import tomllib
 
+    from jaxreshard.models._user import absolute
+
     with open(config, "rb") as f:
-        return str(tomllib.load(f).get("model", {}).get("name", default))
+        return absolute(str(tomllib.load(f).get("model", {}).get("name", default)))
 
 
 def main() -> None:

@@ -402,6 +402,35 @@ def test_optax_style_state_and_a_single_stage():
         np.testing.assert_allclose(np.asarray(o[k]), np.asarray(ref_o[k]), rtol=1e-5, atol=1e-6)
 
 
+class LossSettings:
+    """A config object passed to the loss beside its arrays (not a pytree: a leaf)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def settings_loss(p, batch, settings, num_stages, squared):
+    h = jnp.tanh(batch["x"] @ p["emb"])
+    for s in range(1, num_stages):  # (a Python int: a loop bound)
+        h = jnp.tanh(jr.stage_boundary(h) @ p[f"w{s}"] + p[f"b{s}"])
+    err = h @ p["out"] - batch["y"]
+    return settings.scale * jnp.mean(err**2 if squared else jnp.abs(err))  # (a bool: a branch)
+
+
+def test_non_array_arguments_of_the_loss_stay_python_values_as_under_jax_grad():
+    """jax.value_and_grad passes the loss's other arguments as they are: a config object, an
+    int loop bound and a bool branch work inside a pipeline as under jax.jit."""
+
+    def step(params, batch):
+        loss, grads = jr.value_and_grad(settings_loss)(params, batch, LossSettings(0.5), 3, True)
+        return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
+
+    params, batch = make_params(3), make_batch()
+    ref = run_steps(jax.jit(step), params, batch)
+    pstep = jr.parallelize(step, config=config(num_stages=3), batch_argnums=(1,))
+    assert_same(*run_steps(pstep, params, batch), *ref)
+
+
 def test_markers_work_under_plain_jax():
     f = lambda x: jnp.sum(jnp.sin(jr.stage_boundary({"a": x, "b": 2 * x})["a"]) ** 2)
     g = lambda x: jnp.sum(jnp.sin(x) ** 2)

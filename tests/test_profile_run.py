@@ -6,6 +6,7 @@ agree, and the JSON, the Chrome trace and the PNG are what they claim to be.
 """
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -269,6 +270,27 @@ def test_local_and_ray_give_the_same_losses(ray_runtime, mesh):
     np.testing.assert_allclose(b, a, rtol=1e-5)
     sends = [t for t in ray["boundary_tensors"] if t["kind"] == "act"]
     assert sends and all(t["measured_seconds"] and t["measured_seconds"] > 0 for t in sends)
+
+
+@pytest.mark.ray
+def test_a_model_file_of_the_users_trains_on_ray_as_on_the_local_runtime(ray_runtime):
+    """The step of a model loaded from a file (a module of its own, not installed on the
+    hosts) travels to the Ray hosts by value."""
+    example = str(Path(__file__).parent.parent / "examples" / "profile_model.py")
+    pc = load_profile_config(
+        example,
+        None,
+        {
+            "model": {"layers": 2, "width": 32, "hidden": 64},
+            "run": {"steps": 3, "batch_size": 8},
+            "pipeline": {"num_micro_batches": 4, "stage_mesh_shape": (1, 2)},
+        },
+    )
+    local = profiler.run_profile(pc, progress=False)
+    ray = profiler.run_profile(pc.replace_pipeline(backend="ray"), progress=False)
+    assert ray["backend"] == "ray" and ray["model"] == example
+    a = np.array([s["loss"] for s in local["steps"]])
+    np.testing.assert_allclose(np.array([s["loss"] for s in ray["steps"]]), a, rtol=1e-5)
 
 
 @pytest.mark.ray

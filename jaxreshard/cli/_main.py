@@ -22,8 +22,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command (`bench`, `schedule`, `profile`, `cluster`)."""
+def build_parser(models: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of every command (`bench`, `schedule`, `profile`, `cluster`); `models`: the
+    user's models (references) that `profile` takes beside the built-in ones."""
     parser = _Parser(
         prog="jaxreshard",
         description="Pipeline-parallel JAX across device meshes with optimised resharding.",
@@ -33,14 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_bench_parser(commands)
     add_schedule_parser(commands)
-    add_profile_parser(commands)
+    add_profile_parser(commands, models)
     add_cluster_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return its exit code (0 on success; see [Note: one error path])."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    models: list[str] = []
+    if len(argv) >= 2 and argv[0] == "profile" and not argv[1].startswith("-"):
+        from jaxreshard.models import MODEL_NAMES, get_model
+
+        if argv[1] not in MODEL_NAMES:  # the user's own model: its flags come from its config
+            try:
+                get_model(argv[1])
+            except Exception as e:
+                return print_error(f"profile {argv[1]}", e)
+            models.append(argv[1])
+    parser = build_parser(models)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own one-line usage error (exit code 2)

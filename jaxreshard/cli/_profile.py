@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 
 from jaxreshard.cli._console import (
     PLOT_SUFFIXES,
@@ -172,7 +173,9 @@ def _compile_cache(where: str | None) -> str | None:
     return where
 
 
-def add_profile_parser(commands: argparse._SubParsersAction) -> None:
+def add_profile_parser(commands: argparse._SubParsersAction, extra: Sequence[str] = ()) -> None:
+    """The `profile` command, with a sub-command per built-in model and per model of the
+    user's in `extra` (references, see [Note: user models] in `models/_user.py`)."""
     from jaxreshard.models import MODEL_NAMES, get_model
     from jaxreshard.profiler import RunConfig
     from jaxreshard.profiler._config import PROFILE_PIPELINE
@@ -180,12 +183,14 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
 
     profile = commands.add_parser(
         "profile",
-        help="train GPT or U-Transformer as a pipeline and profile it end to end",
+        help="train GPT, U-Transformer or your own model as a pipeline and profile it end to end",
         description="Train a model on synthetic data with parallelize and report step time, "
-        "throughput, per-stage compute/blocked/bubble, and every boundary tensor's transfer.",
+        "throughput, per-stage compute/blocked/bubble, and every boundary tensor's transfer. "
+        "MODEL is gpt, utransformer, or your own model: path/to/model.py or package.module "
+        "(docs/profile.md, 'Your own model').",
     )
     models = profile.add_subparsers(dest="model", required=True, metavar="MODEL")
-    for name in MODEL_NAMES:
+    for name in (*MODEL_NAMES, *extra):
         spec = get_model(name)
         sub = models.add_parser(
             name,
@@ -299,7 +304,7 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
             dest="model__preset",
             default=None,
             metavar="NAME",
-            help=f"the model's size: {', '.join(spec.presets)} (default: tiny)",
+            help=f"the model's size: {', '.join(spec.presets)} (default: {spec.default_preset})",
         )
         model_docs = field_docs(spec.config_type)
         for f in dataclasses.fields(spec.config_type):

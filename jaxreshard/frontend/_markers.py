@@ -327,7 +327,11 @@ def _bind_pipeline_grad(
     diff = tuple(args[i] for i in argnums)
     rest = tuple(a for i, a in enumerate(args) if i not in argnums)
     diff_leaves, diff_tree = jax.tree.flatten(diff)
-    rest_leaves, rest_tree = jax.tree.flatten(rest)
+    all_rest, rest_tree = jax.tree.flatten(rest)
+    # The other arguments' arrays are operands; their other leaves (a config object, an int
+    # that picks a code path) stay Python values, as jax.grad passes them to the loss.
+    operand = [isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray)) for leaf in all_rest]
+    rest_leaves = [leaf for leaf, o in zip(all_rest, operand) if o]
     for i, leaf in enumerate(diff_leaves):
         if not _is_inexact_array(leaf):
             paths = [
@@ -344,7 +348,10 @@ def _bind_pipeline_grad(
 
     def loss_of_leaves(*leaves: Any) -> list[Any]:
         d = jax.tree.unflatten(diff_tree, leaves[: len(diff_leaves)])
-        r = jax.tree.unflatten(rest_tree, leaves[len(diff_leaves) :])
+        given = iter(leaves[len(diff_leaves) :])
+        r = jax.tree.unflatten(
+            rest_tree, [next(given) if o else leaf for leaf, o in zip(all_rest, operand)]
+        )
         it_d, it_r = iter(d), iter(r)
         full = [next(it_d) if i in argnums else next(it_r) for i in range(len(args))]
         out = fun(*full)

@@ -20,6 +20,7 @@ from typing import Any
 
 import jaxreshard as jr
 from jaxreshard.checkpoint._format import STEP_NAME, latest_step, step_dir
+from jaxreshard.models._user import absolute
 
 KEEP = 2
 
@@ -31,7 +32,7 @@ class RunCheckpoints:
         self.root = Path(root).expanduser().absolute()
         self.every = every
         self.identity = {
-            "model": pc.model,
+            "model": absolute(pc.model),  # (a model file by any path to it)
             "preset": pc.preset,
             "seed": pc.run.seed,
             "batch_size": pc.run.batch_size,

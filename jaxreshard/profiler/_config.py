@@ -29,6 +29,7 @@ import optax
 
 from jaxreshard._machine import available_memory_bytes, format_bytes
 from jaxreshard.models import ModelSpec, get_model
+from jaxreshard.models._user import same_model
 from jaxreshard.runtime._config import PipelineConfig, read_toml
 
 TABLES = ("model", "run", "pipeline")
@@ -218,12 +219,12 @@ def load_profile_config(
 
     model_table = dict(data["model"])
     name = model_table.pop("name", model)
-    if not isinstance(name, str) or name != model:
+    if not isinstance(name, str) or not same_model(name, model):
         raise ValueError(
             f"{origin[('model', 'name')]}: name={name!r} but the command profiles {model!r}; "
             f"run `jaxreshard profile {name}` or change the name"
         )
-    preset = model_table.pop("preset", "tiny")
+    preset = model_table.pop("preset", spec.default_preset)
     if not isinstance(preset, str) or preset not in spec.presets:
         raise ValueError(
             f"{origin.get(('model', 'preset'), '[model]')}: preset={preset!r} is not a {model} "
@@ -263,7 +264,7 @@ def load_profile_config(
             f"join, but backend={pipeline.backend!r}{_from(origin, 'pipeline', 'backend')}; set "
             "backend = 'ray' (--backend ray) to use it, or drop the address"
         )
-    if "explicit" in pipeline.axis_types:
+    if "explicit" in pipeline.axis_types and spec.builtin:
         raise ValueError(
             f"mesh_axis_types={pipeline.mesh_axis_types!r}"
             f"{_from(origin, 'pipeline', 'mesh_axis_types')}: the shipped {model} model is "
@@ -299,21 +300,24 @@ def check_fits(pc: ProfileConfig) -> None:
         return
     cfg = pc.model_config
     slots = {"adam": 2, "adamw": 2, "sgd": 0 if pc.run.momentum is None else 1}[pc.run.optimizer]
-    state = cfg.num_params * 4 * (2 + slots)  # parameters, gradients, optimizer slots (f32)
-    activations = cfg.activation_bytes(pc.run.batch_size)
+    num_params = pc.spec.num_params(cfg)
+    if num_params is None:  # (a model of the user's that does not trace abstractly)
+        return
+    state = num_params * 4 * (2 + slots)  # parameters, gradients, optimizer slots (f32)
+    activations = pc.spec.activation_bytes(cfg, pc.run.batch_size) or 0
     if state + activations <= available:
         return
     origin = pc.origin
     set_by = [
         f"{key}={value!r} from {origin[(table, key)]}"
         for table, config in (("model", cfg), ("run", pc.run))
-        for key, value in vars(config).items()
+        for key, value in ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
         if (table, key) in origin and (table == "model" or key == "batch_size")
     ]
     raise ValueError(
         f"{pc.model} {pc.preset}"
         + (f" with {', '.join(set_by)}" if set_by else "")
-        + f": {cfg.num_params:.3g} parameters need ~{format_bytes(state)} for parameters, "
+        + f": {num_params:.3g} parameters need ~{format_bytes(state)} for parameters, "
         f"gradients and {pc.run.optimizer} state, and a batch of {pc.run.batch_size} needs "
         f"~{format_bytes(activations)} of activations (estimates), but this machine has "
         f"{format_bytes(available)} available; use a smaller preset, fewer layers or a smaller "

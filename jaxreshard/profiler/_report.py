@@ -128,7 +128,7 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
         "format": PROFILE_FORMAT,
         "model": pc.model,
         "preset": pc.preset,
-        "num_params": pc.model_config.num_params,
+        "num_params": pc.spec.num_params(pc.model_config),
         "schedule": pc.pipeline.schedule,
         "weight_delay": pc.pipeline.weight_delay,
         "resharding": pc.pipeline.resharding,
@@ -180,6 +180,10 @@ def describe_devices() -> str:
     return f"{len(devices)} x {devices[0].platform} ({kind})" if devices else "none"
 
 
+def _params_text(count: int | None) -> str:
+    return f"{count / 1e6:.2f} M parameters" if count is not None else "parameters not counted"
+
+
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"
@@ -204,7 +208,7 @@ def header_lines(pc: Any) -> list[str]:
     """What runs, in a few lines (with the emulation notice when it is on)."""
     p = pc.pipeline
     lines = [
-        f"{pc.model} {pc.preset}: {pc.model_config.num_params / 1e6:.2f} M parameters; "
+        f"{pc.model} {pc.preset}: {_params_text(pc.spec.num_params(pc.model_config))}; "
         f"batch {pc.run.batch_size} = {p.num_micro_batches} micro-batches x "
         f"{pc.run.batch_size // p.num_micro_batches}",
         f"pipeline: {pc.num_stages} stages on meshes "

@@ -64,9 +64,7 @@ class Session:
         optimizer = pc.run.make_optimizer()
         params = self.module.init_params(cfg, pc.run.seed)
         self._state_structs = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
-        self.step_fn = self.module.train_step(
-            cfg, pc.num_stages, optimizer, candidates=pc.candidates
-        )
+        self.step_fn = spec.train_step(cfg, pc.num_stages, optimizer, pc.candidates)
         pipeline = pc.pipeline
         if pipeline.backend == "ray" and runtime is None:
             raise ValueError("backend 'ray' needs a running Ray runtime (jaxreshard.init)")
@@ -257,7 +255,7 @@ def _place_params(pc: ProfileConfig, params: Any) -> Any:
     grid = np.array(jax.devices()[:n]).reshape(shape)
     mesh = make_mesh(grid, pc.pipeline.mesh_axis_names, pc.pipeline.axis_types)
     axis = "model" if "model" in pc.pipeline.mesh_axis_names else pc.pipeline.mesh_axis_names[-1]
-    specs = pc.spec.module.param_specs(pc.model_config, axis)
+    specs = pc.spec.param_specs(pc.model_config, axis, params)
     sizes = dict(mesh.shape)
 
     def place(x: Any, spec: Any) -> Any:

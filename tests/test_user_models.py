@@ -1,0 +1,217 @@
+"""A model of the user's own in `jaxreshard profile` (see [Note: user models]): a .py file or a
+module that follows the built-in models' conventions profiles, partitions and searches like
+them, and equals `jax.jit`; a reference that does not load says what is missing."""
+
+import dataclasses
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxreshard import profiler
+from jaxreshard.cli import main
+from jaxreshard.models import get_model
+from jaxreshard.profiler import load_profile_config
+
+EXAMPLE = str(Path(__file__).parent.parent / "examples" / "profile_model.py")
+
+
+def example_config(**pipeline):
+    return load_profile_config(
+        EXAMPLE,
+        None,
+        {
+            "model": {"layers": 3, "width": 32, "hidden": 64},
+            "run": {"steps": 3, "batch_size": 8},
+            "pipeline": {"num_micro_batches": 4, "stage_mesh_shape": (1, 1), **pipeline},
+        },
+    )
+
+
+def jit_losses(pc, steps):
+    """The losses of `steps` steps of the model's own step under `jax.jit`, from the same
+    parameters and batches as the profile."""
+    spec = pc.spec
+    optimizer = pc.run.make_optimizer()
+    params = spec.module.init_params(pc.model_config, pc.run.seed)
+    opt = optimizer.init(params)
+    step = jax.jit(spec.train_step(pc.model_config, 1, optimizer, False))
+    out = []
+    for i in range(steps):
+        batch = spec.module.synthetic_batch(pc.model_config, pc.run.batch_size, i, pc.run.seed)
+        params, opt, loss = step(params, opt, batch)
+        out.append(float(loss))
+    return np.array(out)
+
+
+def test_a_model_file_profiles_and_equals_jax_jit():
+    pc = example_config(schedule="1f1b", weight_delay=False)
+    assert pc.model == EXAMPLE and pc.preset == "tiny" and not pc.spec.builtin
+    result = profiler.run_profile(pc, progress=False)
+    assert result["model"] == EXAMPLE
+    cfg = pc.model_config
+    blocks = cfg.layers * (2 * cfg.width * cfg.hidden + cfg.hidden + cfg.width)
+    assert result["num_params"] == blocks + cfg.width * cfg.classes + cfg.classes
+    losses = np.array([s["loss"] for s in result["steps"]])
+    warm = pc.run.warmup_steps
+    np.testing.assert_allclose(losses, jit_losses(pc, warm + len(losses))[warm:], rtol=2e-5)
+    assert result["unit"] == "samples" and result["samples_per_second"] > 0
+
+
+def test_partition_auto_cuts_a_model_file_at_its_candidates(capsys):
+    pc = example_config(partition="auto", num_stages=2, partition_trials=0)
+    assert pc.candidates
+    result = profiler.run_profile(pc, progress=False)
+    assert len(result["cuts"]) == 1 and 0 <= result["cuts"][0] < pc.model_config.layers - 1
+    losses = np.array([s["loss"] for s in result["steps"]])
+    warm = pc.run.warmup_steps
+    np.testing.assert_allclose(losses, jit_losses(pc, warm + len(losses))[warm:], rtol=2e-5)
+
+
+def test_the_command_takes_a_model_file_with_its_flags_and_auto_writes_a_config_that_loads(
+    tmp_path, capsys
+):
+    toml, out = tmp_path / "best.toml", tmp_path / "auto.json"
+    flags = ["--layers", "3", "--width", "32", "--hidden", "64", "--batch-size", "8",
+             "--stage-mesh-shape", "1,1", "--steps", "2", "--no-progress", "--compile-cache",
+             "off"]  # fmt: skip
+    code = main(["profile", EXAMPLE, *flags, "--auto", "--auto-meshes", "keep",
+                 "--auto-virtual", "keep", "--auto-top", "1", "--auto-toml", str(toml),
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    record = json.loads(out.read_text())
+    assert record["model"] == EXAMPLE and record["layouts"][0]["cuts"] is not None
+    assert {row["label"] for row in record["measured"]} >= {"data parallel"}
+    again = load_profile_config(EXAMPLE, toml)  # the winner's config names the model file
+    assert again.model == EXAMPLE and again.model_config.width == 32
+    assert json.loads(json.dumps(again.pipeline.to_dict())) == record["winner_pipeline"]
+
+    assert main(["profile", EXAMPLE, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--width V" in text and "features every block reads and writes" in text
+    assert "tiny, deep (default: tiny)" in text
+
+
+def test_a_module_on_the_path_and_a_spec_attribute_load(tmp_path, monkeypatch):
+    shutil.copy(EXAMPLE, tmp_path / "my_mlp.py")
+    (tmp_path / "my_specs.py").write_text(
+        textwrap.dedent(
+            """
+            import my_mlp
+            from jaxreshard.models import ModelSpec
+
+            SPEC = ModelSpec("anything", my_mlp.MLPConfig, {"small": my_mlp.MLPConfig(layers=2)},
+                             my_mlp, "rows", lambda cfg: 1, lambda cfg: cfg.layers)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = get_model("my_mlp")
+    assert spec.name == "my_mlp" and not spec.builtin and spec.default_preset == "tiny"
+    assert spec.num_units(spec.presets["deep"]) == 8 and spec.unit == "samples"
+    by_file = get_model(str(tmp_path / "my_specs.py") + ":SPEC")
+    assert by_file.name.endswith("my_specs.py:SPEC") and by_file.unit == "rows"
+    assert by_file.default_preset == "small" and not by_file.builtin
+    pc = load_profile_config(f"{tmp_path / 'my_specs.py'}:SPEC", None, {"run": {"steps": 1}})
+    assert pc.preset == "small" and pc.model_config.layers == 2
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+MINIMAL = textwrap.dedent(
+    """
+    import dataclasses
+    import numpy as np
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        layers: int = 2
+
+    PRESETS = {"only": Cfg()}
+
+    def num_layers(cfg):
+        return cfg.layers
+
+    def init_params(cfg, seed):
+        return {"w": np.ones((4, 4), np.float32)}
+
+    def synthetic_batch(cfg, batch_size, step, seed):
+        return {"x": np.ones((batch_size, 4), np.float32)}
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (MINIMAL, ["does not define", "train_step(cfg, num_stages, optimizer"]),
+        ("x = 1\n", ["PRESETS", "num_layers(cfg)", "init_params(cfg, seed)", "Your own model"]),
+        (MINIMAL.replace('{"only": Cfg()}', '{"only": 3}')
+         + "\ndef train_step(cfg, num_stages, optimizer):\n    pass\n",
+         ["PRESETS must map names to instances of one dataclass"]),
+        ("raise RuntimeError('broken on purpose')\n", ["importing", "broken on purpose"]),
+    ],
+)  # fmt: skip
+def test_a_model_that_does_not_follow_the_conventions_is_refused_with_what_is_missing(
+    tmp_path, capsys, body, words
+):
+    path = write(tmp_path, "bad_model.py", body)
+    assert main(["profile", path, "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert f"jaxreshard profile {path}: error: model '{path}'" in err
+    for word in words:
+        assert word in err
+
+
+def test_a_config_names_the_model_file_by_any_path_to_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(EXAMPLE).parent.parent)
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nname = "./examples/profile_model.py"\npreset = "deep"\n')
+    pc = load_profile_config(EXAMPLE, toml)
+    assert pc.preset == "deep" and pc.model == EXAMPLE
+    toml.write_text('[model]\nname = "examples/other.py"\n')
+    with pytest.raises(ValueError, match="but the command profiles"):
+        load_profile_config(EXAMPLE, toml)
+
+
+def test_references_that_do_not_resolve_say_what_to_give(tmp_path, capsys, monkeypatch):
+    assert main(["profile", "gtp"]) != 0
+    assert "no module 'gtp'" in capsys.readouterr().err
+    missing = str(tmp_path / "nowhere.py")
+    assert main(["profile", missing]) != 0
+    assert f"no file {missing}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
+        get_model(f"{EXAMPLE}:NOPE")
+    write(tmp_path, "needs_missing.py", "import not_installed_anywhere_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"importing needs_missing failed.*install what it"):
+        get_model("needs_missing")
+    bad_count = write(tmp_path, "zero_layers.py", MINIMAL.replace("return cfg.layers", "return 0")
+                      + "\ndef train_step(cfg, num_stages, optimizer):\n    pass\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"num_layers\(cfg\) returned 0"):
+        load_profile_config(bad_count, None, {})
+
+
+def test_partition_auto_on_a_model_without_candidates_names_the_keyword(tmp_path):
+    path = write(tmp_path, "no_candidates.py", MINIMAL
+                 + "\ndef train_step(cfg, num_stages, optimizer):\n    pass\n")  # fmt: skip
+    pc = load_profile_config(path, None, {"pipeline": {"partition": "auto"}})
+    with pytest.raises(ValueError, match="candidates=False"):
+        pc.spec.train_step(pc.model_config, 2, None, pc.candidates)
+    assert pc.spec.train_step(pc.model_config, 2, None, False) is None  # (called as written)
+
+
+def test_a_spec_without_a_param_count_counts_init_params():
+    spec = get_model(EXAMPLE)
+    cfg = dataclasses.replace(spec.presets["tiny"], layers=1, width=2, hidden=3, classes=4)
+    assert spec.num_params(cfg) == (2 * 3 + 3) + (3 * 2 + 2) + (2 * 4 + 4)
+    specs = spec.param_specs(cfg, "model", None)
+    assert specs["blocks"][0]["up"]["w"] == jax.sharding.PartitionSpec(None, "model")

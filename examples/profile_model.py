@@ -104,6 +104,13 @@ def synthetic_batch(cfg: MLPConfig, batch_size: int, step: int, seed: int = 0) -
     return {"x": x.astype(np.float32), "y": np.argmax(x @ teacher, axis=1).astype(np.int32)}
 
 
+def num_params(cfg: MLPConfig) -> int:
+    """The parameter count (optional: without it the profiler runs `init_params` under
+    `jax.eval_shape` to count them, which allocates a NumPy initialisation in full)."""
+    block = 2 * cfg.width * cfg.hidden + cfg.hidden + cfg.width
+    return cfg.layers * block + cfg.width * cfg.classes + cfg.classes
+
+
 def activation_bytes(cfg: MLPConfig, batch_size: int) -> int:
     """What a batch's forward keeps for its backward, roughly (optional: the memory check
     before a run on this machine's CPU)."""

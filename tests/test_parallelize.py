@@ -409,20 +409,26 @@ class LossSettings:
         self.scale = scale
 
 
-def settings_loss(p, batch, settings, num_stages, squared):
+def settings_loss(p, batch, settings, num_stages, squared, repeats):
     h = jnp.tanh(batch["x"] @ p["emb"])
     for s in range(1, num_stages):  # (a Python int: a loop bound)
         h = jnp.tanh(jr.stage_boundary(h) @ p[f"w{s}"] + p[f"b{s}"])
     err = h @ p["out"] - batch["y"]
-    return settings.scale * jnp.mean(err**2 if squared else jnp.abs(err))  # (a bool: a branch)
+    total = 0.0
+    for _ in range(repeats):  # (a concrete NumPy array: a loop bound too)
+        total = total + jnp.mean(err**2 if squared else jnp.abs(err))  # (a bool: a branch)
+    return settings.scale * total
 
 
 def test_non_array_arguments_of_the_loss_stay_python_values_as_under_jax_grad():
     """jax.value_and_grad passes the loss's other arguments as they are: a config object, an
-    int loop bound and a bool branch work inside a pipeline as under jax.jit."""
+    int loop bound, a bool branch and a concrete array work inside a pipeline as under
+    jax.jit."""
 
     def step(params, batch):
-        loss, grads = jr.value_and_grad(settings_loss)(params, batch, LossSettings(0.5), 3, True)
+        loss, grads = jr.value_and_grad(settings_loss)(
+            params, batch, LossSettings(0.5), 3, True, np.array(2)
+        )
         return jax.tree.map(lambda w, g: w - 0.05 * g, params, grads), loss
 
     params, batch = make_params(3), make_batch()

@@ -147,6 +147,7 @@ MINIMAL = textwrap.dedent(
         return {"x": np.ones((batch_size, 4), np.float32)}
     """
 )
+TRAIN_STEP = "\ndef train_step(cfg, num_stages, optimizer):\n    pass\n"
 
 
 @pytest.mark.parametrize(
@@ -215,3 +216,104 @@ def test_a_spec_without_a_param_count_counts_init_params():
     assert spec.num_params(cfg) == (2 * 3 + 3) + (3 * 2 + 2) + (2 * 4 + 4)
     specs = spec.param_specs(cfg, "model", None)
     assert specs["blocks"][0]["up"]["w"] == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_a_config_field_named_like_a_flag_is_refused_in_one_line(tmp_path, capsys):
+    for field in ("seed", "json"):  # a [run] key; one of the command's own flags
+        body = MINIMAL.replace("layers: int = 2", f"layers: int = 2\n    {field}: int = 0")
+        path = write(tmp_path, f"clash_{field}.py", body + TRAIN_STEP)
+        assert main(["profile", path, "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxreshard profile {path}: error: model") and "Traceback" not in err
+        assert f"'{field}'" in err or f" {field}," in err or f"field(s) {field}" in err
+        assert "rename" in err
+
+
+def test_computed_fields_are_no_flags_and_values_must_be_what_a_file_holds(tmp_path, capsys):
+    from jaxreshard.profiler._auto_report import profile_toml
+
+    body = MINIMAL.replace(
+        "    layers: int = 2\n",
+        "    layers: int = 2\n"
+        "    width: int = dataclasses.field(init=False, default=0)\n\n"
+        "    def __post_init__(self):\n"
+        "        object.__setattr__(self, 'width', 4 * self.layers)\n",
+    )
+    path = write(tmp_path, "computed.py", body + TRAIN_STEP)
+    pc = load_profile_config(path, None, {"model": {"layers": 3}})
+    assert pc.model_config.width == 12
+    toml = tmp_path / "again.toml"
+    toml.write_text(profile_toml(pc))
+    assert "width" not in toml.read_text()
+    assert load_profile_config(path, toml).model_config.width == 12
+    assert main(["profile", path, "--help"]) == 0
+    assert "--width" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown key 'width'"):
+        load_profile_config(path, None, {"model": {"width": 3}})
+
+    dtype = MINIMAL.replace("layers: int = 2", "layers: int = 2\n    dtype: object = np.float32")
+    path = write(tmp_path, "with_dtype.py", dtype + TRAIN_STEP)
+    with pytest.raises(ValueError, match=r"dtype=<class 'numpy.float32'> \(from its preset\)"):
+        load_profile_config(path, None, {})
+
+
+def test_a_model_file_travels_to_ray_hosts_by_value_whichever_module_makes_the_step(
+    tmp_path, monkeypatch
+):
+    """A host process can import neither the model file's module (a name only this process
+    gave it) nor a helper module beside it: both go by value."""
+    import pickle
+    import sys
+
+    from jaxreshard.runtime.ray._pipeline import _by_value
+
+    write(tmp_path, "step_helper.py", """
+        import jaxreshard as jr
+
+        def make_step(loss_fn, cfg):
+            def step(params, opt_state, batch):
+                loss, grads = jr.value_and_grad(loss_fn)(params, batch, cfg)
+                return params, opt_state, loss
+            return step
+        """)  # fmt: skip
+    body = MINIMAL + textwrap.dedent("""
+        import jax.numpy as jnp
+        from step_helper import make_step
+
+        def loss_fn(p, batch, cfg):
+            return jnp.mean(batch["x"] @ p["w"]) * cfg.layers
+
+        def train_step(cfg, num_stages, optimizer):
+            return make_step(loss_fn, cfg)
+        """)  # fmt: skip
+    spec = get_model(write(tmp_path, "split_model.py", body))
+    step = spec.train_step(spec.presets["only"], 1, None, False)
+    assert step.__module__ == "step_helper"
+    blob = _by_value(step, {})
+    for name in [n for n in sys.modules if n.startswith("jaxreshard_user_model_split_model")]:
+        monkeypatch.delitem(sys.modules, name)  # (as on a host: neither module is there)
+    monkeypatch.delitem(sys.modules, "step_helper")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    fun, _, _ = pickle.loads(blob)
+    params = {"w": np.ones((4, 4), np.float32)}
+    _, _, loss = fun(params, None, {"x": np.ones((2, 4), np.float32)})
+    assert float(loss) == 8.0
+
+
+def test_a_bare_name_that_is_an_installed_module_says_which_file_it_imported():
+    with pytest.raises(ValueError, match=r"imported from .*json.*give its path \(\./name\.py\)"):
+        get_model("json")
+
+
+def test_a_spec_whose_module_has_no_param_specs_replicates():
+    from types import SimpleNamespace
+
+    from jaxreshard.models import ModelSpec
+
+    example = get_model(EXAMPLE)
+    module = SimpleNamespace(**{k: getattr(example.module, k) for k in
+                                ("init_params", "train_step", "synthetic_batch")})  # fmt: skip
+    spec = ModelSpec("x", example.config_type, example.presets, module, "samples",
+                     lambda c: 1, lambda c: c.layers, builtin=False)  # fmt: skip
+    specs = spec.param_specs(spec.presets["tiny"], "model", {"a": np.ones(2), "b": [np.ones(1)]})
+    assert specs == {"a": jax.sharding.PartitionSpec(), "b": [jax.sharding.PartitionSpec()]}

@@ -47,12 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxreshard.models import MODEL_NAMES, get_model
 
         if argv[1] not in MODEL_NAMES:  # the user's own model: its flags come from its config
-            try:
-                get_model(argv[1])
-            except Exception as e:
-                return print_error(f"profile {argv[1]}", e)
             models.append(argv[1])
-    parser = build_parser(models)
+    try:
+        if models:
+            from jaxreshard.profiler._config import check_model_fields
+
+            check_model_fields(get_model(models[0]))
+        parser = build_parser(models)
+    except Exception as e:
+        return print_error(f"profile {models[0]}" if models else (argv[0] if argv else ""), e)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own one-line usage error (exit code 2)

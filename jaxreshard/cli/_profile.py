@@ -308,7 +308,16 @@ def add_profile_parser(commands: argparse._SubParsersAction, extra: Sequence[str
         )
         model_docs = field_docs(spec.config_type)
         for f in dataclasses.fields(spec.config_type):
-            _field_flag(model_group, "model", f.name, model_docs.get(f.name, f.name), None)
+            if not f.init:
+                continue  # (computed by the config itself)
+            try:
+                _field_flag(model_group, "model", f.name, model_docs.get(f.name, f.name), None)
+            except argparse.ArgumentError as e:  # (a user model's field named like a flag)
+                raise ValueError(
+                    f"model {name!r}: its config field {f.name!r} makes the flag "
+                    f"--{f.name.replace('_', '-')}, which the command already has ({e}); "
+                    "rename the field in the model"
+                ) from None
         run_group = sub.add_argument_group("[run] (RunConfig)")
         run_docs = field_docs(RunConfig)
         for f in dataclasses.fields(RunConfig):

@@ -328,9 +328,9 @@ def _bind_pipeline_grad(
     rest = tuple(a for i, a in enumerate(args) if i not in argnums)
     diff_leaves, diff_tree = jax.tree.flatten(diff)
     all_rest, rest_tree = jax.tree.flatten(rest)
-    # The other arguments' arrays are operands; their other leaves (a config object, an int
-    # that picks a code path) stay Python values, as jax.grad passes them to the loss.
-    operand = [isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray)) for leaf in all_rest]
+    # The other arguments' traced values are operands; their other leaves (a config object, an
+    # int that picks a code path, a concrete array) stay as they are, as jax.grad passes them.
+    operand = [isinstance(leaf, jax.core.Tracer) for leaf in all_rest]
     rest_leaves = [leaf for leaf, o in zip(all_rest, operand) if o]
     for i, leaf in enumerate(diff_leaves):
         if not _is_inexact_array(leaf):

@@ -73,7 +73,7 @@ class ModelSpec:
         none)."""
         from jax.sharding import PartitionSpec
 
-        make = self.module.param_specs
+        make = getattr(self.module, "param_specs", None)
         if make is None:
             import jax
 
@@ -82,7 +82,8 @@ class ModelSpec:
 
     def num_params(self, cfg: Any) -> int | None:
         """The parameter count: the config's (built-in models), the model's `num_params(cfg)`,
-        or counted from `init_params` traced abstractly (None if it cannot be)."""
+        or counted from `init_params` under `jax.eval_shape` (None if that fails; a NumPy
+        initialisation runs in full there)."""
         if self.builtin:
             return cfg.num_params
         count = getattr(self.module, "num_params", None)

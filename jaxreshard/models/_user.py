@@ -23,11 +23,14 @@ What the module defines (docs/profile.md, "Your own model", has a whole example)
   default: every parameter replicated), `UNIT` and `units_per_sample(cfg)` (what throughput
   counts; default one sample), `num_params(cfg)` and `activation_bytes(cfg, batch_size)` (the
   memory check before a run on this machine's CPU; by default the parameters are counted from
-  `init_params` traced abstractly, and activations are not estimated).
+  `init_params` under `jax.eval_shape`, and activations are not estimated).
+The config's fields must be values a TOML file holds and must not take a name the profile
+config uses (`check_model_fields` and `_check_writable` in `profiler/_config.py`).
 
 A file is imported as a module of its own (its folder first on `sys.path`, as Python does for a
-script, so that it can import its neighbours); a pipeline on Ray sends the step to its hosts by
-value, so the hosts need the file's imports installed, not the file.
+script, so that it can import its neighbours), marked `__jaxreshard_by_value__`: no other process
+can import it by its name, so a pipeline on Ray sends it to the hosts by value, whichever module
+the step comes from; the hosts need the file's imports installed, not the file.
 """
 
 from __future__ import annotations
@@ -49,12 +52,6 @@ REQUIRED = {
     "synthetic_batch": "synthetic_batch(cfg, batch_size, step, seed) -> batch",
 }
 _LOADED: dict[tuple[str, str], Any] = {}  # (where, attribute) -> ModelSpec
-
-
-def is_reference(name: str) -> bool:
-    """Whether `name` reads as a reference to a user's model rather than a built-in name."""
-    head = name.split(":", 1)[0]
-    return head.endswith(".py") or "/" in head or "." in head or ":" in name
 
 
 def absolute(reference: str) -> str:
@@ -122,6 +119,9 @@ def _import_file(where: str, reference: str) -> Any:
     if loader_spec is None or loader_spec.loader is None:
         raise ValueError(f"model {reference!r}: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(loader_spec)
+    # No other process can import it by this name: a Ray pipeline sends it by value (see
+    # `_by_value` in runtime/ray/_pipeline.py), whichever module the step itself is from.
+    module.__jaxreshard_by_value__ = True
     sys.modules[name] = module  # (dataclasses and pickling look the module up by name)
     try:
         loader_spec.loader.exec_module(module)
@@ -144,8 +144,9 @@ def _import_module(where: str, reference: str) -> Any:
             ) from e
         raise ValueError(
             f"model {reference!r}: no module {where!r} on the Python path ({e}); give gpt, "
-            "utransformer, the path of your model's .py file, or a module name importable "
-            "here (install its package, or set PYTHONPATH)"
+            "utransformer, the path of your model's .py file (./" + where.replace(".", "/")
+            + ".py for one here), or a module name importable here (install its package, or "
+            "set PYTHONPATH)"
         ) from e
     except Exception as e:  # (the module's own code failed)
         raise ValueError(
@@ -163,10 +164,13 @@ def _spec_of(target: Any, reference: str) -> Any:
     if not isinstance(presets, dict) or not presets:
         missing.insert(0, "PRESETS = {'tiny': Config(...), ...} (a dict of dataclass configs)")
     if missing:
+        file = getattr(target, "__file__", None)
+        found = f" (imported from {file})" if file else ""
         raise ValueError(
-            f"model {reference!r}: it does not define {'; '.join(missing)}. A model for "
+            f"model {reference!r}{found}: it does not define {'; '.join(missing)}. A model for "
             "`jaxreshard profile` defines these as the built-in ones do (docs/profile.md, "
-            "'Your own model', has a whole example)"
+            "'Your own model', has a whole example); for a file of yours whose name is also "
+            "an installed module's, give its path (./name.py)"
         )
     types = {type(cfg) for cfg in presets.values()}
     config_type = next(iter(types))

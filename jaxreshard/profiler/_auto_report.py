@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxreshard.profiler._config import ProfileConfig
+from jaxreshard.profiler._config import ProfileConfig, model_config_fields
 
 DATA_PARALLEL = "data parallel"
 
@@ -39,8 +39,9 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
 
 def profile_toml(pc: ProfileConfig) -> str:
     """`pc` as a profile config file ([model], [run], [pipeline])."""
+    fields = model_config_fields(type(pc.model_config))
     model = {"name": pc.model, "preset": pc.preset,
-             **dataclasses.asdict(pc.model_config)}  # fmt: skip
+             **{name: getattr(pc.model_config, name) for name in fields}}  # fmt: skip
     tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
     out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
     for name, values in tables.items():

@@ -20,7 +20,6 @@ from typing import Any
 
 import jaxreshard as jr
 from jaxreshard.checkpoint._format import STEP_NAME, latest_step, step_dir
-from jaxreshard.models._user import absolute
 
 KEEP = 2
 
@@ -32,7 +31,7 @@ class RunCheckpoints:
         self.root = Path(root).expanduser().absolute()
         self.every = every
         self.identity = {
-            "model": absolute(pc.model),  # (a model file by any path to it)
+            "model": pc.model,
             "preset": pc.preset,
             "seed": pc.run.seed,
             "batch_size": pc.run.batch_size,

@@ -206,6 +206,7 @@ def load_profile_config(
     """Build the config for `model` from an optional TOML file and flag overrides
     (`{"model": {...}, "run": {...}, "pipeline": {...}}`, the flags' values by field name)."""
     spec = get_model(model)
+    check_model_fields(spec)
     data: dict[str, dict[str, Any]] = {t: {} for t in TABLES}
     origin: dict[tuple[str, str], str] = {}
     if path is not None:
@@ -231,7 +232,7 @@ def load_profile_config(
             f"preset; choose one of {', '.join(spec.presets)}"
         )
     base = spec.presets[preset]
-    model_fields = {f.name: f for f in dataclasses.fields(spec.config_type)}
+    model_fields = model_config_fields(spec.config_type)
     for key, value in model_table.items():
         where = origin[("model", key)]
         if key not in model_fields:
@@ -245,6 +246,8 @@ def load_profile_config(
     model_config = _build(
         lambda: dataclasses.replace(base, **model_table), origin, "model", model_table
     )
+    if not spec.builtin:
+        _check_writable(model_config, model, origin)
 
     run_values = _checked(data["run"], RunConfig, "run", origin)
     run = _build(lambda: RunConfig(**run_values), origin, "run", run_values)
@@ -289,6 +292,51 @@ def load_profile_config(
             f"{_from(origin, 'pipeline', 'num_micro_batches')}; make it one"
         )
     return ProfileConfig(model, preset, model_config, run, pipeline, origin)
+
+
+def model_config_fields(config_type: type) -> dict[str, dataclasses.Field]:
+    """The fields of a model's config that a file or a flag sets (not `init=False` ones)."""
+    return {f.name: f for f in dataclasses.fields(config_type) if f.init}
+
+
+def check_model_fields(spec: ModelSpec) -> None:
+    """Refuse a model (of the user's) whose config fields take a name the profile config
+    already gives a meaning: `name`, `preset`, or a [run] or [pipeline] key (one flag each)."""
+    if spec.builtin:
+        return
+    taken = {"name", "preset"} | {f.name for f in dataclasses.fields(RunConfig)}
+    taken |= {f.name for f in dataclasses.fields(PipelineConfig)}
+    clash = sorted(set(model_config_fields(spec.config_type)) & taken)
+    if clash:
+        raise ValueError(
+            f"model {spec.name!r}: its config {spec.config_type.__name__} has the field(s) "
+            f"{', '.join(clash)}, which are names the profile config already uses (name, preset, "
+            "and the [run] and [pipeline] keys, each a --flag); rename them in the model (e.g. "
+            f"model_{clash[0]})"
+        )
+
+
+def _check_writable(config: Any, model: str, origin: Mapping[tuple[str, str], str]) -> None:
+    """Every field of a user model's config must be a value a TOML file and a JSON record can
+    hold (bool, int, finite float, str, or a list of them), since the profile writes them."""
+
+    def ok(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return all(ok(v) for v in value)
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return value is None or isinstance(value, (bool, int, str))
+
+    for name in model_config_fields(type(config)):
+        value = getattr(config, name)
+        if not ok(value):
+            where = origin.get(("model", name), "its preset")
+            raise ValueError(
+                f"model {model!r}: config field {name}={value!r} (from {where}) is not a value "
+                "a profile config file holds (bool, int, finite float, str, or a list of them); "
+                "make it one (a dtype as the string 'float32', say, turned into the dtype "
+                "inside the model)"
+            )
 
 
 def check_fits(pc: ProfileConfig) -> None:

@@ -275,15 +275,32 @@ def _by_value(
     """Pickle the step, its static leaves and the structure of its arguments (`in_tree`, whose
     array leaves are `avals`; see `tree_skeleton`) so that host actors can run it even if its module
     is not installed (a script, a test file, an example): its module travels by value. Modules
-    it imports travel by reference: the hosts must be able to import them."""
+    it imports travel by reference: the hosts must be able to import them; those marked
+    `__jaxreshard_by_value__` (a model file `jaxreshard profile` imported, under a name no
+    other process has) travel by value too."""
     from ray import cloudpickle
 
     from jaxreshard._tree_wire import dumps
 
     name = getattr(fun, "__module__", "") or ""
     module = sys.modules.get(name)
+    already = set(cloudpickle.list_registry_pickle_by_value())
+    marked = [
+        m
+        for m in list(sys.modules.values())
+        if (getattr(m, "__dict__", None) or {}).get("__jaxreshard_by_value__") is True
+        and m.__name__ not in already
+    ]
+    for m in marked:
+        cloudpickle.register_pickle_by_value(m)
+        already.add(m.__name__)
     registered = False
-    if module is not None and name != "__main__" and name.split(".")[0] not in _INSTALLED:
+    if (
+        module is not None
+        and name not in already
+        and name != "__main__"
+        and name.split(".")[0] not in _INSTALLED
+    ):
         try:
             cloudpickle.register_pickle_by_value(module)
             registered = True
@@ -306,3 +323,5 @@ def _by_value(
     finally:
         if registered:
             cloudpickle.unregister_pickle_by_value(module)
+        for m in marked:
+            cloudpickle.unregister_pickle_by_value(m)

@@ -142,11 +142,11 @@ def _import_module(where: str, reference: str) -> Any:
             raise ValueError(
                 f"model {reference!r}: importing {where} failed: {e}; install what it imports"
             ) from e
+        here = "./" + where.replace(".", "/") + ".py"
         raise ValueError(
             f"model {reference!r}: no module {where!r} on the Python path ({e}); give gpt, "
-            "utransformer, the path of your model's .py file (./" + where.replace(".", "/")
-            + ".py for one here), or a module name importable here (install its package, or "
-            "set PYTHONPATH)"
+            f"utransformer, the path of your model's .py file ({here} for one here), or a module "
+            "name importable here (install its package, or set PYTHONPATH)"
         ) from e
     except Exception as e:  # (the module's own code failed)
         raise ValueError(

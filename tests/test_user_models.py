@@ -207,7 +207,8 @@ def test_partition_auto_on_a_model_without_candidates_names_the_keyword(tmp_path
     pc = load_profile_config(path, None, {"pipeline": {"partition": "auto"}})
     with pytest.raises(ValueError, match="candidates=False"):
         pc.spec.train_step(pc.model_config, 2, None, pc.candidates)
-    assert pc.spec.train_step(pc.model_config, 2, None, False) is None  # (called as written)
+    with pytest.raises(ValueError, match="returned NoneType"):  # (called as written)
+        pc.spec.train_step(pc.model_config, 2, None, False)
 
 
 def test_a_spec_without_a_param_count_counts_init_params():
@@ -317,3 +318,91 @@ def test_a_spec_whose_module_has_no_param_specs_replicates():
                      lambda c: 1, lambda c: c.layers, builtin=False)  # fmt: skip
     specs = spec.param_specs(spec.presets["tiny"], "model", {"a": np.ones(2), "b": [np.ones(1)]})
     assert specs == {"a": jax.sharding.PartitionSpec(), "b": [jax.sharding.PartitionSpec()]}
+
+
+def test_an_error_in_the_models_own_code_is_reported_as_the_models(tmp_path, capsys):
+    body = MINIMAL.replace(
+        '    return {"w": np.ones((4, 4), np.float32)}',
+        '    return {"w": np.ones((4, 4), np.float32), "v": {}["no_such_key"]}',
+    )
+    path = write(tmp_path, "raises.py", body + TRAIN_STEP.replace("pass", "return lambda *a: a"))
+    assert main(["profile", path, "--steps", "1", "--stage-mesh-shape", "1,1"]) == 1
+    err = capsys.readouterr().err
+    assert "the model's code raised KeyError: 'no_such_key'" in err
+    assert f"{path}:" in err and "bug in jaxreshard" not in err
+
+
+def test_a_step_that_is_not_a_function_or_is_jitted(tmp_path):
+    path = write(tmp_path, "none_step.py", MINIMAL + TRAIN_STEP)
+    spec = get_model(path)
+    with pytest.raises(ValueError, match="returned NoneType, not the step function"):
+        spec.train_step(spec.presets["only"], 2, None, False)
+    jitted = write(tmp_path, "jitted_step.py", MINIMAL + textwrap.dedent("""
+        import jax
+
+        def train_step(cfg, num_stages, optimizer):
+            @jax.jit
+            def step(params, opt_state, batch):
+                return params, opt_state, 0.0
+            return step
+        """))  # fmt: skip
+    spec = get_model(jitted)
+    step = spec.train_step(spec.presets["only"], 2, None, False)
+    assert step.__name__ == "step" and not hasattr(step, "lower")  # (parallelize compiles it)
+
+
+def test_more_devices_than_jax_started_with_is_refused_naming_the_fix(capsys):
+    args = ["profile", EXAMPLE, "--stage-mesh-shape", "1,64", "--steps", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs 128 CPU devices, but JAX had started in this process with" in err
+    assert "JAX_NUM_CPU_DEVICES=128" in err
+
+
+def test_neighbour_files_a_model_file_imports_travel_by_value_too(tmp_path, monkeypatch):
+    import pickle
+    import sys
+
+    from jaxreshard.runtime.ray._pipeline import _by_value
+
+    write(tmp_path, "nb_layers.py", "def double(x):\n    return 2 * x\n")
+    body = MINIMAL + textwrap.dedent("""
+        import nb_layers
+
+        def train_step(cfg, num_stages, optimizer):
+            def step(params, opt_state, batch):
+                return params, opt_state, nb_layers.double(batch["x"]).sum()
+            return step
+        """)  # fmt: skip
+    spec = get_model(write(tmp_path, "nb_model.py", body))
+    step = spec.train_step(spec.presets["only"], 1, None, False)
+    blob = _by_value(step, {})
+    for name in [n for n in sys.modules if n.startswith("jaxreshard_user_model_nb_model")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "nb_layers")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    fun, _, _ = pickle.loads(blob)
+    assert float(fun(None, None, {"x": np.ones(3)})[2]) == 6.0
+
+
+def test_a_list_field_set_by_flag_is_a_list(tmp_path):
+    body = MINIMAL.replace(
+        "    layers: int = 2\n",
+        "    layers: int = 2\n"
+        "    sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 2])\n",
+    )
+    path = write(tmp_path, "with_list.py", body + TRAIN_STEP)
+    assert load_profile_config(path, None, {"model": {"sizes": "3,4"}}).model_config.sizes == [3, 4]
+    toml = tmp_path / "c.toml"
+    toml.write_text("[model]\nsizes = [5, 6, 7]\n")
+    assert load_profile_config(path, toml).model_config.sizes == [5, 6, 7]
+
+
+def test_a_checkpoint_resumes_with_the_model_file_given_by_another_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(EXAMPLE).parent.parent)
+    flags = ["--layers", "2", "--width", "16", "--hidden", "32", "--batch-size", "4",
+             "--num-micro-batches", "2", "--stage-mesh-shape", "1,1", "--steps", "1",
+             "--warmup-steps", "1", "--no-progress", "--compile-cache", "off",
+             "--checkpoint", str(tmp_path / "ck")]  # fmt: skip
+    assert main(["profile", "examples/profile_model.py", *flags]) == 0
+    assert main(["profile", "./examples/profile_model.py", *flags, "--resume"]) == 0

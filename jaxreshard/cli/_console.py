@@ -60,11 +60,36 @@ def describe(e: BaseException) -> tuple[str, int]:
         return _one_line(str(e) or type(e).__name__), 2
     if isinstance(e, (RuntimeError, TimeoutError, ConnectionError)):  # a run that failed
         return _one_line(str(e) or type(e).__name__), 1
+    where = _in_user_model(e)
+    if where is not None:  # (a KeyError in the user's synthetic_batch is no bug of ours)
+        return (
+            f"the model's code raised {type(e).__name__}: {_one_line(str(e))} at {where}; fix "
+            f"the model (set {TRACEBACK_ENV}=1 to print the whole traceback)",
+            1,
+        )
     return (
         f"internal error ({type(e).__name__}: {_one_line(str(e))}); this is a bug in jaxreshard: "
         f"please report it with the command line (set {TRACEBACK_ENV}=1 to print where)",
         1,
     )
+
+
+def _in_user_model(e: BaseException) -> str | None:
+    """`file:line` of the innermost frame of `e`'s traceback in the folder of a model file that
+    `jaxreshard profile` loaded (see [Note: user models]), or None."""
+    from jaxreshard.models._user import FOLDERS
+
+    if not FOLDERS:
+        return None
+    ours = Path(__file__).resolve().parent.parent  # (the package: a model beside it is not it)
+    where = None
+    tb = e.__traceback__
+    while tb is not None:
+        file = Path(tb.tb_frame.f_code.co_filename)
+        if any(file.is_relative_to(f) for f in FOLDERS) and not file.is_relative_to(ours):
+            where = f"{file}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def _os_error(e: OSError) -> str:
@@ -319,8 +344,9 @@ def field_docs(cls: type) -> dict[str, str]:
 MAX_CPU_DEVICES = 512  # fake CPU devices: each is a client with its own threads
 
 
-def cpu_devices(n: int, what: str = "the pipeline") -> None:
-    """Give JAX's CPU backend `n` devices (before it starts) when it is the platform."""
+def cpu_devices(n: int, what: str = "the pipeline", *, required: bool = False) -> None:
+    """Give JAX's CPU backend `n` devices (before it starts) when it is the platform; with
+    `required` (the devices run here), refuse if JAX already started with fewer."""
     import contextlib
 
     import jax
@@ -335,3 +361,12 @@ def cpu_devices(n: int, what: str = "the pipeline") -> None:
         # JAX already started (a library caller): keep what it has.
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", n)
+        have = len(jax.devices("cpu"))
+        if required and have < n:
+            raise CommandError(
+                f"{what} needs {n} CPU devices, but JAX had started in this process with "
+                f"{have} before the command could give it more: an import ran JAX first (a "
+                "model file that makes a JAX array, or calls jax.devices(), when imported); "
+                "make such values inside the model's functions, or run with "
+                f"JAX_NUM_CPU_DEVICES={n}"
+            )

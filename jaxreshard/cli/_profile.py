@@ -59,7 +59,7 @@ def _profile(args: argparse.Namespace) -> int:
             table, key = dest.split("__", 1)
             overrides[table][key] = value
     pc = profiler.load_profile_config(args.model, args.config, overrides)
-    cpu_devices(profiler.devices_needed(pc))
+    cpu_devices(profiler.devices_needed(pc), required=pc.pipeline.backend == "local")
     if _on_this_machines_cpu(pc):
         profiler.check_fits(pc)
     console = make_console()

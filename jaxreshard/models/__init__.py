@@ -57,7 +57,7 @@ class ModelSpec:
         """The model's step; `candidates` is passed only when asked for (a model of the user's
         without `jr.stage_candidate`s still profiles with its even stages)."""
         if not candidates:
-            return self.module.train_step(cfg, num_stages, optimizer)
+            return self._step(self.module.train_step(cfg, num_stages, optimizer))
         if not self.builtin and not accepts_candidates(self.module.train_step):
             raise ValueError(
                 f"model {self.name!r}: partition='auto', cuts= and --auto's cut search need "
@@ -66,7 +66,21 @@ class ModelSpec:
                 "(jaxreshard.models.stage_marker does it); add the keyword, or keep the "
                 "model's even stages (partition='manual' without cuts, --auto-cuts keep)"
             )
-        return self.module.train_step(cfg, num_stages, optimizer, candidates=True)
+        return self._step(self.module.train_step(cfg, num_stages, optimizer, candidates=True))
+
+    def _step(self, step: Any) -> Any:
+        """A user model's step as `parallelize` takes it: a callable, not a `jax.jit` of one
+        (`parallelize` compiles it: a jitted step is taken unwrapped, which computes the same)."""
+        if self.builtin:
+            return step
+        if not callable(step):
+            raise ValueError(
+                f"model {self.name!r}: train_step(cfg, num_stages, optimizer) returned "
+                f"{type(step).__name__}, not the step function "
+                "(params, opt_state, batch) -> (params, opt_state, loss); return it"
+            )
+        inner = getattr(step, "__wrapped__", None)
+        return inner if callable(inner) and hasattr(step, "lower") else step
 
     def param_specs(self, cfg: Any, axis: str, params: Any) -> Any:
         """The parameters' PartitionSpecs over mesh axis `axis` (replicated if the model gives

@@ -28,9 +28,11 @@ The config's fields must be values a TOML file holds and must not take a name th
 config uses (`check_model_fields` and `_check_writable` in `profiler/_config.py`).
 
 A file is imported as a module of its own (its folder first on `sys.path`, as Python does for a
-script, so that it can import its neighbours), marked `__jaxreshard_by_value__`: no other process
-can import it by its name, so a pipeline on Ray sends it to the hosts by value, whichever module
-the step comes from; the hosts need the file's imports installed, not the file.
+script, so that it can import its neighbours), marked `__jaxreshard_by_value__` with the
+neighbours its import loaded: no other process can import it by its name, so a pipeline on Ray
+sends them to the hosts by value, whichever module the step comes from; the hosts need the
+file's other imports installed, not its folder. An exception from the model's own code is
+reported as the model's (`describe` in cli/_console.py), not as a jaxreshard bug.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ REQUIRED = {
     "synthetic_batch": "synthetic_batch(cfg, batch_size, step, seed) -> batch",
 }
 _LOADED: dict[tuple[str, str], Any] = {}  # (where, attribute) -> ModelSpec
+FOLDERS: set[Path] = set()  # the folders of the model files loaded (their code is the user's)
 
 
 def absolute(reference: str) -> str:
@@ -123,6 +126,8 @@ def _import_file(where: str, reference: str) -> Any:
     # `_by_value` in runtime/ray/_pipeline.py), whichever module the step itself is from.
     module.__jaxreshard_by_value__ = True
     sys.modules[name] = module  # (dataclasses and pickling look the module up by name)
+    before = set(sys.modules)
+    FOLDERS.add(path.parent)
     try:
         loader_spec.loader.exec_module(module)
     except Exception as e:
@@ -131,6 +136,11 @@ def _import_file(where: str, reference: str) -> Any:
             f"model {reference!r}: importing {path} failed: {type(e).__name__}: {e}; fix the "
             f"file (`python {path}` shows where)"
         ) from e
+    for new in set(sys.modules) - before:  # its neighbours (files of its folder) go too
+        neighbour = sys.modules.get(new)
+        file = getattr(neighbour, "__file__", None)
+        if file and Path(file).resolve().is_relative_to(path.parent):
+            neighbour.__jaxreshard_by_value__ = True
     return module
 
 

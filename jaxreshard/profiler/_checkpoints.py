@@ -20,6 +20,7 @@ from typing import Any
 
 import jaxreshard as jr
 from jaxreshard.checkpoint._format import STEP_NAME, latest_step, step_dir
+from jaxreshard.models._user import same_model
 
 KEEP = 2
 
@@ -49,11 +50,17 @@ class RunCheckpoints:
         step, path = found
         info = jr.checkpoint_metadata(path)
         saved = {k: info.get(k) for k in self.identity}
-        if saved != self.identity:
+
+        def differs(k: str) -> bool:  # (a model file by any path to it is the same model)
+            if k == "model" and isinstance(saved[k], str):
+                return not same_model(saved[k], self.identity[k])
+            return saved[k] != self.identity[k]
+
+        if any(differs(k) for k in self.identity):
             diff = ", ".join(
                 f"{k} {saved[k]!r} (this run: {self.identity[k]!r})"
                 for k in self.identity
-                if saved[k] != self.identity[k]
+                if differs(k)
             )
             raise ValueError(
                 f"--resume: the checkpoint {path} is of another run: {diff}; resume with the "

@@ -181,7 +181,12 @@ class ProfileConfig:
         return {
             "model": self.model,
             "preset": self.preset,
-            "model_config": _jsonable(dataclasses.asdict(self.model_config)),
+            "model_config": _jsonable(
+                {
+                    f: getattr(self.model_config, f)
+                    for f in model_config_fields(type(self.model_config))
+                }
+            ),
             "run": dataclasses.asdict(self.run),
             "pipeline": _jsonable(self.pipeline.to_dict()),
         }
@@ -320,12 +325,12 @@ def _check_writable(config: Any, model: str, origin: Mapping[tuple[str, str], st
     """Every field of a user model's config must be a value a TOML file and a JSON record can
     hold (bool, int, finite float, str, or a list of them), since the profile writes them."""
 
-    def ok(value: Any) -> bool:
+    def ok(value: Any, top: bool = True) -> bool:
         if isinstance(value, (list, tuple)):
-            return all(ok(v) for v in value)
+            return all(ok(v, False) for v in value)
         if isinstance(value, float):
             return math.isfinite(value)
-        return value is None or isinstance(value, (bool, int, str))
+        return (top and value is None) or isinstance(value, (bool, int, str))
 
     for name in model_config_fields(type(config)):
         value = getattr(config, name)
@@ -462,11 +467,12 @@ def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
         if isinstance(value, str):
             return value
         raise _WrongType(where, value, "a string")
-    if origin is tuple:
+    if origin in (tuple, list):
+        kind = origin
         if text and isinstance(value, str):
-            return parse_tuple(value, args, where)
+            return kind(parse_tuple(value, args, where))
         if isinstance(value, (list, tuple)):
-            return tuple(value)
+            return kind(value)
         example = '["data", "model"]' if args and args[0] is str else "[1, 2]"
         raise _WrongType(where, value, f"a list, e.g. {example}")
     return value

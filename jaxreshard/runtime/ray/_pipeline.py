@@ -285,15 +285,26 @@ def _by_value(
     name = getattr(fun, "__module__", "") or ""
     module = sys.modules.get(name)
     already = set(cloudpickle.list_registry_pickle_by_value())
-    marked = [
-        m
-        for m in list(sys.modules.values())
-        if (getattr(m, "__dict__", None) or {}).get("__jaxreshard_by_value__") is True
-        and m.__name__ not in already
-    ]
-    for m in marked:
-        cloudpickle.register_pickle_by_value(m)
-        already.add(m.__name__)
+    marked: list[Any] = []  # (registered here, unregistered when done)
+    for key, m in list(sys.modules.items()):
+        try:  # (the module's own dict: a lazily loaded module stays unloaded)
+            flag = object.__getattribute__(m, "__dict__").get("__jaxreshard_by_value__")
+        except (AttributeError, TypeError):
+            continue
+        if flag is not True or key != getattr(m, "__name__", None) or key in already:
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(m)
+        except (ValueError, TypeError) as e:
+            warnings.warn(
+                f"the model module {key!r} cannot travel to the Ray hosts by value "
+                f"({type(e).__name__}: {e}); it is pickled by reference, and no host can "
+                "import it by that name",
+                stacklevel=3,
+            )
+            continue
+        marked.append(m)
+        already.add(key)
     registered = False
     if (
         module is not None

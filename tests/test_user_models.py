@@ -406,3 +406,16 @@ def test_a_checkpoint_resumes_with_the_model_file_given_by_another_path(tmp_path
              "--checkpoint", str(tmp_path / "ck")]  # fmt: skip
     assert main(["profile", "examples/profile_model.py", *flags]) == 0
     assert main(["profile", "./examples/profile_model.py", *flags, "--resume"]) == 0
+
+
+def test_a_literal_field_takes_only_its_values(tmp_path):
+    body = "from typing import Literal\n" + MINIMAL.replace(
+        "    layers: int = 2\n",
+        '    layers: int = 2\n    act: Literal["gelu", "relu"] = "gelu"\n'
+        "    k: Literal[1, 2] = 1\n",
+    )
+    path = write(tmp_path, "with_literal.py", body + TRAIN_STEP)
+    cfg = load_profile_config(path, None, {"model": {"act": "relu", "k": "2"}}).model_config
+    assert (cfg.act, cfg.k) == ("relu", 2)
+    with pytest.raises(ValueError, match=r"act='tanh': must be one of 'gelu', 'relu'"):
+        load_profile_config(path, None, {"model": {"act": "tanh"}})

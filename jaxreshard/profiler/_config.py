@@ -447,6 +447,11 @@ def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
             # any other ValueError: the value has this type but is refused; say why
         kinds += ["none"] if type(None) in args else []
         raise _WrongType(where, value, " or ".join(kinds))
+    if origin is typing.Literal:  # (a flag gives the text of one of the values)
+        for allowed in args:
+            if value == allowed or (text and isinstance(value, str) and value == str(allowed)):
+                return allowed
+        raise _WrongType(where, value, "one of " + ", ".join(map(repr, args)))
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -1,5 +1,6 @@
 """The Ray runtime: host actors, remote arrays, plans executed host to host."""
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -32,6 +33,18 @@ def test_devices_and_hosts(ray_runtime):
     assert [d.process_index for d in rt.devices] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert rt.cluster.hosts == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert len({info["pid"] for info in rt.infos}) == 4
+    # The hosts compile into the driver's persistent cache (the test run's shared folder).
+    assert {info["compile_cache"] for info in rt.infos} == {jax.config.jax_compilation_cache_dir}
+
+
+def test_a_host_that_cannot_write_the_drivers_compile_cache_compiles_without_it(tmp_path):
+    from jaxreshard.runtime.ray._start import use_compile_cache
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    before = jax.config.jax_compilation_cache_dir
+    use_compile_cache({"jax_compilation_cache_dir": str(blocked / "xla")})
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))

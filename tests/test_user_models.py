@@ -3,6 +3,7 @@ module that follows the built-in models' conventions profiles, partitions and se
 them, and equals `jax.jit`; a reference that does not load says what is missing."""
 
 import dataclasses
+import io
 import json
 import shutil
 import textwrap
@@ -16,6 +17,7 @@ from jaxreshard import profiler
 from jaxreshard.cli import main
 from jaxreshard.models import get_model
 from jaxreshard.profiler import load_profile_config
+from jaxreshard.profiler._report import summary_tables
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "profile_model.py")
 
@@ -30,6 +32,14 @@ def example_config(**pipeline):
             "pipeline": {"num_micro_batches": 4, "stage_mesh_shape": (1, 1), **pipeline},
         },
     )
+
+
+def rich_text(table):
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
 
 
 def jit_losses(pc, steps):
@@ -60,6 +70,9 @@ def test_a_model_file_profiles_and_equals_jax_jit():
     warm = pc.run.warmup_steps
     np.testing.assert_allclose(losses, jit_losses(pc, warm + len(losses))[warm:], rtol=2e-5)
     assert result["unit"] == "samples" and result["samples_per_second"] > 0
+    step_table = summary_tables(result)[0]  # one throughput column for this unit
+    assert [c.header for c in step_table.columns].count("samples/s") == 1
+    assert f"{result['samples_per_second']:,.1f}" in rich_text(step_table)
 
 
 def test_partition_auto_cuts_a_model_file_at_its_candidates(capsys):

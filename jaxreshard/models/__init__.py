@@ -19,7 +19,7 @@ from jaxreshard.models._user import accepts_candidates, load_model
 _COUNTED: dict[tuple[str, str], int | None] = {}  # (model, config) -> parameters, user models
 
 
-def np_shape(x: Any) -> tuple[int, ...]:
+def _np_shape(x: Any) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", ()))
 
 
@@ -111,7 +111,7 @@ class ModelSpec:
 
             try:
                 shapes = jax.eval_shape(lambda: self.module.init_params(cfg, 0))
-                _COUNTED[key] = sum(math.prod(np_shape(x)) for x in jax.tree.leaves(shapes))
+                _COUNTED[key] = sum(math.prod(_np_shape(x)) for x in jax.tree.leaves(shapes))
             except Exception:
                 _COUNTED[key] = None
         return _COUNTED[key]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxreshard.profiler._config import ProfileConfig, model_config_fields
+from jaxreshard.profiler._config import ProfileConfig
 
 DATA_PARALLEL = "data parallel"
 
@@ -39,9 +39,7 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
 
 def profile_toml(pc: ProfileConfig) -> str:
     """`pc` as a profile config file ([model], [run], [pipeline])."""
-    fields = model_config_fields(type(pc.model_config))
-    model = {"name": pc.model, "preset": pc.preset,
-             **{name: getattr(pc.model_config, name) for name in fields}}  # fmt: skip
+    model = {"name": pc.model, "preset": pc.preset, **pc.model_values()}
     tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
     out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
     for name, values in tables.items():

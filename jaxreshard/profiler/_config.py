@@ -177,16 +177,16 @@ class ProfileConfig:
     def replace_pipeline(self, **changes: Any) -> ProfileConfig:
         return dataclasses.replace(self, pipeline=self.pipeline.replace(**changes))
 
+    def model_values(self) -> dict[str, Any]:
+        """The model config's settable fields and their values (what a [model] table holds)."""
+        config = self.model_config
+        return {name: getattr(config, name) for name in model_config_fields(type(config))}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "preset": self.preset,
-            "model_config": _jsonable(
-                {
-                    f: getattr(self.model_config, f)
-                    for f in model_config_fields(type(self.model_config))
-                }
-            ),
+            "model_config": _jsonable(self.model_values()),
             "run": dataclasses.asdict(self.run),
             "pipeline": _jsonable(self.pipeline.to_dict()),
         }

@@ -232,29 +232,27 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     step = Table(title="step (median over timed steps; compile excluded)", title_justify="left")
-    for col in (
-        "step time",
-        "predicted",
-        f"{result['unit']}/s",
-        "samples/s",
-        "model TFLOP/s",
-        "transfers (sum)",
-        "compile",
-        "loss first -> last",
-    ):
-        step.add_column(col, justify="right")
     losses = [s["loss"] for s in result["steps"]]
     tflops = result["model_tflops"]
-    step.add_row(
-        _fmt_s(result["step_seconds"]),
-        _fmt_s(result["predicted_step_seconds"]),
-        f"{result['units_per_second']:,.0f}" if result["units_per_second"] else "n/a",
-        f"{result['samples_per_second']:,.1f}" if result["samples_per_second"] else "n/a",
-        f"{tflops:.4f}" if tflops else "n/a",
-        _fmt_s(result["transfer_seconds"]),
-        _fmt_s(result["compile_seconds"]),
-        f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a",
-    )
+    # A model whose unit is the sample (a user model without `UNIT`) gets one throughput column:
+    # the two keys are one, and the second value (samples/s, to a tenth) stays.
+    cells = {
+        "step time": _fmt_s(result["step_seconds"]),
+        "predicted": _fmt_s(result["predicted_step_seconds"]),
+        f"{result['unit']}/s": (
+            f"{result['units_per_second']:,.0f}" if result["units_per_second"] else "n/a"
+        ),
+        "samples/s": (
+            f"{result['samples_per_second']:,.1f}" if result["samples_per_second"] else "n/a"
+        ),
+        "model TFLOP/s": f"{tflops:.4f}" if tflops else "n/a",
+        "transfers (sum)": _fmt_s(result["transfer_seconds"]),
+        "compile": _fmt_s(result["compile_seconds"]),
+        "loss first -> last": f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a",
+    }
+    for col in cells:
+        step.add_column(col, justify="right")
+    step.add_row(*cells.values())
     stages = Table(title="stages (medians per step)", title_justify="left")
     for col in (
         "stage",

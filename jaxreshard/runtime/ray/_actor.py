@@ -30,14 +30,18 @@ class HostActor(HostArrays, NaiveBaseline):
         platform: str,
         enable_x64: bool = False,
         distributed: bool = False,
+        compile_cache: dict[str, Any] | None = None,
     ):
         import jax
+
+        from jaxreshard.runtime.ray._start import use_compile_cache
 
         if platform == "cpu" and num_devices:
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", num_devices)
         # The driver's setting, so that 64-bit data is never narrowed on the way.
         jax.config.update("jax_enable_x64", enable_x64)
+        use_compile_cache(compile_cache)  # the driver's, where this host can write it
         self.host, self._first, self._count, self._platform = (
             host,
             first_device,
@@ -154,12 +158,15 @@ class HostActor(HostArrays, NaiveBaseline):
         return found
 
     def info(self) -> dict[str, Any]:
+        import jax
+
         return {
             "host": self.host,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "platform": self.platform,
             "devices": {gid: str(d) for gid, d in self.devices.items()},
+            "compile_cache": jax.config.jax_compilation_cache_dir,
         }
 
     def open_stream(self, secret: bytes) -> tuple[str, int]:

@@ -46,6 +46,7 @@ from jaxreshard.runtime.ray._start import (
     _machine_gpus,
     _start_local_nodes,
     check_local_memory,
+    compile_cache_settings,
     join_ray,
     local_platform,
 )
@@ -135,6 +136,7 @@ class RayRuntime(HostStartup, HostWaits, HostResharding, PipelineDrops):
         # Per pipeline, the watch of its last asynchronous step sent (`RayHosts.call`), weakly.
         self.steps_sent: dict[str, Callable[[], Future[Any] | None]] = {}
         self.enable_x64 = bool(jax.config.jax_enable_x64)
+        self.compile_cache = compile_cache_settings()
         self._broken: str | None = None
         self._closed = False
         self._ids = itertools.count()

@@ -39,6 +39,7 @@ class HostStartup:
     emulate_network_gbps: float | None
     gpu_memory_fraction: float
     enable_x64: bool
+    compile_cache: dict[str, Any] | None
     distributed: bool
 
     _wait: Callable[..., dict[int, Any]]  # (HostWaits._wait)
@@ -148,6 +149,7 @@ class HostStartup:
                     platform if not use_gpu else "auto",
                     self.enable_x64,
                     joining,
+                    self.compile_cache,
                 )
             )
             hosts.append(tuple(range(first, first + count)))
@@ -408,3 +410,46 @@ def check_local_memory(num_hosts: int, object_store_memory: int | None, nodes: s
             f"{format_bytes(available)} available; use fewer hosts, or join a cluster with "
             "address='HOST:PORT'"
         )
+
+
+def compile_cache_settings() -> dict[str, Any] | None:
+    """The driver's JAX persistent compilation cache (`jaxreshard profile --compile-cache`, or
+    the user's own `jax.config`), for the hosts to use too: a program the driver or another
+    host compiled before, in this run or an earlier one, then loads instead of compiling. None
+    where the driver has none."""
+    import jax
+
+    where = jax.config.jax_compilation_cache_dir
+    if not where:
+        return None
+    return {
+        "jax_compilation_cache_dir": where,
+        "jax_persistent_cache_min_compile_time_secs": (
+            jax.config.jax_persistent_cache_min_compile_time_secs
+        ),
+        "jax_persistent_cache_min_entry_size_bytes": (
+            jax.config.jax_persistent_cache_min_entry_size_bytes
+        ),
+        # (a size bound also makes JAX lock the folder: several processes write it at once)
+        "jax_compilation_cache_max_size": jax.config.jax_compilation_cache_max_size,
+    }
+
+
+def use_compile_cache(settings: dict[str, Any] | None) -> None:
+    """On a host: take the driver's compilation cache settings, where its folder can be made
+    and written here (on another machine the driver's path may not be; a host without the
+    cache compiles as before)."""
+    if not settings:
+        return
+    import jax
+
+    where = settings["jax_compilation_cache_dir"]
+    if "://" not in where:  # (a local path; JAX also takes gs:// and the like)
+        try:
+            os.makedirs(where, exist_ok=True)
+        except OSError:
+            return
+        if not os.access(where, os.W_OK | os.X_OK):
+            return
+    for key, value in settings.items():
+        jax.config.update(key, value)

@@ -33,8 +33,11 @@ def test_devices_and_hosts(ray_runtime):
     assert [d.process_index for d in rt.devices] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert rt.cluster.hosts == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert len({info["pid"] for info in rt.infos}) == 4
-    # The hosts compile into the driver's persistent cache (the test run's shared folder).
-    assert {info["compile_cache"] for info in rt.infos} == {jax.config.jax_compilation_cache_dir}
+    # The hosts compile into the driver's persistent cache (as it was when the runtime started).
+    assert rt.compile_cache["jax_compilation_cache_dir"]
+    assert {info["compile_cache"] for info in rt.infos} == {
+        rt.compile_cache["jax_compilation_cache_dir"]
+    }
 
 
 def test_a_host_that_cannot_write_the_drivers_compile_cache_compiles_without_it(tmp_path):

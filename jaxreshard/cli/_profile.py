@@ -155,9 +155,6 @@ def _on_this_machines_cpu(pc) -> bool:
     return jax.config.jax_platforms in (None, "", "cpu") and jax.default_backend() == "cpu"
 
 
-COMPILE_CACHE_BYTES = 8 << 30  # the profile's compilation cache, at most
-
-
 def _compile_cache(where: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache (identical stage programs, e.g. of schedule
     variants or of the previous run, then load instead of compiling)."""
@@ -173,10 +170,6 @@ def _compile_cache(where: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if jax.config.jax_compilation_cache_max_size < 0:
-        # Bounded (least recently used entries go first), which also makes JAX lock the folder
-        # as it reads and writes: the Ray hosts of a local cluster share it with the driver.
-        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
     return where
 
 

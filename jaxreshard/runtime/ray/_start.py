@@ -430,7 +430,6 @@ def compile_cache_settings() -> dict[str, Any] | None:
         "jax_persistent_cache_min_entry_size_bytes": (
             jax.config.jax_persistent_cache_min_entry_size_bytes
         ),
-        # (a size bound also makes JAX lock the folder: several processes write it at once)
         "jax_compilation_cache_max_size": jax.config.jax_compilation_cache_max_size,
     }
 

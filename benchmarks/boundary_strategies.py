@@ -45,16 +45,18 @@ def main() -> None:
     rows = profiler.compare(pc, variants, bound=False, progress=False)
     print(
         f"{'strategy':<18}{'step ms':>9}{'predicted':>11}{'meas/pred':>11}{'transfer ms':>13}"
-        f"{'apply ms / stage':>22}{'blocked ms / stage':>22}"
+        f"{'apply ms / chunk':>22}{'blocked ms / stage':>22}"
     )
+
+    def ms(value: float | list[float]) -> str:  # (a list whose values are equal is one value)
+        return " / ".join(f"{x * 1e3:.0f}" for x in (value if isinstance(value, list) else [value]))
+
     for row in rows:
         costs = row["measured_costs"]
         print(
             f"{row['label']:<18}{row['step_seconds'] * 1e3:>9.0f}"
             f"{row['predicted_seconds'] * 1e3:>11.0f}{row['measured_over_predicted']:>11.2f}"
-            f"{costs['comm'] * 1e3:>13.1f}"
-            f"{' / '.join(f'{x * 1e3:.0f}' for x in costs['apply']):>22}"
-            f"{' / '.join(f'{x * 1e3:.0f}' for x in row['blocked_seconds']):>22}"
+            f"{ms(costs['comm']):>13}{ms(costs['apply']):>22}{ms(row['blocked_seconds']):>22}"
         )
     if args.out:
         with open(args.out, "w") as f:

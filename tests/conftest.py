@@ -31,8 +31,8 @@ jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 # Identical stage programs (schedule variants, local vs Ray) compile once per process: each
 # process of the run (the xdist controller, each worker) has its own cache folder, which its
 # Ray hosts share (`compile_cache_settings`), and removes it at the end. (One folder shared by
-# the workers made the run slower, not faster: 26 against 21 minutes, with the size bound JAX
-# needs to lock a shared folder, whose every write lists the whole folder.)
+# the workers, with a size bound so that JAX locks it, made the run slower: 26 against 21
+# minutes; with a bound, JAX lists the whole folder on every write.)
 _XLA_CACHE = tempfile.mkdtemp(prefix="jaxreshard-tests-xla-")
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

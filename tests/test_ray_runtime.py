@@ -50,6 +50,27 @@ def test_a_host_that_cannot_write_the_drivers_compile_cache_compiles_without_it(
     assert jax.config.jax_compilation_cache_dir == before
 
 
+def test_the_driver_names_hosts_without_its_compile_cache_and_hands_them_absolute_paths(
+    tmp_path, monkeypatch
+):
+    from jaxreshard.runtime.ray._start import _warn_without_cache, compile_cache_settings
+
+    settings = {"jax_compilation_cache_dir": "/cache"}
+    infos = [{"host": 0, "compile_cache": "/cache"}, {"host": 1, "compile_cache": None}]
+    with pytest.warns(UserWarning, match=r"host\(s\) 1 cannot make or write .* /cache"):
+        _warn_without_cache(settings, infos)
+    _warn_without_cache(None, infos)  # (no cache on the driver: nothing to say)
+
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.chdir(tmp_path)
+    try:
+        jax.config.update("jax_compilation_cache_dir", "relative-xla")
+        where = compile_cache_settings()["jax_compilation_cache_dir"]
+        assert where == str(tmp_path / "relative-xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
 def test_put_reshard_fetch_is_exact(ray_runtime, layout):
     """Every strategy moves every dtype exactly, read back from the hosts (`rt.fetch`: these

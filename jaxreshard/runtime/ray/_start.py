@@ -176,6 +176,7 @@ class HostStartup:
         )
         self.infos: list[dict[str, Any]] = [infos[h] for h in range(len(self.actors))]
         check_reported_devices(hosts, self.infos, "gpu" if use_gpu else "cpu")
+        _warn_without_cache(self.compile_cache, self.infos)
         self.hosts = tuple(hosts)
         handles = dict(enumerate(self.actors))
         self.emulator = None
@@ -420,8 +421,10 @@ def compile_cache_settings() -> dict[str, Any] | None:
     import jax
 
     where = jax.config.jax_compilation_cache_dir
-    if not where:
+    if not where or not jax.config.jax_enable_compilation_cache:
         return None
+    if "://" not in where:  # (the driver's folder, wherever the hosts' working folder is)
+        where = os.path.abspath(os.path.expanduser(where))
     return {
         "jax_compilation_cache_dir": where,
         "jax_persistent_cache_min_compile_time_secs": (
@@ -434,10 +437,25 @@ def compile_cache_settings() -> dict[str, Any] | None:
     }
 
 
+def _warn_without_cache(settings: dict[str, Any] | None, infos: Sequence[dict[str, Any]]) -> None:
+    """Say which hosts compile without the driver's cache (they could not write its folder)."""
+    if not settings:
+        return
+    where = settings["jax_compilation_cache_dir"]
+    missing = [str(info["host"]) for info in infos if info.get("compile_cache") != where]
+    if missing:
+        warnings.warn(
+            f"host(s) {', '.join(missing)} cannot make or write the compilation cache folder "
+            f"{where} and compile without it (each run compiles their programs again); give a "
+            "folder every host can write (--compile-cache DIR, or jax_compilation_cache_dir)",
+            stacklevel=4,
+        )
+
+
 def use_compile_cache(settings: dict[str, Any] | None) -> None:
     """On a host: take the driver's compilation cache settings, where its folder can be made
     and written here (on another machine the driver's path may not be; a host without the
-    cache compiles as before)."""
+    cache compiles as before, and the driver says so: `_warn_without_cache`)."""
     if not settings:
         return
     import jax

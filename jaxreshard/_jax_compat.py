@@ -369,13 +369,42 @@ def enable_recoverability() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)  # (asked for every output of every step)
+def on_another_grid(sharding: NamedSharding, mesh: Any) -> bool:
+    """Whether `sharding` lays its array out over `mesh`'s devices arranged in a grid of
+    another shape (its spec then names that grid's axes, not `mesh`'s). Not an Explicit or
+    otherwise typed copy of `mesh` (same grid), nor an unreduced or reduced value."""
+    spec = sharding.spec
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return False
+    other = sharding.mesh
+    return (
+        getattr(other, "devices", None) is not None
+        and other.devices.shape != mesh.devices.shape
+        and sharding.device_set == set(mesh.devices.flat)
+    )
+
+
+@functools.lru_cache(maxsize=4096)  # (shardings and meshes hash; outputs repeat every step)
 def named_sharding_on(sharding: Any, mesh: Any, ndim: int) -> NamedSharding | None:
     """`sharding` as a NamedSharding over `mesh`'s devices: itself if it is one; a GSPMD
     sharding (what XLA gives an output whose layout does not match an input's, e.g. tiles in
     a transposed device order) parsed into a PartitionSpec of `mesh`'s axes, for arrays of
     `ndim` dims; None if it is over other devices or cannot be read so."""
     if isinstance(sharding, NamedSharding):
-        return sharding
+        if not on_another_grid(sharding, mesh):
+            return sharding
+        # Over another grid of `mesh`'s devices (a stage of a mixed layout runs a program traced
+        # under the first stage's mesh shape): its spec names that grid's axes, so read its
+        # layout instead, as XLA's (`P('data')` over a (2, 1) grid is `P('model')` on (1, 2)).
+        try:
+            from jax._src.sharding_impls import GSPMDSharding
+
+            sharding = GSPMDSharding(
+                sharding._device_assignment, sharding._to_xla_hlo_sharding(ndim)
+            )
+        except Exception:  # (another JAX: keep it as it is)
+            return sharding
     if sharding.device_set != set(mesh.devices.flat):
         return None
     if sharding.is_fully_replicated:  # (a SingleDeviceSharding on a 1-device mesh, say)

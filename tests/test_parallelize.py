@@ -322,6 +322,47 @@ def test_mixed_stage_meshes_compile_once_for_the_placement_the_step_returns(cpu_
     step.close()
 
 
+def test_a_mixed_layouts_optimizer_segments_run_as_compiled_ahead_from_the_second_step(
+    cpu_devices,
+):
+    """Stage meshes (2, 1) and (1, 2): the step is traced under the first one's shape, and
+    stage 1's optimizer segment laid its outputs out over a (2, 1) grid of its own devices,
+    which the next step brought back unlike what the segment was compiled for: it compiled
+    again inside the second step (1.1 s in a profile's first timed step of the tiny GPT). Its
+    outputs now come out on the stage's own mesh."""
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    optimizer = optax.adam(1e-2)
+    step = adam_step(mlp_loss, optimizer)
+    mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]).reshape(2, 1), ("data", "model"))
+    specs = {"emb": P(None, "model"), "out": P("model", None), "w1": P(None, "model"), "b1": P()}
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in make_params(2).items()
+    }
+    cfg = config(num_micro_batches=2, stage_mesh_shape=((2, 1), (1, 2)))
+    pstep = jr.parallelize(step, config=cfg, batch_argnums=(2,))
+    state = (params, optimizer.init(params))
+    expected = (make_params(2), optimizer.init(make_params(2)))
+    for _ in range(3):
+        *state, loss = pstep(*state, make_batch())
+        *expected, want = jax.jit(step)(*expected, make_batch())
+        np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
+    pipe = pstep.pipeline(*state, make_batch())
+    assert [seg.stage for seg in pipe.graph.segments] == [1, 0]
+    assert pipe.engine.segments.compiled_in_steps() == []
+    # ... and stage 1 keeps its tensor-parallel layout: split over its model axis of 2.
+    stage1 = jax.sharding.Mesh(np.array(cpu_devices[2:4]).reshape(1, 2), ("data", "model"))
+    for leaf, spec in [(state[0]["w1"], P(None, "model")), (state[1][0].mu["w1"], P(None, "model")),
+                       (state[0]["out"], P("model", None))]:  # fmt: skip
+        want = NamedSharding(stage1, spec)
+        assert leaf.sharding.mesh == stage1, leaf.sharding
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), leaf.sharding
+    assert len({id(e) for e in pstep._cache.values()}) == 1  # one compiled step
+    pstep.close()
+
+
 def test_boundary_tensors_are_what_the_model_implies():
     step = jr.parallelize(
         make_step(3, skip=True, shared=True), config=config(num_micro_batches=2), batch_argnums=(1,)

@@ -13,7 +13,7 @@ import numpy as np
 from jax.extend import core as jc
 from jax.sharding import Mesh, NamedSharding
 
-from jaxreshard._jax_compat import named_sharding_on
+from jaxreshard._jax_compat import named_sharding_on, on_another_grid
 from jaxreshard.runtime.step._specs import place, spec_of, transplant_spec
 
 # -- placing inputs -----------------------------------------------------------------------------
@@ -179,8 +179,12 @@ def mesh_devices(mesh: Mesh) -> frozenset[Any]:
 
 def as_named(x: Any, mesh: Mesh) -> Any:
     """`x` with a NamedSharding on `mesh` (the same buffers): XLA hands some outputs back with
-    a GSPMD sharding, which has no `PartitionSpec` to plan with, compare or describe."""
-    if not isinstance(x, jax.Array) or isinstance(x.sharding, NamedSharding):
+    a GSPMD sharding, which has no `PartitionSpec` to plan with, compare or describe, and a
+    stage of a mixed layout some with a NamedSharding over another grid of its devices, whose
+    spec names that grid's axes (see `named_sharding_on`)."""
+    if not isinstance(x, jax.Array):
+        return x
+    if isinstance(x.sharding, NamedSharding) and not on_another_grid(x.sharding, mesh):
         return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x

@@ -10,7 +10,12 @@ compiles every segment of a process's stages ahead of it (earlier segments first
 shardings are later ones' inputs): locally in a background thread beside the stages' compiles, in
 a Ray host when it takes the layout. A call whose inputs turn out
 laid out otherwise (an optimizer state the caller placed differently) runs the segment's jitted
-function instead, which compiles for what it gets.
+function instead, which compiles for what it gets. In a layout of mixed mesh shapes the step
+is traced under the first stage's shape, and XLA can give a segment's outputs over that grid of
+the stage's devices; read by axis name on the stage's mesh, that layout was another one, and the
+segment compiled again in the second step (and so did the whole pipeline). Such outputs are
+expressed on the stage's own mesh by their physical layout (`_outputs_on`, and `as_named` for
+the jitted path).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.extend import core as jc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxreshard._jax_compat import named_sharding_on, on_another_grid
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.runtime.step._around import donated, quiet_donation
 from jaxreshard.runtime.step._compile import _MISMATCH
@@ -35,6 +41,27 @@ def placed(spec: Any, aval: Any, mesh: Any) -> NamedSharding:
     """The sharding `on_mesh` gives a value of `aval` laid out with `spec` (None: host data)
     on `mesh`: the spec where it fits, else replicated."""
     return NamedSharding(mesh, transplant_spec(spec, dict(mesh.shape), aval.shape))
+
+
+def _outputs_on(mesh: Any, compiled: Any, fun: Any, donate: Any, structs: Any) -> Any:
+    """`compiled`, or compiled again with its outputs expressed on `mesh` where XLA gave them
+    over another grid of its devices (a stage of a mixed layout: the step was traced under the
+    first stage's mesh shape). The layouts are the same (`named_sharding_on` reads them
+    physically, so donated buffers still alias); the outputs then need no conversion in every
+    step (`as_named`), and the next step's arguments carry the stage's own specs."""
+    outs = list(compiled.output_shardings)
+    fixed = [
+        named_sharding_on(sh, mesh, len(struct.shape))
+        if isinstance(sh, NamedSharding) and on_another_grid(sh, mesh)
+        else sh
+        for sh, struct in zip(outs, jax.tree.leaves(compiled.out_info))
+    ]
+    if all(a is b for a, b in zip(fixed, outs)) or any(f is None for f in fixed):
+        return compiled
+    try:
+        return jax.jit(fun, donate_argnums=donate, out_shardings=fixed).lower(*structs).compile()
+    except Exception:  # (as XLA gave them: `as_named` converts them each step)
+        return compiled
 
 
 class SegmentExecutables:
@@ -85,9 +112,10 @@ class SegmentExecutables:
                     )
                     for v in seg.inputs
                 ]
-                fn = jax.jit(jc.jaxpr_as_fun(seg.jaxpr), donate_argnums=self._donate[j])
+                fun, donate = jc.jaxpr_as_fun(seg.jaxpr), self._donate[j]
                 with quiet_donation():
-                    compiled = fn.lower(*structs).compile()
+                    compiled = jax.jit(fun, donate_argnums=donate).lower(*structs).compile()
+                    compiled = _outputs_on(mesh, compiled, fun, donate, structs)
                 for v, sharding in zip(seg.outputs, compiled.output_shardings):
                     home[v] = spec_of(sharding)
                 future.set_result(compiled)

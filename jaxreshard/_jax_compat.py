@@ -379,10 +379,24 @@ def on_another_grid(sharding: NamedSharding, mesh: Any) -> bool:
         return False
     other = sharding.mesh
     return (
-        getattr(other, "devices", None) is not None
+        isinstance(other, Mesh)
+        and isinstance(mesh, Mesh)
         and other.devices.shape != mesh.devices.shape
         and sharding.device_set == set(mesh.devices.flat)
     )
+
+
+def _read_layout(sharding: NamedSharding, mesh: Any, ndim: int) -> NamedSharding | None:
+    """A NamedSharding over another grid of `mesh`'s devices, as one on `mesh` with the same
+    layout; None where `mesh`'s axes cannot express it."""
+    try:
+        from jax._src.sharding_impls import GSPMDSharding
+
+        hlo = sharding._to_xla_hlo_sharding(ndim)
+        gspmd = GSPMDSharding(sharding._device_assignment, hlo, memory_kind=sharding.memory_kind)
+    except Exception:  # (another JAX)
+        return None
+    return named_sharding_on(gspmd, mesh, ndim)
 
 
 @functools.lru_cache(maxsize=4096)  # (shardings and meshes hash; outputs repeat every step)
@@ -397,14 +411,10 @@ def named_sharding_on(sharding: Any, mesh: Any, ndim: int) -> NamedSharding | No
         # Over another grid of `mesh`'s devices (a stage of a mixed layout runs a program traced
         # under the first stage's mesh shape): its spec names that grid's axes, so read its
         # layout instead, as XLA's (`P('data')` over a (2, 1) grid is `P('model')` on (1, 2)).
-        try:
-            from jax._src.sharding_impls import GSPMDSharding
-
-            sharding = GSPMDSharding(
-                sharding._device_assignment, sharding._to_xla_hlo_sharding(ndim)
-            )
-        except Exception:  # (another JAX: keep it as it is)
-            return sharding
+        # Where the stage mesh's axes cannot express it (a 2-way split of a (4, 1) grid read
+        # on a (2, 2) one, say), it is kept as it is, as before.
+        read = _read_layout(sharding, mesh, ndim)
+        return read if read is not None else sharding
     if sharding.device_set != set(mesh.devices.flat):
         return None
     if sharding.is_fully_replicated:  # (a SingleDeviceSharding on a 1-device mesh, say)

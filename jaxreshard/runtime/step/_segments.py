@@ -56,7 +56,8 @@ def _outputs_on(mesh: Any, compiled: Any, fun: Any, donate: Any, structs: Any) -
         else sh
         for sh, struct in zip(outs, jax.tree.leaves(compiled.out_info))
     ]
-    if all(a is b for a, b in zip(fixed, outs)) or any(f is None for f in fixed):
+    fixed = [f if f is not None else sh for f, sh in zip(fixed, outs)]
+    if all(a is b for a, b in zip(fixed, outs)):
         return compiled
     try:
         return jax.jit(fun, donate_argnums=donate, out_shardings=fixed).lower(*structs).compile()

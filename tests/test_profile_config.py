@@ -56,7 +56,7 @@ def test_flag_values_are_parsed_by_field_type():
         None,
         {
             "model": {"channel_mult": "1,2,2,4", "base": "8"},
-            "run": {"learning_rate": "3e-3", "address": "none"},
+            "run": {"learning_rate": "3e-3", "address": "none", "plain_steps": "0"},
             "pipeline": {
                 "stage_mesh_shape": "1x2",
                 "emulate_network_gbps": "1.25",
@@ -68,6 +68,7 @@ def test_flag_values_are_parsed_by_field_type():
     assert pc.model_config.channel_mult == (1, 2, 2, 4)
     assert pc.model_config.base == 8
     assert pc.run.learning_rate == 3e-3 and pc.run.address is None
+    assert pc.run.plain_steps == 0 and pc.run.num_plain_steps == 0
     assert pc.pipeline.stage_mesh_shape == (1, 2)
     assert pc.pipeline.emulate_network_gbps == 1.25
     assert pc.pipeline.batch_axis is None
@@ -95,6 +96,7 @@ def test_flag_values_are_parsed_by_field_type():
             ["cost_comm='fast'", "a number or a list", "without quotes"],
         ),
         ("[run]\nplacement_costs = 'guess'\n", ["placement_costs='guess'", "measured"]),
+        ("[run]\nplain_steps = -1\n", ["plain_steps=-1", "from 0", "or none"]),
     ],
 )
 def test_bad_config_files_name_key_value_and_choices(tmp_path, text, words):

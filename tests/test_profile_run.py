@@ -58,6 +58,11 @@ def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
     losses = [s["loss"] for s in result["steps"]]
     assert len(losses) == 20 and all(s["seconds"] > 0 for s in result["steps"])
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1  # it learns
+    # Plain steps took turns with the timed ones and trained nothing: each computed the loss
+    # of the next timed step (the same state and batch), and the table shows their median.
+    plain = result["plain_steps"]
+    assert len(plain) == 20 and result["plain_step_seconds"] > 0 and "plain step" in text
+    np.testing.assert_allclose([s["loss"] for s in plain[:-1]], losses[1:], rtol=1e-5)
     assert result["samples_per_second"] > 0 and result["units_per_second"] > 0
     assert result["flops_per_step"] > 1e6
     assert len(result["stages"]) == 2
@@ -98,6 +103,15 @@ def test_gpt_profile_trains_with_optax(tmp_path, flags):
     run = result["config"]["run"]
     assert run["optimizer"] == ("adamw" if flags else "adam")
     assert run["clip_norm"] == (1.0 if flags else None)
+
+
+def test_without_plain_steps_a_profile_runs_only_timed_ones():
+    pc = load_profile_config(
+        "gpt", None, {"model": {"layers": 2}, "run": {"steps": 2, "plain_steps": 0}}
+    )
+    result = profiler.run_profile(pc)
+    assert result["plain_steps"] == [] and result["plain_step_seconds"] is None
+    assert len(result["steps"]) == 2
 
 
 def test_profile_state_is_sharded_like_the_parameters_and_compiles_once():

@@ -125,8 +125,9 @@ def run_profile(
             how = "chosen by partition='auto'" if pc.pipeline.cuts is None else "as configured"
             console.print(f"cuts: after layers {list(session.cuts() or ())} ({how}; "
                           "train_step.plan(...) says why)", highlight=False)  # fmt: skip
-        with _bar(console, progress, pc.run.steps * (2 if bound else 1)) as advance:
-            run_steps([session], pc.run.steps, on_step=advance)
+        plain = pc.run.num_plain_steps
+        with _bar(console, progress, pc.run.steps * (2 if bound else 1) + plain) as advance:
+            run_steps([session], pc.run.steps, plain_steps=plain, on_step=advance)
             if bound:
                 run_steps([session], pc.run.steps, signal_only=True, on_step=advance)
         flops = session.flops_per_step()

@@ -141,6 +141,11 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
         "partition": partition.to_json() if (partition := session.partition()) else None,
         "steps": [{"seconds": s.seconds, "loss": s.loss} for s in steps],
         "step_seconds": step_s,
+        # Steps as a training loop runs them (nothing recorded; see `Session.plain_step`).
+        "plain_steps": [{"seconds": s.seconds, "loss": s.loss} for s in session.plain_steps],
+        "plain_step_seconds": (
+            median([s.seconds for s in session.plain_steps]) if session.plain_steps else None
+        ),
         # The pipeline simulator's step time for this schedule with the measured costs.
         "predicted_step_seconds": predicted_step(steps, layout)[0],
         "samples_per_second": samples_per_s,
@@ -236,8 +241,10 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     tflops = result["model_tflops"]
     # A model whose unit is the sample (a user model without `UNIT`) gets one throughput column:
     # the two keys are one, and the second value (samples/s, to a tenth) stays.
+    plain = result.get("plain_step_seconds")
     cells = {
         "step time": _fmt_s(result["step_seconds"]),
+        **({"plain step": _fmt_s(plain)} if plain else {}),
         "predicted": _fmt_s(result["predicted_step_seconds"]),
         f"{result['unit']}/s": (
             f"{result['units_per_second']:,.0f}" if result["units_per_second"] else "n/a"
@@ -253,6 +260,14 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
     for col in cells:
         step.add_column(col, justify="right")
     step.add_row(*cells.values())
+    if plain and result["step_seconds"] > 1.05 * plain:
+        step.caption = (
+            f"a timed step waits for each action to time it: here it took "
+            f"{result['step_seconds'] / plain:.2f}x a plain step (a training loop's: nothing "
+            "timed, each step waited for at its end); the prediction and the tables below "
+            "describe timed steps"
+        )
+        step.caption_justify = "left"
     stages = Table(title="stages (medians per step)", title_justify="left")
     for col in (
         "stage",

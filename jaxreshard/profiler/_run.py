@@ -5,7 +5,9 @@ The first `warmup_steps` steps (the first one compiles) are not timed. Every tim
 `Parallelized.profile_call`: the step's wall time from the call until the loss is on the host,
 and per stage the `Event`s the runtime records (F/B/W actions, post-gradient segments `A`,
 transfers on the sender's lane, and the time a stage sat blocked in a RECV). Recording blocks on
-each action's results, so a profiled step dispatches a little less ahead than an unprofiled one.
+each action's results, so a profiled step dispatches less ahead than an unprofiled one (the tiny
+GPT on 2 CPU cores: 1.2-1.3x; actions of 30 ms and more: within 1-2%), and the profile also
+times `plain_steps` steps as a training loop runs them (`Session.plain_step`).
 The signal-only bound (see [Note: signal-only bound]) runs extra steps whose outputs are thrown
 away, so training goes on from correct parameters.
 """
@@ -76,6 +78,7 @@ class Session:
         self.compile_seconds = 0.0
         self.steps: list[StepRecord] = []
         self.signal_steps: list[StepRecord] = []
+        self.plain_steps: list[StepRecord] = []  # (no events: see `plain_step`)
         self._next_batch = 0
         self.checkpoints: Any = None  # a RunCheckpoints (`--checkpoint`), saving after steps
 
@@ -135,6 +138,23 @@ class Session:
         shifted = [dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events]
         record = StepRecord(seconds, value, sorted(shifted, key=lambda e: e.start))
         (self.signal_steps if signal_only else self.steps).append(record)
+        return record
+
+    def plain_step(self, *, timed: bool = True) -> StepRecord:
+        """One step as a training loop runs it: a plain call (nothing recorded, the optimizer
+        fused as configured, steps in flight allowed), waited for at its end (the loss on the
+        host, the new state ready). Like a signal-only step, it trains nothing: its outputs
+        are dropped (the profile's parameters are never donated), so the timed steps' losses
+        and the checkpoints are those of consecutive training steps. Untimed (`timed=False`),
+        it only compiles what a plain call runs and a recorded one does not."""
+        start = time.perf_counter()
+        params, opt, loss = self.pstep(self.params, self.opt, self._peek_batch())
+        value = float(np.asarray(loss))
+        jax.block_until_ready((params, opt))
+        record = StepRecord(time.perf_counter() - start, value, [])
+        self._check_loss(value, f"plain step {len(self.plain_steps) + 1}")
+        if timed:
+            self.plain_steps.append(record)
         return record
 
     def _check_loss(self, value: float, when: str) -> None:
@@ -355,14 +375,25 @@ def run_steps(
     steps: int,
     *,
     signal_only: bool = False,
+    plain_steps: int = 0,
     on_step: Callable[[Session, StepRecord], None] | None = None,
 ) -> None:
-    """Step every session `steps` times, round-robin, so that machine noise hits all alike."""
-    for _ in range(steps):
+    """Step every session `steps` times, round-robin, so that machine noise hits all alike;
+    with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
+    the timed ones (the first, untimed, compiles what a plain call runs)."""
+    if plain_steps:
         for session in sessions:
-            record = session.step(signal_only=signal_only)
-            if on_step is not None:
-                on_step(session, record)
+            session.plain_step(timed=False)
+    for i in range(max(steps, plain_steps)):
+        for session in sessions:
+            if i < steps:
+                record = session.step(signal_only=signal_only)
+                if on_step is not None:
+                    on_step(session, record)
+            if i < plain_steps:
+                record = session.plain_step()
+                if on_step is not None:
+                    on_step(session, record)
 
 
 # -- the simulator's prediction for a measured run ------------------------------------------------

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxreshard.frontend._backward import derive_backward, derive_forward
@@ -37,7 +36,7 @@ from jaxreshard.frontend._split import BATCH, CONST, PARAM, StepGraph
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.engine._channels import Channels
 from jaxreshard.runtime.engine._dispatch import stage_failure
-from jaxreshard.runtime.engine._events import APPLY_EVENT, Event, PipelineError
+from jaxreshard.runtime.engine._events import Event, PipelineError, SegmentClock
 from jaxreshard.runtime.engine._placing import FeedSplitter, Placement, _deleted, as_named, on_mesh
 from jaxreshard.runtime.engine._program import StageProgram
 from jaxreshard.runtime.engine._ranks import RankRunner
@@ -351,8 +350,10 @@ class HostEngine:
         record: Callable[[Event], None] | None,
         on_segment: Callable[[str, Any], None] | None,
     ) -> dict[int, list[Any]]:
-        """Post-gradient segments run here, after the ranks' programs, in order."""
+        """Post-gradient segments run here, after the ranks' programs, in order (a recorded
+        step times them as a plain one runs them: see [Note: recorded segments])."""
         produced: dict[int, list[Any]] = {}
+        clock = SegmentClock(self.config.timeout_s) if record is not None else None
         for call in calls:
             seg = self.graph.segments[call.index]
             mesh = self.meshes[seg.stage]
@@ -362,18 +363,22 @@ class HostEngine:
                     x = grads[value]
                 elif kind == "out":
                     j, n = value
+                    if clock is not None:
+                        clock.join(j)  # (before this segment may donate what it reads)
                     x = produced[j][n]
                 else:
                     x = value
                 values.append(on_mesh(x, mesh, aval=var.aval))
             start = time.perf_counter()
             outs = [as_named(x, mesh) for x in self.segments.run(call.index, values)]
-            if record is not None:
-                jax.block_until_ready(outs)
-                record(Event(seg.stage, APPLY_EVENT, -1, start, time.perf_counter(), "apply"))
+            if clock is not None:
+                clock.started(call.index, seg.stage, start, outs)
             if on_segment is not None:
                 on_segment(f"post segment {call.index}", outs)
             produced[call.index] = outs
+        if clock is not None and record is not None:
+            for event in clock.events():
+                record(event)
         return produced
 
     def segment(self, index: int, inputs: Sequence[Any]) -> list[Any]:

@@ -323,3 +323,20 @@ def test_a_profile_joins_jax_distributed_only_for_meshes_that_span_hosts(sizes, 
     from jaxreshard.profiler._profile import meshes_span_hosts
 
     assert meshes_span_hosts(sizes, per_host) is spans
+
+
+def test_a_written_config_loads_back_the_same_none_included(tmp_path):
+    """`--auto-toml` writes the chosen config; TOML has no null, and a key left out loads as its
+    default (`batch_axis` as "data"), so a `None` the user set is written as "none"."""
+    from jaxreshard.profiler._auto_report import profile_toml
+
+    flags = {"run": {"clip_norm": "none"}, "pipeline": {"batch_axis": "none"}}
+    pc = load_profile_config("gpt", None, flags)
+    assert pc.pipeline.batch_axis is None
+    path = tmp_path / "again.toml"
+    path.write_text(profile_toml(pc))
+    assert 'batch_axis = "none"' in path.read_text()
+    again = load_profile_config("gpt", path)
+    assert again.pipeline == pc.pipeline and again.run == pc.run
+    path.write_text('[run]\naddress = "None"\n')
+    assert load_profile_config("gpt", path).run.address is None

@@ -41,12 +41,20 @@ def profile_toml(pc: ProfileConfig) -> str:
     """`pc` as a profile config file ([model], [run], [pipeline])."""
     model = {"name": pc.model, "preset": pc.preset, **pc.model_values()}
     tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
+    defaults = {
+        "run": {f.name: f.default for f in dataclasses.fields(pc.run)},
+        "pipeline": {f.name: f.default for f in dataclasses.fields(pc.pipeline)},
+    }
     out = [f"# written by `jaxreshard profile {pc.model} --auto`"]
     for name, values in tables.items():
         out.append(f"\n[{name}]")
         for key, value in values.items():
             if value is not None:
                 out.append(f"{key} = {_toml(value)}")
+            elif defaults.get(name, {}).get(key, ...) is not None:
+                # TOML has no null; left out, the key would load as its default (`batch_axis`
+                # as "data"), so the file says "none", as a flag would.
+                out.append(f'{key} = "none"')
     return "\n".join(out) + "\n"
 
 

@@ -450,7 +450,8 @@ def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
     args = typing.get_args(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (text and isinstance(value, str) and value.lower() == "none")
+        # TOML has no null: a file says "none" as a flag does (`profile_toml` writes it so).
+        is_none = value is None or (isinstance(value, str) and value.lower() == "none")
         if is_none and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]

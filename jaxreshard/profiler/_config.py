@@ -4,9 +4,9 @@ A profile config file has three tables, every key optional:
 
     [model]                 # name = "gpt" (checked against the command), preset, then any
     preset = "tiny"         # field of the model's config to override the preset's
-    [run]                   # RunConfig: batch_size, steps, warmup_steps, seed, the
-    steps = 20              # optimizer (optimizer, learning_rate, weight_decay, momentum,
-    optimizer = "adamw"     # clip_norm), address
+    [run]                   # RunConfig: batch_size, steps, plain_steps, warmup_steps, seed,
+    steps = 20              # the optimizer (optimizer, learning_rate, weight_decay, momentum,
+    optimizer = "adamw"     # clip_norm), address, placement_costs
     [pipeline]              # PipelineConfig: num_stages, num_micro_batches, schedule, ...
     schedule = "eager_1f1b"
 

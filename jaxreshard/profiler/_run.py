@@ -79,6 +79,7 @@ class Session:
         self.steps: list[StepRecord] = []
         self.signal_steps: list[StepRecord] = []
         self.plain_steps: list[StepRecord] = []  # (no events: see `plain_step`)
+        self.plain_error: str | None = None  # why plain steps stopped (`run_steps`)
         self._next_batch = 0
         self.checkpoints: Any = None  # a RunCheckpoints (`--checkpoint`), saving after steps
 
@@ -147,8 +148,9 @@ class Session:
         are dropped (the profile's parameters are never donated), so the timed steps' losses
         and the checkpoints are those of consecutive training steps. Untimed (`timed=False`),
         it only compiles what a plain call runs and a recorded one does not."""
+        batch = self._peek_batch()
         start = time.perf_counter()
-        params, opt, loss = self.pstep(self.params, self.opt, self._peek_batch())
+        params, opt, loss = self.pstep(self.params, self.opt, batch)
         value = float(np.asarray(loss))
         jax.block_until_ready((params, opt))
         record = StepRecord(time.perf_counter() - start, value, [])
@@ -381,9 +383,21 @@ def run_steps(
     """Step every session `steps` times, round-robin, so that machine noise hits all alike;
     with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
     the timed ones (the first, untimed, compiles what a plain call runs)."""
+
+    def plain(session: Session, timed: bool = True) -> StepRecord | None:
+        # A plain call can fail where a recorded one runs (its fused executables need more
+        # memory, say): the profile goes on without plain steps, and says why.
+        if session.plain_error is not None:
+            return None
+        try:
+            return session.plain_step(timed=timed)
+        except Exception as e:
+            session.plain_error = f"{type(e).__name__}: {e}"
+            return None
+
     if plain_steps:
         for session in sessions:
-            session.plain_step(timed=False)
+            plain(session, timed=False)
     for i in range(max(steps, plain_steps)):
         for session in sessions:
             if i < steps:
@@ -391,8 +405,8 @@ def run_steps(
                 if on_step is not None:
                     on_step(session, record)
             if i < plain_steps:
-                record = session.plain_step()
-                if on_step is not None:
+                record = plain(session)
+                if on_step is not None and record is not None:
                     on_step(session, record)
 
 

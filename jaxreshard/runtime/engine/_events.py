@@ -7,11 +7,14 @@ waiting, so each stage's runs on its own devices while the others' run on theirs
 each timed by blocking on it: stage 1's optimizer then waited for stage 0's, which the simulator
 (each stage's `A` after its own last action) never saw, and the profile's step came out longer
 than the plain one (the tiny GPT: stage 1's optimizer started 9 ms after its last action, 6% of
-the step). Now a recorded step dispatches them as a plain one does, and a thread per segment
-stamps when its outputs are ready (`SegmentClock`). A segment starts at the later of its
-dispatch and the end of the previous one on its stage (a device runs its programs in order), so
-a stage's `A` time is its own. One that reads another's outputs waits for them to be stamped
-first, since it may donate them.
+the step). Now a recorded step dispatches the segments of its stages' hosts one after the
+other without waiting, as a plain one does, and a thread per segment stamps when its outputs
+are ready (`SegmentClock`). A segment starts at the latest of its dispatch, the end of the
+previous one on its devices (they run their programs in order; with virtual stages several
+stages share them) and the ends of the segments whose outputs it reads, so a stage's `A` time
+is its own. Still run apart: segments the driver runs after the step (inputs from several
+stages' hosts), and the optimizer a plain step fuses into the last backward (a recorded step
+fuses nothing, to time each action).
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import jax
 
 from jaxreshard.pipeline._emit import Instruction
 
@@ -83,52 +85,75 @@ def transfer_name(ins: Instruction) -> str:
     return f"{ins.kind}{ins.tensor} s{ins.src}->s{ins.dst}"
 
 
+@dataclasses.dataclass
+class _SegmentRun:
+    stage: int
+    lane: Any  # its devices: stages of one rank (virtual stages) share them
+    start: float  # when it was dispatched
+    after: tuple[int, ...]  # the segments whose outputs it reads
+    thread: threading.Thread
+
+
 class SegmentClock:
     """Times a recorded step's post-gradient segments, dispatched without waiting (see
-    [Note: recorded segments]): `started` after each dispatch, `join` before a segment reads
-    another's outputs, `events` once all are dispatched. A segment not ready within
-    `timeout_s` fails the step, as a stage's action would."""
+    [Note: recorded segments]): `started` after each dispatch, `events` once all are
+    dispatched. The segments must be ready within `timeout_s` of `events` being called, or
+    the step fails naming the first that is not (`where` prefixes the message: the host).
+    `wait(outs, stop)` waits for a segment's outputs (polling, so that a thread given up on
+    is never left inside JAX: see [Note: threads at exit]); False if `stop()` came first."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._runs: dict[int, tuple[int, float, threading.Thread]] = {}
-        self._ready: dict[int, float] = {}
+    def __init__(
+        self,
+        timeout_s: float,
+        where: str = "",
+        wait: Callable[[Any, Callable[[], bool]], bool] | None = None,
+    ) -> None:
+        from jaxreshard.runtime.engine._threads import wait_ready
+
+        self.timeout_s, self.where = timeout_s, where
+        self._wait = wait or wait_ready
+        self._runs: dict[int, _SegmentRun] = {}
+        self._ready: dict[int, float] = {}  # (each written by its own thread, read after it)
         self._errors: dict[int, BaseException] = {}
+        self._stopped = False
 
-    def started(self, index: int, stage: int, start: float, outs: Any) -> None:
+    def started(
+        self, index: int, stage: int, lane: Any, start: float, outs: Any, after: Sequence[int] = ()
+    ) -> None:
         def stamp() -> None:
             try:
-                jax.block_until_ready(outs)
-            except BaseException as e:  # (raised by `join`, in the step's thread)
+                if not self._wait(outs, lambda: self._stopped):
+                    return
+            except BaseException as e:  # (raised by `events`, in the step's thread)
                 self._errors[index] = e
             self._ready[index] = time.perf_counter()
 
         thread = threading.Thread(target=stamp, name=f"segment-{index}-clock", daemon=True)
         thread.start()
-        self._runs[index] = (stage, start, thread)
-
-    def join(self, index: int) -> None:
-        """Wait until segment `index` is ready (raise what it raised)."""
-        if index not in self._runs:
-            return
-        stage, _, thread = self._runs[index]
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            raise PipelineError(
-                f"stage {stage}'s post-gradient segment {index} (the optimizer) was not done "
-                f"after timeout_s={self.timeout_s:g} s; raise PipelineConfig.timeout_s if it "
-                "is only slow"
-            )
-        if index in self._errors:
-            raise self._errors[index]
+        self._runs[index] = _SegmentRun(stage, lane, start, tuple(after), thread)
 
     def events(self) -> list[Event]:
-        """One `A` event per segment, in dispatch order, once every one is ready."""
-        out, free = [], {}  # stage -> when its devices finished its previous segment
-        for index, (stage, start, _) in self._runs.items():
-            self.join(index)
+        """One `A` event per segment, in dispatch order, once every one is ready. A segment
+        starts at the latest of its dispatch, the end of the previous one on its devices (they
+        run their programs in order) and the ends of those whose outputs it reads."""
+        deadline = time.monotonic() + self.timeout_s
+        for index, run in self._runs.items():
+            run.thread.join(max(0.0, deadline - time.monotonic()))
+            if run.thread.is_alive() or index in self._errors:
+                self._stopped = True  # (the other clocks stop polling)
+                if index in self._errors:
+                    raise self._errors[index]
+                raise PipelineError(
+                    f"{self.where}stage {run.stage}'s post-gradient segment {index} (the "
+                    f"optimizer) was not done after timeout_s={self.timeout_s:g} s; raise "
+                    "PipelineConfig.timeout_s if it is only slow"
+                )
+        out: list[Event] = []
+        free: dict[Any, float] = {}  # lane -> when its devices finished their previous segment
+        for index, run in self._runs.items():
             end = self._ready[index]
-            begin = min(end, max(start, free.get(stage, start)))
-            free[stage] = end
-            out.append(Event(stage, APPLY_EVENT, -1, begin, end, "apply"))
+            inputs = [self._ready.get(j, run.start) for j in run.after]
+            begin = max(run.start, free.get(run.lane, run.start), *inputs)
+            free[run.lane] = end
+            out.append(Event(run.stage, APPLY_EVENT, -1, min(begin, end), end, "apply"))
         return out

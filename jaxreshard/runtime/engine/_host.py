@@ -353,7 +353,7 @@ class HostEngine:
         """Post-gradient segments run here, after the ranks' programs, in order (a recorded
         step times them as a plain one runs them: see [Note: recorded segments])."""
         produced: dict[int, list[Any]] = {}
-        clock = SegmentClock(self.config.timeout_s) if record is not None else None
+        clock = SegmentClock(self.config.timeout_s, self.where) if record is not None else None
         for call in calls:
             seg = self.graph.segments[call.index]
             mesh = self.meshes[seg.stage]
@@ -363,8 +363,6 @@ class HostEngine:
                     x = grads[value]
                 elif kind == "out":
                     j, n = value
-                    if clock is not None:
-                        clock.join(j)  # (before this segment may donate what it reads)
                     x = produced[j][n]
                 else:
                     x = value
@@ -372,7 +370,9 @@ class HostEngine:
             start = time.perf_counter()
             outs = [as_named(x, mesh) for x in self.segments.run(call.index, values)]
             if clock is not None:
-                clock.started(call.index, seg.stage, start, outs)
+                after = [value[0] for kind, value in call.inputs if kind == "out"]
+                lane = tuple(d.id for d in mesh.devices.flat)
+                clock.started(call.index, seg.stage, lane, start, outs, after)
             if on_segment is not None:
                 on_segment(f"post segment {call.index}", outs)
             produced[call.index] = outs

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import jaxreshard as jr
 from jaxreshard.cli import main
 from jaxreshard.profiler import RunConfig, load_profile_config
 from jaxreshard.profiler._config import TABLES
@@ -338,5 +339,18 @@ def test_a_written_config_loads_back_the_same_none_included(tmp_path):
     assert 'batch_axis = "none"' in path.read_text()
     again = load_profile_config("gpt", path)
     assert again.pipeline == pc.pipeline and again.run == pc.run
+    # The library reads the [pipeline] table of the same file alike.
+    assert jr.PipelineConfig.from_toml(path) == pc.pipeline
     path.write_text('[run]\naddress = "None"\n')
     assert load_profile_config("gpt", path).run.address is None
+
+
+def test_none_in_a_file_is_none_unless_a_literal_names_it():
+    from typing import Literal
+
+    from jaxreshard.profiler._config import coerce
+
+    assert coerce("none", str | None, "w") is None
+    assert coerce("none", Literal["none", "gelu"] | None, "w") == "none"
+    with pytest.raises(ValueError, match="integer"):
+        coerce("none", int, "w")  # (a field that takes no None)

@@ -41,7 +41,11 @@ def profile_toml(pc: ProfileConfig) -> str:
     """`pc` as a profile config file ([model], [run], [pipeline])."""
     model = {"name": pc.model, "preset": pc.preset, **pc.model_values()}
     tables = {"model": model, "run": dataclasses.asdict(pc.run), "pipeline": pc.pipeline.to_dict()}
+    # TOML has no null, and a key left out loads as its default (`batch_axis` as "data") or
+    # as the preset's value: a None that differs from those is written "none", as a flag says
+    # it; one equal to them is left out.
     defaults = {
+        "model": dataclasses.asdict(pc.spec.presets[pc.preset]),
         "run": {f.name: f.default for f in dataclasses.fields(pc.run)},
         "pipeline": {f.name: f.default for f in dataclasses.fields(pc.pipeline)},
     }
@@ -51,9 +55,7 @@ def profile_toml(pc: ProfileConfig) -> str:
         for key, value in values.items():
             if value is not None:
                 out.append(f"{key} = {_toml(value)}")
-            elif defaults.get(name, {}).get(key, ...) is not None:
-                # TOML has no null; left out, the key would load as its default (`batch_axis`
-                # as "data"), so the file says "none", as a flag would.
+            elif defaults[name].get(key) is not None:
                 out.append(f'{key} = "none"')
     return "\n".join(out) + "\n"
 

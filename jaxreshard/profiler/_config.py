@@ -450,8 +450,14 @@ def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
     args = typing.get_args(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        # TOML has no null: a file says "none" as a flag does (`profile_toml` writes it so).
-        is_none = value is None or (isinstance(value, str) and value.lower() == "none")
+        # TOML has no null: a file says "none" as a flag does (`profile_toml` writes it so);
+        # so such a field cannot hold the text "none", unless a Literal of it allows it.
+        literal = any(
+            typing.get_origin(a) is typing.Literal and value in typing.get_args(a) for a in args
+        )
+        is_none = value is None or (
+            isinstance(value, str) and value.lower() == "none" and not literal
+        )
         if is_none and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]

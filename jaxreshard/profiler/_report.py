@@ -146,7 +146,6 @@ def profile_json(session: Session, flops: float | None) -> dict[str, Any]:
         "plain_step_seconds": (
             median([s.seconds for s in session.plain_steps]) if session.plain_steps else None
         ),
-        "plain_step_error": session.plain_error,
         # The pipeline simulator's step time for this schedule with the measured costs.
         "predicted_step_seconds": predicted_step(steps, layout)[0],
         "samples_per_second": samples_per_s,
@@ -268,9 +267,6 @@ def summary_tables(result: dict[str, Any]) -> list[Any]:
             "timed, each step waited for at its end); the prediction and the tables below "
             "describe timed steps"
         )
-        step.caption_justify = "left"
-    if result.get("plain_step_error"):
-        step.caption = f"plain steps stopped: {result['plain_step_error']}"
         step.caption_justify = "left"
     stages = Table(title="stages (medians per step)", title_justify="left")
     for col in (

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 import jaxreshard as jr
 from jaxreshard._jax_compat import make_mesh
+from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.runtime.engine._events import APPLY_EVENT, ARRIVE, SEND, WAIT, Event
@@ -79,7 +80,6 @@ class Session:
         self.steps: list[StepRecord] = []
         self.signal_steps: list[StepRecord] = []
         self.plain_steps: list[StepRecord] = []  # (no events: see `plain_step`)
-        self.plain_error: str | None = None  # why plain steps stopped (`run_steps`)
         self._next_batch = 0
         self.checkpoints: Any = None  # a RunCheckpoints (`--checkpoint`), saving after steps
 
@@ -384,16 +384,15 @@ def run_steps(
     with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
     the timed ones (the first, untimed, compiles what a plain call runs)."""
 
-    def plain(session: Session, timed: bool = True) -> StepRecord | None:
-        # A plain call can fail where a recorded one runs (its fused executables need more
-        # memory, say): the profile goes on without plain steps, and says why.
-        if session.plain_error is not None:
-            return None
+    def plain(session: Session, timed: bool = True) -> StepRecord:
         try:
             return session.plain_step(timed=timed)
-        except Exception as e:
-            session.plain_error = f"{type(e).__name__}: {e}"
-            return None
+        except (RuntimeError, MemoryError) as e:  # (where a recorded call runs: memory, say)
+            raise RuntimeError(
+                "a plain step (a training loop's call, timed beside the recorded steps) "
+                f"failed: {error_line(e)}; --plain-steps 0 (plain_steps = 0) times the "
+                "recorded steps only"
+            ) from e
 
     if plain_steps:
         for session in sessions:
@@ -406,7 +405,7 @@ def run_steps(
                     on_step(session, record)
             if i < plain_steps:
                 record = plain(session)
-                if on_step is not None and record is not None:
+                if on_step is not None:
                     on_step(session, record)
 
 

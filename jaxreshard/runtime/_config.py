@@ -7,6 +7,7 @@ import functools
 import math
 import numbers
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,11 @@ class PipelineConfig:
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "config") -> PipelineConfig:
         _check_keys(data, where)
         values = {k: (_tuples(v) if isinstance(v, list) else v) for k, v in data.items()}
+        # TOML has no null: "none" is None for a field that takes None (as `jaxreshard profile`
+        # reads a file, and as `--auto-toml` writes one).
+        for k, v in values.items():
+            if isinstance(v, str) and v.lower() == "none" and k in _NONE_FIELDS:
+                values[k] = None
         try:
             return cls(**values)
         except TypeError as e:
@@ -376,6 +382,13 @@ def _checked_init(init: Any) -> Any:
 
 
 PipelineConfig.__init__ = _checked_init(PipelineConfig.__init__)  # type: ignore[method-assign]
+
+# The fields that take None (their type says so), which a file gives as "none".
+_NONE_FIELDS = frozenset(
+    name
+    for name, hint in typing.get_type_hints(PipelineConfig).items()
+    if type(None) in typing.get_args(hint)
+)
 
 
 def _check_keys(data: Mapping[str, Any], where: str) -> None:

@@ -132,6 +132,10 @@ class SegmentClock:
         thread.start()
         self._runs[index] = _SegmentRun(stage, lane, start, tuple(after), thread)
 
+    def stop(self) -> None:
+        """Have every clock stop waiting (the step failed)."""
+        self._stopped = True
+
     def events(self) -> list[Event]:
         """One `A` event per segment, in dispatch order, once every one is ready. A segment
         starts at the latest of its dispatch, the end of the previous one on its devices (they
@@ -139,10 +143,10 @@ class SegmentClock:
         deadline = time.monotonic() + self.timeout_s
         for index, run in self._runs.items():
             run.thread.join(max(0.0, deadline - time.monotonic()))
-            if run.thread.is_alive() or index in self._errors:
-                self._stopped = True  # (the other clocks stop polling)
-                if index in self._errors:
-                    raise self._errors[index]
+            if run.thread.is_alive() or self._errors:
+                self.stop()
+                if self._errors:  # (a segment that failed says more than one still running)
+                    raise next(iter(self._errors.values()))
                 raise PipelineError(
                     f"{self.where}stage {run.stage}'s post-gradient segment {index} (the "
                     f"optimizer) was not done after timeout_s={self.timeout_s:g} s; raise "

@@ -354,28 +354,33 @@ class HostEngine:
         step times them as a plain one runs them: see [Note: recorded segments])."""
         produced: dict[int, list[Any]] = {}
         clock = SegmentClock(self.config.timeout_s, self.where) if record is not None else None
-        for call in calls:
-            seg = self.graph.segments[call.index]
-            mesh = self.meshes[seg.stage]
-            values = []
-            for (kind, value), var in zip(call.inputs, seg.inputs):
-                if kind == "grad":
-                    x = grads[value]
-                elif kind == "out":
-                    j, n = value
-                    x = produced[j][n]
-                else:
-                    x = value
-                values.append(on_mesh(x, mesh, aval=var.aval))
-            start = time.perf_counter()
-            outs = [as_named(x, mesh) for x in self.segments.run(call.index, values)]
+        try:
+            for call in calls:
+                seg = self.graph.segments[call.index]
+                mesh = self.meshes[seg.stage]
+                values = []
+                for (kind, value), var in zip(call.inputs, seg.inputs):
+                    if kind == "grad":
+                        x = grads[value]
+                    elif kind == "out":
+                        j, n = value
+                        x = produced[j][n]
+                    else:
+                        x = value
+                    values.append(on_mesh(x, mesh, aval=var.aval))
+                start = time.perf_counter()
+                outs = [as_named(x, mesh) for x in self.segments.run(call.index, values)]
+                if clock is not None:
+                    after = [value[0] for kind, value in call.inputs if kind == "out"]
+                    lane = frozenset(d.id for d in mesh.devices.flat)
+                    clock.started(call.index, seg.stage, lane, start, outs, after)
+                if on_segment is not None:
+                    on_segment(f"post segment {call.index}", outs)
+                produced[call.index] = outs
+        except BaseException:
             if clock is not None:
-                after = [value[0] for kind, value in call.inputs if kind == "out"]
-                lane = tuple(d.id for d in mesh.devices.flat)
-                clock.started(call.index, seg.stage, lane, start, outs, after)
-            if on_segment is not None:
-                on_segment(f"post segment {call.index}", outs)
-            produced[call.index] = outs
+                clock.stop()  # (no clock goes on polling after the step failed)
+            raise
         if clock is not None and record is not None:
             for event in clock.events():
                 record(event)

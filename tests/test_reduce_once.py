@@ -408,11 +408,12 @@ def test_split_rows_splits_only_the_rows_of_a_tensor_whole_along_them():
     assert split_rows(P(), mesh, (4, 8), None, 4) == P()
 
 
-def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices):
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1)])
+def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices, shape):
     """A residual block's convolutions split over `model` as the U-Transformer's are (the first
-    by output channels, the second by input channels) on a 2 x 2 mesh: the typed trace takes
-    our convolution rule (JAX's own asks for an out_sharding), the stage sums once, and the
-    step equals jax.jit."""
+    by output channels, the second by input channels) on a 2 x 2 mesh (and a 2 x 1 one, where
+    `model` has size 1): the typed trace takes our convolution rule (JAX's own asks for an
+    out_sharding), the stage sums once, and the step equals jax.jit."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -438,7 +439,7 @@ def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices):
         "w2": rng.normal(size=(3, 3, 8, 8)).astype(np.float32) * 0.2,
         "w3": rng.normal(size=(3, 3, 8, 8)).astype(np.float32) * 0.2,
     }
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[: np.prod(shape)])
     specs = {"w1": P(), "b1": P(), "w2": P(None, None, None, "model"), "w3": P(None, None, "model")}
     placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     batch = {
@@ -449,7 +450,7 @@ def test_tensor_parallel_convolutions_sum_their_gradients_once(cpu_devices):
         backend="local",
         num_stages=2,
         num_micro_batches=4,
-        stage_mesh_shape=(2, 2),
+        stage_mesh_shape=shape,
         mesh_axis_names=("data", "model"),
     )
     pstep = jr.parallelize(step, config=config, batch_argnums=(1,))
@@ -527,12 +528,16 @@ def test_the_convolution_rule_refuses_rows_whole_over_a_reduced_axis(cpu_devices
     assert taken[0] is None and taken[1] is not None, taken
 
 
-def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_devices):
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1)])
+def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_devices, shape):
     """Attention whose fused qkv weight is split over `model` by its last dim, reshaped to (3,
     heads, head_dim): the reshape cannot keep that split, so it is gathered. On the plain path
     XLA then splits the heads over `model`; the typed stage (reduced once) must too, else every
     device computes every head (GPT `tiny` on 2 x 2 meshes ran 1.13-1.19x slower summing once).
-    The forward's attention scores come out split by heads, and the step equals jax.jit."""
+    The forward's attention scores come out split by heads, and the step equals jax.jit.
+    On (2, 1) meshes `model` has size 1, so the reshape keeps it on the `3` dim and `qkv[:, :, i]`
+    squeezes a size-1 dim split over it, whose cotangent JAX types without the split and then
+    refuses (`size_one_unsplit`): the stage kept the per-micro-batch sum."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -559,7 +564,7 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
         "qkv": rng.normal(size=(dim, 3 * dim)).astype(np.float32) * 0.3,
         "proj": rng.normal(size=(dim, dim)).astype(np.float32) * 0.3,
     }
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[: np.prod(shape)])
     specs = {"w0": P(), "qkv": P(None, "model"), "proj": P("model", None)}
     placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x = rng.normal(size=(rows, seq, dim)).astype(np.float32)
@@ -567,7 +572,7 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
         backend="local",
         num_stages=2,
         num_micro_batches=2,
-        stage_mesh_shape=(2, 2),
+        stage_mesh_shape=shape,
         mesh_axis_names=("data", "model"),
     )
     pstep = jr.parallelize(step, config=config, batch_argnums=(1,))
@@ -579,9 +584,11 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-5, atol=1e-6)
     second = pipeline.compiled.engine.compilers[1]
     hlo = "\n".join(c.as_text() for (name, _), c in second._ready.items() if name == "fb")
-    # per device: 4 of 8 rows (a micro-batch over `data`), 2 of 4 heads, 8 x 8 scores
-    assert re.search(r"f32\[4,2,8,8\]", hlo), "the heads are not split over `model`"
-    assert not re.search(r"f32\[4,4,8,8\]", hlo), "every device computes every head"
+    # per device: 4 of 8 rows (a micro-batch over `data`), 4 / model heads, 8 x 8 scores
+    heads_here = heads // shape[1]
+    assert re.search(rf"f32\[4,{heads_here},8,8\]", hlo), "the heads are not split over `model`"
+    if shape[1] > 1:
+        assert not re.search(r"f32\[4,4,8,8\]", hlo), "every device computes every head"
 
 
 def test_a_bare_assertion_in_the_typed_trace_keeps_todays_path(cpu_devices, monkeypatch):

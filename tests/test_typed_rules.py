@@ -688,3 +688,42 @@ def test_a_flax_linen_transformer_with_tensor_parallel_kernels_sums_once(cpu_dev
     _check_sums_once_on_two_tensor_parallel_stages(
         params, _flax_megatron_spec, lambda p, tokens: model.apply({"params": p}, tokens)
     )
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: x[:, :, 0],  # slice + squeeze
+        lambda x: jnp.broadcast_to(x[:, :, :1], (4, 4, 3, 2)),
+        lambda x: x[:, :, :1].reshape(4, 8),
+    ],
+    ids=["squeeze", "broadcast", "reshape"],
+)
+def test_a_size_one_dim_split_over_a_size_one_axis_differentiates(cpu_devices, op):
+    """On a (2, 1) mesh a dim that slicing leaves of size 1 stays split over `model` (size 1);
+    JAX types the cotangent of a squeeze, broadcast or reshape of it without that split and
+    refuses its own gradient. The typed trace unsplits it first, and the gradient of a
+    `reduced` weight before it equals JAX's with no mesh."""
+    mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 4, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 6)).astype(np.float32)
+
+    def fn(w, x):
+        return jnp.sum(op((x @ w).reshape(4, 4, 3, 2)) ** 2)
+
+    want = np.asarray(jax.grad(fn)(w, x))
+    typed = typed_eval(jax.make_jaxpr(fn)(w, x))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+
+        @jax.jit
+        def grad(w, x):
+            w = jax.reshard(w, P(None, "model", reduced={"data"}))
+            g = jax.grad(lambda w: typed(w, x)[0])(w)
+            assert jax.typeof(g).sharding.spec.unreduced == {"data"}, jax.typeof(g)
+            return jax.reshard(g, P(None, "model"))
+
+        got = np.asarray(grad(ws, xs))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -17,11 +17,13 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard._jax_compat import bind_equation, scan_counts
 from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusal
 from jaxreshard.frontend._typed_ops import (
+    SIZE_ONE_RETYPED,
     _entry_axes,
     conv_with_reduced_weight,
     custom_jvp_retyped,
     elementwise_of_reduced,
     plain,
+    size_one_unsplit,
     typed_spec,
 )
 
@@ -134,12 +136,13 @@ def typed_eval(closed: Any) -> Any:
     reduced weight takes the rule JAX lacks (see [Note: convolutions with reduced weights]); a
     matmul whose contracted dim is split on one side only slices the other; ops JAX refuses
     only on an Explicit mesh (split contractions, gathers by split indices, unaligned reshapes)
-    take the rules of [Note: refusals an Explicit mesh adds]. Plain calls (`jit`: `jax.nn.silu`,
-    say) are evaluated in place, since a call's body was typed on the step's own mesh and would
-    return its outputs unsplit. Calls JAX must keep are bound again with their bodies evaluated
-    here: a `custom_jvp` (`jax.nn.relu`; `custom_jvp_retyped`: its rule is what the gradient
-    must follow), `jax.checkpoint`, `lax.scan` and `lax.cond` (`_CONTROL`). Other custom
-    derivatives (`custom_vjp`) are bound as they are."""
+    take the rules of [Note: refusals an Explicit mesh adds]. A shape op's operand with a size-1
+    dim split over a (size-1) mesh axis is unsplit there first (`size_one_unsplit`). Plain
+    calls (`jit`: `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on
+    the step's own mesh and would return its outputs unsplit. Calls JAX must keep are bound
+    again with their bodies evaluated here: a `custom_jvp` (`jax.nn.relu`; `custom_jvp_retyped`:
+    its rule is what the gradient must follow), `jax.checkpoint`, `lax.scan` and `lax.cond`
+    (`_CONTROL`). Other custom derivatives (`custom_vjp`) are bound as they are."""
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], mesh: Any) -> list[Any]:
         env, read = _environment(jaxpr, consts, args)
@@ -151,6 +154,8 @@ def typed_eval(closed: Any) -> Any:
                 values = _select_like_cases(values)
             elif eqn.primitive.name == "concatenate":
                 values = _select_like_cases(values, eqn.params["dimension"])
+            elif eqn.primitive.name in SIZE_ONE_RETYPED:
+                values = [size_one_unsplit(values[0]), *values[1:]]
             body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
             if body is not None:
                 inner = getattr(body, "jaxpr", body)

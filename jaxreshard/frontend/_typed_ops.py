@@ -51,6 +51,28 @@ def plain(spec: P) -> P:
     return P(*spec.partitions)
 
 
+# Shape ops whose transpose JAX types without a size-1 dim's split (see `size_one_unsplit`).
+SIZE_ONE_RETYPED = frozenset({"squeeze", "broadcast_in_dim", "reshape"})
+
+
+def size_one_unsplit(x: Any) -> Any:
+    """`x` with no dim of size 1 split over a mesh axis (only an axis of size 1 can split one:
+    a stage mesh's (2, 1) `model`, say). The layout is the same; the type is what changes.
+    JAX (0.10-0.12) types the cotangent of a `squeeze`, `broadcast_in_dim` or `reshape` of such
+    an operand without that split and then refuses it as the wrong cotangent type
+    (`x[:, :, 0]` of a `model`-split activation on a (2, 1) mesh). Resharding first makes the
+    op's operand unsplit there, and the reshard's own transpose types its cotangent back."""
+    spec, aval = typed_spec(x), getattr(x, "aval", None)
+    if spec is None or aval is None:
+        return x
+    rank = len(aval.shape)
+    parts = list(spec.partitions) + [None] * (rank - len(spec.partitions))
+    if not any(size == 1 and parts[d] is not None for d, size in enumerate(aval.shape)):
+        return x
+    kept = tuple(None if size == 1 else parts[d] for d, size in enumerate(aval.shape))
+    return jax.reshard(x, spec.update(partitions=kept))
+
+
 def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list[Any] | None:
     """`eqn` (a `conv_general_dilated`) bound to `values` with the weight's cotangent left
     `unreduced` (see [Note: convolutions with reduced weights]); None where the rule does not

@@ -696,14 +696,19 @@ def test_a_flax_linen_transformer_with_tensor_parallel_kernels_sums_once(cpu_dev
         lambda x: x[:, :, 0],  # slice + squeeze
         lambda x: jnp.broadcast_to(x[:, :, :1], (4, 4, 3, 2)),
         lambda x: x[:, :, :1].reshape(4, 8),
+        lambda x: jnp.cumsum(x[:, :, :1], axis=2),
+        lambda x: jnp.tile(x[:, :, :1], (1, 1, 2, 1)),
+        lambda x: jnp.repeat(x[:, :, :1], 2, axis=2),
+        lambda x: jnp.take(x[:, :, :1], jnp.array([0, 0]), axis=2),
     ],
-    ids=["squeeze", "broadcast", "reshape"],
+    ids=["squeeze", "broadcast", "reshape", "cumsum", "tile", "repeat", "take"],
 )
 def test_a_size_one_dim_split_over_a_size_one_axis_differentiates(cpu_devices, op):
     """On a (2, 1) mesh a dim that slicing leaves of size 1 stays split over `model` (size 1);
     JAX types the cotangent of a squeeze, broadcast or reshape of it without that split and
-    refuses its own gradient. The typed trace unsplits it first, and the gradient of a
-    `reduced` weight before it equals JAX's with no mesh."""
+    refuses its own gradient, and refuses a cumsum, tile, repeat or take along it. The typed
+    trace unsplits it first, and the gradient of a `reduced` weight before it equals JAX's with
+    no mesh."""
     mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 4, 8)).astype(np.float32)

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from jaxreshard._jax_compat import bind_equation, scan_counts
 from jaxreshard.frontend._typed_contract import dot_split_on_one_side, on_refusal
 from jaxreshard.frontend._typed_ops import (
-    SIZE_ONE_RETYPED,
     _entry_axes,
     conv_with_reduced_weight,
     custom_jvp_retyped,
@@ -136,8 +135,8 @@ def typed_eval(closed: Any) -> Any:
     reduced weight takes the rule JAX lacks (see [Note: convolutions with reduced weights]); a
     matmul whose contracted dim is split on one side only slices the other; ops JAX refuses
     only on an Explicit mesh (split contractions, gathers by split indices, unaligned reshapes)
-    take the rules of [Note: refusals an Explicit mesh adds]. A shape op's operand with a size-1
-    dim split over a (size-1) mesh axis is unsplit there first (`size_one_unsplit`). Plain
+    take the rules of [Note: refusals an Explicit mesh adds]. An operand with a size-1 dim split
+    over a (size-1) mesh axis is unsplit there first (`size_one_unsplit`). Plain
     calls (`jit`: `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on
     the step's own mesh and would return its outputs unsplit. Calls JAX must keep are bound
     again with their bodies evaluated here: a `custom_jvp` (`jax.nn.relu`; `custom_jvp_retyped`:
@@ -148,14 +147,14 @@ def typed_eval(closed: Any) -> Any:
         env, read = _environment(jaxpr, consts, args)
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
+            if eqn.primitive.name not in _BOUND_AGAIN:
+                values = [size_one_unsplit(v) for v in values]
             if eqn.primitive.name in _ELEMENTWISE:
                 values = _reconciled(values)
             if eqn.primitive.name == "select_n":
                 values = _select_like_cases(values)
             elif eqn.primitive.name == "concatenate":
                 values = _select_like_cases(values, eqn.params["dimension"])
-            elif eqn.primitive.name in SIZE_ONE_RETYPED:
-                values = [size_one_unsplit(values[0]), *values[1:]]
             body = eqn.params.get(_PLAIN_CALLS.get(eqn.primitive.name, ""))
             if body is not None:
                 inner = getattr(body, "jaxpr", body)
@@ -299,6 +298,10 @@ _PLAIN_CALLS = {
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
 }
+
+# Equations the typed trace evaluates or passes through rather than binds as they are (their
+# operands are not unsplit on size-1 dims: the ops inside them are).
+_BOUND_AGAIN = frozenset({*_PLAIN_CALLS, *_CONTROL, "custom_jvp_call", "reshard"})
 
 
 def _untyped(x: Any) -> Any:

@@ -51,17 +51,15 @@ def plain(spec: P) -> P:
     return P(*spec.partitions)
 
 
-# Shape ops whose transpose JAX types without a size-1 dim's split (see `size_one_unsplit`).
-SIZE_ONE_RETYPED = frozenset({"squeeze", "broadcast_in_dim", "reshape"})
-
-
 def size_one_unsplit(x: Any) -> Any:
     """`x` with no dim of size 1 split over a mesh axis (only an axis of size 1 can split one:
     a stage mesh's (2, 1) `model`, say). The layout is the same; the type is what changes.
     JAX (0.10-0.12) types the cotangent of a `squeeze`, `broadcast_in_dim` or `reshape` of such
     an operand without that split and then refuses it as the wrong cotangent type
-    (`x[:, :, 0]` of a `model`-split activation on a (2, 1) mesh). Resharding first makes the
-    op's operand unsplit there, and the reshard's own transpose types its cotangent back."""
+    (`x[:, :, 0]` of a `model`-split activation on a (2, 1) mesh), and refuses a `cumsum`,
+    `tile`, `repeat` or `take` along such a dim outright. The typed trace reshards every
+    operand so first: the ops see it unsplit, and the reshard's transpose types the cotangent
+    back."""
     spec, aval = typed_spec(x), getattr(x, "aval", None)
     if spec is None or aval is None:
         return x

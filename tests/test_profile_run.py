@@ -40,8 +40,23 @@ def gpt_config(**pipeline):
     )
 
 
-def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
+def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys, monkeypatch):
     out, trace, png = tmp_path / "p.json", tmp_path / "t.json", tmp_path / "p.png"
+    compiles = []  # the warm-up's compile time, and the untimed first plain call's
+    warm_up, plain_step = profiler.Session.warm_up, profiler.Session.plain_step
+
+    def timed_warm_up(self):
+        warm_up(self)
+        compiles.append(self.compile_seconds)
+
+    def plain_step_seen(self, *, timed=True):
+        record = plain_step(self, timed=timed)
+        if not timed:
+            compiles.append(record.seconds)
+        return record
+
+    monkeypatch.setattr(profiler.Session, "warm_up", timed_warm_up)
+    monkeypatch.setattr(profiler.Session, "plain_step", plain_step_seen)
     code = main(
         [
             "profile", "gpt", "--steps", "20", "--compile-cache", "off", "--no-progress",
@@ -62,6 +77,8 @@ def test_gpt_profile_cli_writes_json_trace_and_png(tmp_path, capsys):
     # of the next timed step (the same state and batch), and the table shows their median.
     plain = result["plain_steps"]
     assert len(plain) == 20 and result["plain_step_seconds"] > 0 and "plain step" in text
+    # The compile time includes the first plain call's, which compiles what only it runs.
+    assert len(compiles) == 2 and result["compile_seconds"] == pytest.approx(sum(compiles))
     np.testing.assert_allclose([s["loss"] for s in plain[:-1]], losses[1:], rtol=1e-5)
     assert result["samples_per_second"] > 0 and result["units_per_second"] > 0
     assert result["flops_per_step"] > 1e6

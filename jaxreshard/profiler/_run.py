@@ -382,7 +382,8 @@ def run_steps(
 ) -> None:
     """Step every session `steps` times, round-robin, so that machine noise hits all alike;
     with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
-    the timed ones (the first, untimed, compiles what a plain call runs)."""
+    the timed ones (the first, untimed, compiles what a plain call runs: its time is added to
+    `compile_seconds`)."""
 
     def plain(session: Session, timed: bool = True) -> StepRecord:
         try:
@@ -395,8 +396,8 @@ def run_steps(
             ) from e
 
     if plain_steps:
-        for session in sessions:
-            plain(session, timed=False)
+        for session in sessions:  # (its compile counts as the warm-up's does, with its run)
+            session.compile_seconds += plain(session, timed=False).seconds
     for i in range(max(steps, plain_steps)):
         for session in sessions:
             if i < steps:

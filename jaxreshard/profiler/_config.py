@@ -30,7 +30,7 @@ import optax
 from jaxreshard._machine import available_memory_bytes, format_bytes
 from jaxreshard.models import ModelSpec, get_model
 from jaxreshard.models._user import same_model
-from jaxreshard.runtime._config import PipelineConfig, read_toml
+from jaxreshard.runtime._config import PipelineConfig, means_none, read_toml
 
 TABLES = ("model", "run", "pipeline")
 MAX_STEPS = 1_000  # a profile is minutes of steps (1,000 of the tiny GPT: 56 s); more is a typo
@@ -450,15 +450,7 @@ def coerce(value: Any, hint: Any, where: str, *, text: bool = False) -> Any:
     args = typing.get_args(hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        # TOML has no null: a file says "none" as a flag does (`profile_toml` writes it so);
-        # so such a field cannot hold the text "none", unless a Literal of it allows it.
-        literal = any(
-            typing.get_origin(a) is typing.Literal and value in typing.get_args(a) for a in args
-        )
-        is_none = value is None or (
-            isinstance(value, str) and value.lower() == "none" and not literal
-        )
-        if is_none and type(None) in args:
+        if means_none(value, hint):  # ("none" in a file, as a flag says it)
             return None
         inner = [a for a in args if a is not type(None)]
         kinds = []

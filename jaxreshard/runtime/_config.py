@@ -335,10 +335,8 @@ class PipelineConfig:
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "config") -> PipelineConfig:
         _check_keys(data, where)
         values = {k: (_tuples(v) if isinstance(v, list) else v) for k, v in data.items()}
-        # TOML has no null: "none" is None for a field that takes None (as `jaxreshard profile`
-        # reads a file, and as `--auto-toml` writes one).
         for k, v in values.items():
-            if isinstance(v, str) and v.lower() == "none" and k in _NONE_FIELDS:
+            if k in _HINTS and means_none(v, _HINTS[k]):
                 values[k] = None
         try:
             return cls(**values)
@@ -383,12 +381,23 @@ def _checked_init(init: Any) -> Any:
 
 PipelineConfig.__init__ = _checked_init(PipelineConfig.__init__)  # type: ignore[method-assign]
 
-# The fields that take None (their type says so), which a file gives as "none".
-_NONE_FIELDS = frozenset(
-    name
-    for name, hint in typing.get_type_hints(PipelineConfig).items()
-    if type(None) in typing.get_args(hint)
-)
+_HINTS = typing.get_type_hints(PipelineConfig)
+
+
+def means_none(value: Any, hint: Any) -> bool:
+    """Whether a config file's `value` for a field of type `hint` means None. TOML has no
+    null: a file says "none" (any case) as a flag does, and `--auto-toml` writes it so, for a
+    field that takes None, unless a Literal of the field allows the text "none" itself."""
+    args = typing.get_args(hint)
+    if type(None) not in args:
+        return False
+    if value is None:
+        return True
+    if not isinstance(value, str) or value.lower() != "none":
+        return False
+    return not any(
+        typing.get_origin(a) is typing.Literal and value in typing.get_args(a) for a in args
+    )
 
 
 def _check_keys(data: Mapping[str, Any], where: str) -> None:

@@ -51,10 +51,13 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     wide = [p for p in record["predicted"] if p["changes"].get("stage_mesh_shape") == [2, 1]]
     assert wide and all(p["changes"]["num_micro_batches"] <= 8 for p in wide)
     assert all(p["label"].endswith("meshes " + e) for e in ["2 x 2x1"] for p in wide)
-    fastest = min(record["measured"], key=lambda r: r["step_seconds"])
+    # Ranked by plain steps (a training loop's), timed beside the recorded ones.
+    assert record["ranked_by"] == "plain_step_seconds"
+    assert all(r["plain_step_seconds"] > 0 for r in record["measured"])
+    fastest = min(record["measured"], key=lambda r: r["plain_step_seconds"])
     assert record["winner"] == fastest["label"]
-    dp = record["measured"][-1]["step_seconds"]
-    assert record["speedup_over_data_parallel"] == dp / fastest["step_seconds"] >= 1.0
+    dp = record["measured"][-1]["plain_step_seconds"]
+    assert record["speedup_over_data_parallel"] == dp / fastest["plain_step_seconds"] >= 1.0
     assert len(record["calibration"]["micro_batch_rows"]) == 2  # 4 and 8 micro-batches
     written = load_profile_config("gpt", toml).pipeline.to_dict()
     for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages", "stage_mesh_shape"):
@@ -68,14 +71,19 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     assert record["measured"][-1]["estimated_peak_bytes"] is None and not record["over_memory_cap"]
 
     # Under a cap between the configured layout's least and most, the search measures only
-    # what fits, and lists the others.
+    # what fits, and lists the others. Without plain steps, the timed ones rank them.
     cap = (min(peaks) + max(peaks)) / 2
     config = tmp_path / "capped.toml"
     config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
     flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out),
-             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2"]  # fmt: skip
+             "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2",
+             "--plain-steps", "0"]  # fmt: skip
     assert main([*BASE, "--config", str(config), *flags]) == 0
     capped = json.loads(out.read_text())
+    assert capped["ranked_by"] == "step_seconds"
+    assert all(r["plain_step_seconds"] is None for r in capped["measured"])
+    fastest = min(capped["measured"], key=lambda r: r["step_seconds"])
+    assert capped["winner"] == fastest["label"]
     assert capped["over_memory_cap"] and capped["predicted"]
     assert all(p["estimated_peak_bytes"] <= cap for p in capped["predicted"])
     assert all(o["estimated_peak_bytes"] > cap for o in capped["over_memory_cap"])
@@ -148,7 +156,7 @@ def test_auto_chooses_the_cut_on_each_layout_and_searches_virtual_stages(tmp_pat
     costs the prediction used."""
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
     flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--layers", "4",
-             "--auto-toml", str(toml), "--json", str(out)]  # fmt: skip
+             "--auto-toml", str(toml), "--json", str(out), "--plain-steps", "0"]  # fmt: skip
     assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     one, two = record["layouts"]
@@ -224,7 +232,7 @@ def test_a_layout_whose_cuts_all_exceed_the_cap_is_still_calibrated(tmp_path, ca
     without it and leaves the cap to its predictions (here none fits: the search's error)."""
     config = tmp_path / "capped.toml"
     config.write_text("[pipeline]\nmemory_cap_gib = 1e-05\n")
-    flags = ["--auto", "--auto-meshes", "keep", "--auto-virtual", "keep"]
+    flags = ["--auto", "--auto-meshes", "keep", "--auto-virtual", "keep", "--plain-steps", "0"]
     assert main([*BASE, "--config", str(config), *flags]) != 0
     out = capsys.readouterr()
     assert "no cut fits the memory cap at 4 micro-batches" in out.out

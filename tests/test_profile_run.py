@@ -5,6 +5,7 @@ what a user relies on: the loss falls, every schedule computes the same losses, 
 agree, and the JSON, the Chrome trace and the PNG are what they claim to be.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -181,11 +182,21 @@ def test_every_schedule_trains_identically():
     """All schedules (with and without weight delay) compute the same losses, which fall; the
     ones that place delayed weight gradients are built with the costs a calibration run
     measured (one per stage, in seconds), the others have no placement."""
+    from jaxreshard.profiler._report import comparison_table
+
     rows = profiler.compare(gpt_config(), SCHEDULES, bound=False, measure_placement=True)
     assert [r["label"] for r in rows] == [label for label, _ in SCHEDULES]
+    # Each variant timed plain steps (a training loop's) beside its timed ones.
+    assert [c.header for c in comparison_table(rows, "t").columns][4:6] == [
+        "plain step",
+        "plain speedup",
+    ]
     for row in rows:
         assert row["max_loss_difference"] < 1e-5, row
-        assert row["step_seconds"] > 0
+        assert row["step_seconds"] > 0 and row["plain_step_seconds"] > 0
+        assert row["plain_speedup"] == pytest.approx(
+            rows[0]["plain_step_seconds"] / row["plain_step_seconds"]
+        )
         assert row["predicted_seconds"] > 0
         placed = row["placement_costs"]
         if row["label"] in ("1f1b", "gpipe", "eager"):
@@ -238,6 +249,7 @@ def test_schedule_comparison_with_virtual_stages_runs_every_schedule_on_the_same
     """A virtual-stage config compares one-stage-per-mesh schedules with the model cut per mesh
     against the virtual-stage ones with it cut v per mesh: all on 2 meshes, all equal losses."""
     pc = gpt_config(num_stages=4, schedule="zbv", virtual_stages=2)
+    pc = dataclasses.replace(pc, run=dataclasses.replace(pc.run, plain_steps=0))
     variants = profiler.schedule_variants(pc)
     labels = [label for label, _ in variants]
     assert labels[0] == "1f1b" and "zbv (v=2)" in labels and "interleaved_1f1b (v=2)" in labels

@@ -94,7 +94,7 @@ def test_the_command_takes_a_model_file_with_its_flags_and_auto_writes_a_config_
              "off"]  # fmt: skip
     code = main(["profile", EXAMPLE, *flags, "--auto", "--auto-meshes", "keep",
                  "--auto-virtual", "keep", "--auto-top", "1", "--auto-toml", str(toml),
-                 "--json", str(out)])  # fmt: skip
+                 "--json", str(out), "--plain-steps", "0"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     record = json.loads(out.read_text())
     assert record["model"] == EXAMPLE and record["layouts"][0]["cuts"] is not None

@@ -67,13 +67,6 @@ def _profile(args: argparse.Namespace) -> int:
     if cache:
         console.print(f"XLA compile cache: {cache} (--compile-cache off to compile afresh)")
     progress = not args.no_progress
-    comparing = args.auto or args.compare_schedules or args.compare_resharding
-    if comparing and pc.run.plain_steps and ("run", "plain_steps") in pc.origin:
-        console.print(
-            f"note: plain_steps={pc.run.plain_steps} ({pc.origin[('run', 'plain_steps')]}) is "
-            "for a single profile; --auto and the comparisons rank timed steps only",
-            highlight=False,
-        )
     if args.auto:
         record = profiler.auto_search(
             pc,

@@ -38,7 +38,10 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
    beside measured.
 5. Choose: the fastest measured, data parallelism included, so the search never picks a
-   layout slower than it; the winner's config is written as TOML (`--auto-toml`), and `--json`
+   layout slower than it. Each is measured as a training loop runs it (its plain steps, as a
+   profile times them; with `plain_steps = 0`, its timed steps, which block on every action
+   and so charge a layout of many small actions more than training does). The winner's
+   config is written as TOML (`--auto-toml`), and `--json`
    records every configuration tried.
 Mixed stage meshes (stages on meshes of different shapes) are estimated from the uniform
 layouts' calibrations, and the best few of them are calibrated and ranked like the others:
@@ -192,7 +195,9 @@ def auto_search(
     for row in rows:
         row["search_predicted_seconds"] = predicted.get(row["label"])
         row["estimated_peak_bytes"] = memory.get(row["label"])
-    best = min(rows, key=lambda r: r["step_seconds"])
+    # Ranked by what training runs at, the plain steps, where every row has them.
+    key = "plain_step_seconds" if all(r["plain_step_seconds"] for r in rows) else "step_seconds"
+    best = min(rows, key=lambda r: r[key])
     dp_row = next((r for r in rows if r["label"] == DATA_PARALLEL), None)
     changes = dict(variants)[best["label"]]
     winner = pc.replace_pipeline(**changes)
@@ -216,11 +221,10 @@ def auto_search(
         "memory_cap_gib": cap,
         "over_memory_cap": over_cap,
         "measured": rows,
+        "ranked_by": key,
         "winner": best["label"],
         "winner_pipeline": winner.pipeline.to_dict(),
-        "speedup_over_data_parallel": (
-            dp_row["step_seconds"] / best["step_seconds"] if dp_row else None
-        ),
+        "speedup_over_data_parallel": dp_row[key] / best[key] if dp_row else None,
     }
     if console is not None:
         for line in summary_lines(record):

@@ -13,15 +13,18 @@ DATA_PARALLEL = "data parallel"
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
     rows = record["measured"]
-    lines = ["search: predicted (calibrated simulator) beside measured, and the estimated "
-             "peak memory per device"]  # fmt: skip
+    lines = ["search: predicted (calibrated simulator) beside measured (timed steps; plain: "
+             "a training loop's, which rank them), and the estimated peak memory per "
+             "device"]  # fmt: skip
     for row in rows:
         predicted = row.get("search_predicted_seconds")
         text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "
         peak = row.get("estimated_peak_bytes")
         mem = f"{peak / (1 << 20):9.1f} MiB" if peak is not None else "        -    "
+        plain = row.get("plain_step_seconds")
+        trained = f" (plain {plain * 1e3:.1f} ms)" if plain else ""
         lines.append(f"  {row['label']:<48} predicted {text}  measured "
-                     f"{row['step_seconds'] * 1e3:9.1f} ms  memory {mem}")  # fmt: skip
+                     f"{row['step_seconds'] * 1e3:9.1f} ms{trained}  memory {mem}")  # fmt: skip
     over = record.get("over_memory_cap") or []
     if over:
         lines.append(f"not measured: {len(over)} predictions over memory_cap_gib="
@@ -31,7 +34,8 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     if record["winner"] == DATA_PARALLEL:
         lines.append("winner: plain data parallelism; no pipeline layout tried beats it here")
     elif speedup is not None:
-        lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's step")
+        step = "plain step" if record.get("ranked_by") == "plain_step_seconds" else "step"
+        lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's {step}")
     else:
         lines.append(f"winner: {record['winner']} (no data-parallel baseline: no batch axis)")
     return lines

@@ -83,7 +83,9 @@ def compare(
 ) -> list[dict[str, Any]]:
     """Run the same model under each variant of the pipeline config, stepping them in turn
     (so machine noise hits all alike), and return one row per variant (the first is the
-    baseline of the speedups). With `bound`, also time signal-only steps of each (local).
+    baseline of the speedups). Each times `RunConfig.num_plain_steps` plain steps beside its
+    timed ones, as a single profile does (what training runs at: a timed step blocks on every
+    action). With `bound`, also time signal-only steps of each (local).
     With `measure_placement`, the variants that place delayed weight gradients are built with
     measured costs (see `placement_costs`)."""
     pc = _emulating(pc)
@@ -102,9 +104,10 @@ def compare(
                 session = Session(vpc, label, runtime=runtime)
                 session.warm_up()
             sessions.append(session)
-        total = pc.run.steps * len(sessions) * (2 if bound else 1)
+        plain = pc.run.num_plain_steps
+        total = (pc.run.steps * (2 if bound else 1) + plain) * len(sessions)
         with _bar(console, progress, total) as advance:
-            run_steps(sessions, pc.run.steps, on_step=advance)
+            run_steps(sessions, pc.run.steps, plain_steps=plain, on_step=advance)
             if bound:
                 run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance)
         rows = comparison_rows(sessions)

@@ -361,13 +361,16 @@ def places_weights(pipeline: Any) -> bool:
 
 
 def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
-    """One row per session: median step time, speedup over the first, the signal-only bound
-    and how close to it the run is, and the largest loss difference from the first."""
+    """One row per session: median step time, speedup over the first, the same of its plain
+    steps (None where it ran none), the signal-only bound and how close to it the run is, and
+    the largest loss difference from the first."""
     base = median([s.seconds for s in sessions[0].steps])
+    base_plain = _plain_median(sessions[0])
     base_losses = [s.loss for s in sessions[0].steps]
     rows = []
     for session in sessions:
         step_s = median([s.seconds for s in session.steps])
+        plain = _plain_median(session)
         bound = median([s.seconds for s in session.signal_steps]) if session.signal_steps else None
         losses = [s.loss for s in session.steps]
         predicted, costs = predicted_step(session.steps, session.layout)
@@ -390,6 +393,8 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 "step_seconds": step_s,
                 "best_step_seconds": min(s.seconds for s in session.steps),
                 "speedup": base / step_s if step_s > 0 else None,
+                "plain_step_seconds": plain,
+                "plain_speedup": base_plain / plain if base_plain and plain else None,
                 "signal_only_seconds": bound,
                 "fraction_of_bound": bound / step_s if bound and step_s > 0 else None,
                 "max_loss_difference": max(
@@ -411,15 +416,21 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
     return rows
 
 
+def _plain_median(session: Session) -> float | None:
+    return median([s.seconds for s in session.plain_steps]) if session.plain_steps else None
+
+
 def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
+    plain = all(r.get("plain_step_seconds") for r in rows)
     table = Table(title=title, title_justify="left")
     for col in (
         "variant",
         "step time (median)",
         "best",
         "speedup",
+        *(("plain step", "plain speedup") if plain else ()),
         "predicted",
         "predicted speedup",
         "measured / predicted",
@@ -435,6 +446,14 @@ def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
             _fmt_s(r["step_seconds"]),
             _fmt_s(r["best_step_seconds"]),
             f"{r['speedup']:.2f}x" if r["speedup"] else "n/a",
+            *(
+                (
+                    _fmt_s(r["plain_step_seconds"]),
+                    f"{r['plain_speedup']:.2f}x" if r["plain_speedup"] else "n/a",
+                )
+                if plain
+                else ()
+            ),
             _fmt_s(r["predicted_seconds"]),
             f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "n/a",
             f"{r['measured_over_predicted']:.2f}" if r["measured_over_predicted"] else "n/a",

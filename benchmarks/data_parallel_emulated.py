@@ -166,8 +166,9 @@ def data_parallel(address: str, model: str, config: str, hosts: int, devices: in
 
 
 def pipeline(address: str, model: str, config: str, steps: int, auto: int = 0) -> dict[str, Any]:
-    """`jaxreshard profile` of the config on the cluster: its median step; with `auto`,
-    `profile --auto --auto-top AUTO`: its winner's median step, and the search's record."""
+    """`jaxreshard profile` of the config on the cluster: its median plain step (its timed
+    one where it ran none); with `auto`, `profile --auto --auto-top AUTO`: its winner's median
+    step by the measure the search ranked with, and the search's record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile.json"
         command = [sys.executable, "-m", "jaxreshard", "profile", model, "--config", config,
@@ -180,12 +181,18 @@ def pipeline(address: str, model: str, config: str, steps: int, auto: int = 0) -
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n"
                                f"{done.stderr[-3000:]}")  # fmt: skip
         record = json.loads(out.read_text())
+    # A plain step (a training loop's) where the profile timed them: what `--auto` ranks by,
+    # and what the data-parallel steps above are (each waited for, nothing recorded).
     if auto:
         best = next(r for r in record["measured"] if r["label"] == record["winner"])
-        return {"step_seconds": best["step_seconds"], "winner": record["winner"],
+        key = record.get("ranked_by", "step_seconds")
+        return {"step_seconds": best[key], "measure": key, "timed_step_seconds":
+                best["step_seconds"], "winner": record["winner"],
                 "winner_pipeline": record["winner_pipeline"], "auto": record,
                 "output": done.stdout[-6000:]}  # fmt: skip
-    return {"step_seconds": record["step_seconds"], "schedule": record["schedule"],
+    key = "plain_step_seconds" if record.get("plain_step_seconds") else "step_seconds"
+    return {"step_seconds": record[key], "measure": key,
+            "timed_step_seconds": record["step_seconds"], "schedule": record["schedule"],
             "config": record.get("config")}  # fmt: skip
 
 

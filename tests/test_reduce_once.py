@@ -537,7 +537,7 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
     The forward's attention scores come out split by heads, and the step equals jax.jit.
     On (2, 1) meshes `model` has size 1, so the reshape keeps it on the `3` dim and `qkv[:, :, i]`
     squeezes a size-1 dim split over it, whose cotangent JAX types without the split and then
-    refuses (`size_one_unsplit`): the stage kept the per-micro-batch sum."""
+    refuses: before `without_size_one_axes`, the stage kept the per-micro-batch sum."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -695,20 +695,33 @@ def test_a_flax_linen_transformer_with_tensor_parallel_kernels_sums_once(cpu_dev
     [
         lambda x: x[:, :, 0],  # slice + squeeze
         lambda x: jnp.broadcast_to(x[:, :, :1], (4, 4, 3, 2)),
-        lambda x: x[:, :, :1].reshape(4, 8),
+        lambda x: jnp.expand_dims(x[:, :, 0], 1),
         lambda x: jnp.cumsum(x[:, :, :1], axis=2),
         lambda x: jnp.tile(x[:, :, :1], (1, 1, 2, 1)),
-        lambda x: jnp.repeat(x[:, :, :1], 2, axis=2),
         lambda x: jnp.take(x[:, :, :1], jnp.array([0, 0]), axis=2),
+        lambda x: jax.lax.dynamic_update_slice(x, x[:, :, :1] * 2, (0, 0, 1, 0)),
+        lambda x: jax.lax.scan(lambda c, _: (jnp.tanh(c), None), x[:, :, :1], length=2)[0],
+        lambda x: jax.lax.cond(jnp.sum(x) > 0, lambda y: y, jnp.tanh, x[:, :, :1]),
     ],
-    ids=["squeeze", "broadcast", "reshape", "cumsum", "tile", "repeat", "take"],
+    ids=[
+        "squeeze",
+        "broadcast",
+        "expand_dims",
+        "cumsum",
+        "tile",
+        "take",
+        "dynamic_update_slice",
+        "scan",
+        "cond",
+    ],
 )
 def test_a_size_one_dim_split_over_a_size_one_axis_differentiates(cpu_devices, op):
     """On a (2, 1) mesh a dim that slicing leaves of size 1 stays split over `model` (size 1);
-    JAX types the cotangent of a squeeze, broadcast or reshape of it without that split and
-    refuses its own gradient, and refuses a cumsum, tile, repeat or take along it. The typed
-    trace unsplits it first, and the gradient of a `reduced` weight before it equals JAX's with
-    no mesh."""
+    JAX types the cotangent of a squeeze or broadcast of it without that split and refuses its
+    own gradient, refuses a cumsum, tile or take along it, and an update typed otherwise than
+    its operand; a scan's carry or a cond's branches must keep one type. The typed trace drops
+    size-1 axes from every operand's type first, and the gradient of a `reduced` weight before
+    each op equals JAX's with no mesh."""
     mesh = jax.make_mesh((2, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 4, 8)).astype(np.float32)

@@ -22,8 +22,8 @@ from jaxreshard.frontend._typed_ops import (
     custom_jvp_retyped,
     elementwise_of_reduced,
     plain,
-    size_one_unsplit,
     typed_spec,
+    without_size_one_axes,
 )
 
 
@@ -135,20 +135,20 @@ def typed_eval(closed: Any) -> Any:
     reduced weight takes the rule JAX lacks (see [Note: convolutions with reduced weights]); a
     matmul whose contracted dim is split on one side only slices the other; ops JAX refuses
     only on an Explicit mesh (split contractions, gathers by split indices, unaligned reshapes)
-    take the rules of [Note: refusals an Explicit mesh adds]. An operand with a size-1 dim split
-    over a (size-1) mesh axis is unsplit there first (`size_one_unsplit`). Plain
-    calls (`jit`: `jax.nn.silu`, say) are evaluated in place, since a call's body was typed on
-    the step's own mesh and would return its outputs unsplit. Calls JAX must keep are bound
-    again with their bodies evaluated here: a `custom_jvp` (`jax.nn.relu`; `custom_jvp_retyped`:
-    its rule is what the gradient must follow), `jax.checkpoint`, `lax.scan` and `lax.cond`
-    (`_CONTROL`). Other custom derivatives (`custom_vjp`) are bound as they are."""
+    take the rules of [Note: refusals an Explicit mesh adds]. Operands lose their splits over
+    size-1 mesh axes first (`without_size_one_axes`). Plain calls (`jit`: `jax.nn.silu`, say)
+    are evaluated in place, since a call's body was typed on the step's own mesh and would
+    return its outputs unsplit. Calls JAX must keep are bound again with their bodies evaluated
+    here: a `custom_jvp` (`jax.nn.relu`; `custom_jvp_retyped`: its rule is what the gradient
+    must follow), `jax.checkpoint`, `lax.scan` and `lax.cond` (`_CONTROL`). Other custom
+    derivatives (`custom_vjp`) are bound as they are."""
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], mesh: Any) -> list[Any]:
         env, read = _environment(jaxpr, consts, args)
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
-            if eqn.primitive.name not in _BOUND_AGAIN:
-                values = [size_one_unsplit(v) for v in values]
+            if eqn.primitive.name not in _KEEP_TYPES:
+                values = [without_size_one_axes(v) for v in values]
             if eqn.primitive.name in _ELEMENTWISE:
                 values = _reconciled(values)
             if eqn.primitive.name == "select_n":
@@ -299,9 +299,10 @@ _PLAIN_CALLS = {
     "core_call": "call_jaxpr",
 }
 
-# Equations the typed trace evaluates or passes through rather than binds as they are (their
-# operands are not unsplit on size-1 dims: the ops inside them are).
-_BOUND_AGAIN = frozenset({*_PLAIN_CALLS, *_CONTROL, "custom_jvp_call", "reshard"})
+# Equations whose operands keep their size-1 axes (`without_size_one_axes`): calls evaluated
+# in place (their ops see their operands so typed) and reshards (the typed trace's own, or
+# passed through).
+_KEEP_TYPES = frozenset({*_PLAIN_CALLS, "reshard"})
 
 
 def _untyped(x: Any) -> Any:

@@ -51,24 +51,29 @@ def plain(spec: P) -> P:
     return P(*spec.partitions)
 
 
-def size_one_unsplit(x: Any) -> Any:
-    """`x` with no dim of size 1 split over a mesh axis (only an axis of size 1 can split one:
-    a stage mesh's (2, 1) `model`, say). The layout is the same; the type is what changes.
-    JAX (0.10-0.12) types the cotangent of a `squeeze`, `broadcast_in_dim` or `reshape` of such
-    an operand without that split and then refuses it as the wrong cotangent type
-    (`x[:, :, 0]` of a `model`-split activation on a (2, 1) mesh), and refuses a `cumsum`,
-    `tile`, `repeat` or `take` along such a dim outright. The typed trace reshards every
-    operand so first: the ops see it unsplit, and the reshard's transpose types the cotangent
-    back."""
+def without_size_one_axes(x: Any) -> Any:
+    """`x` typed with no dim split over a mesh axis of size 1 (a stage mesh's (2, 1) `model`,
+    say). The layout is the same; only the type changes. JAX (0.10-0.12) keeps such an axis on
+    a dim that slicing leaves of size 1 (`qkv[:, :, 0]` of a `model`-split projection), then
+    types the cotangent of a `squeeze` or `broadcast_in_dim` of it without the split and
+    refuses its own gradient as the wrong cotangent type; it refuses a `cumsum`, `tile` or
+    `take` along that dim outright, and a `dynamic_update_slice` of an update typed one way
+    into an operand typed the other. The typed trace reshards every operand so first (and the
+    operands of control flow, whose bodies it evaluates: a scan's carry must come out typed as
+    it went in): the ops see no size-1 axis at all, and the reshard's transpose types each
+    cotangent back."""
     spec, aval = typed_spec(x), getattr(x, "aval", None)
-    if spec is None or aval is None:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if spec is None or mesh is None or not spec.partitions:
         return x
-    rank = len(aval.shape)
-    parts = list(spec.partitions) + [None] * (rank - len(spec.partitions))
-    if not any(size == 1 and parts[d] is not None for d, size in enumerate(aval.shape)):
-        return x
-    kept = tuple(None if size == 1 else parts[d] for d, size in enumerate(aval.shape))
-    return jax.reshard(x, spec.update(partitions=kept))
+    sizes = dict(mesh.shape)
+    kept, changed = [], False
+    for entry in spec.partitions:
+        axes = _entry_axes(entry)
+        wide = tuple(a for a in axes if sizes.get(a, 1) > 1)
+        changed |= wide != axes
+        kept.append(None if not wide else wide[0] if len(wide) == 1 else wide)
+    return jax.reshard(x, spec.update(partitions=tuple(kept))) if changed else x
 
 
 def conv_with_reduced_weight(eqn: Any, values: Sequence[Any], mesh: Any) -> list[Any] | None:

@@ -40,9 +40,10 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
 5. Choose: the fastest measured, data parallelism included, so the search never picks a
    layout slower than it. Each is measured as a training loop runs it (its plain steps, as a
    profile times them; with `plain_steps = 0`, its timed steps, which block on every action
-   and so charge a layout of many small actions more than training does). The winner's
-   config is written as TOML (`--auto-toml`), and `--json`
-   records every configuration tried.
+   and so charge a layout of many small actions more than training does). The shortlist of
+   step 4 still comes from predictions calibrated on timed steps, so such a layout can be
+   left out before it is measured. The winner's config is written as TOML (`--auto-toml`),
+   and `--json` records every configuration tried.
 Mixed stage meshes (stages on meshes of different shapes) are estimated from the uniform
 layouts' calibrations, and the best few of them are calibrated and ranked like the others:
 [Note: mixed stage meshes in the search] in `_auto_mixed.py`.

@@ -13,9 +13,13 @@ DATA_PARALLEL = "data parallel"
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
     rows = record["measured"]
-    lines = ["search: predicted (calibrated simulator) beside measured (timed steps; plain: "
-             "a training loop's, which rank them), and the estimated peak memory per "
-             "device"]  # fmt: skip
+    ranked = (
+        "plain: a training loop's, which rank them"
+        if record.get("ranked_by") == "plain_step_seconds"
+        else "which rank them"
+    )
+    lines = [f"search: predicted (calibrated simulator) beside measured (timed steps; "
+             f"{ranked}), and the estimated peak memory per device"]  # fmt: skip
     for row in rows:
         predicted = row.get("search_predicted_seconds")
         text = f"{predicted * 1e3:9.1f} ms" if predicted is not None else "        -   "

@@ -34,8 +34,9 @@ constraint of the step's own mesh): the error is kept in the plan. A convolution
 no reduced rule for, takes ours (see [Note: convolutions with reduced weights] in
 `frontend/_typed_ops.py`), and so do contracted matmuls and gathers JAX refuses on an Explicit
 mesh (see [Note: refusals an Explicit mesh adds] in `frontend/_typed_contract.py`), and so
-does a squeeze, broadcast or reshape of a size-1 dim split over a size-1 axis, whose cotangent
-JAX types wrong (`size_one_unsplit` in `frontend/_typed_ops.py`).
+does a squeeze of a dim split over a size-1 axis, whose cotangent JAX types wrong (the
+typed trace drops size-1 axes from its operands' types: `without_size_one_axes` in
+`frontend/_typed_ops.py`).
 Measured on jax 0.10.2 (see docs/design.md): the backward derived once at trace time cannot
 simply be evaluated on an Explicit mesh (its transposed matmul contracts two `data`-sharded
 operands, which JAX refuses as ambiguous), hence the second derivation.

@@ -589,6 +589,9 @@ def test_a_fused_qkv_projection_split_over_model_keeps_its_attention_split(cpu_d
     assert re.search(rf"f32\[4,{heads_here},8,8\]", hlo), "the heads are not split over `model`"
     if shape[1] > 1:
         assert not re.search(r"f32\[4,4,8,8\]", hlo), "every device computes every head"
+    else:  # (no tensor parallelism: the typed trace's reshards of size-1 axes move nothing)
+        assert _tensor_all_reduces(hlo) == 0, hlo
+        assert not re.search(r"all-gather|all-to-all|collective-permute", hlo), hlo
 
 
 def test_a_bare_assertion_in_the_typed_trace_keeps_todays_path(cpu_devices, monkeypatch):

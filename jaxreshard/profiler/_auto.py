@@ -36,7 +36,8 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
 4. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
    layout's devices, the batch split over the batch axis, one micro-batch: what a user would
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
-   beside measured.
+   beside measured. One that fails to compile or step (out of memory in a program the
+   estimate did not see, say) is dropped with its error (JSON `failed`), and the rest go on.
 5. Choose: the fastest measured, data parallelism included, so the search never picks a
    layout slower than it. Each is measured as a training loop runs it (its plain steps, as a
    profile times them; with `plain_steps = 0`, its timed steps, which block on every action
@@ -77,6 +78,7 @@ from jaxreshard.profiler._report import places_weights
 from jaxreshard.profiler._run import (
     Session,
     devices_needed,
+    is_fatal,
     measured_costs,
     run_steps,
     step_overhead,
@@ -189,9 +191,10 @@ def auto_search(
     dp = data_parallel_changes(pc)
     if dp is not None:
         variants.append((DATA_PARALLEL, dp))
+    failed: list[dict[str, Any]] = []  # (a finalist a training loop could not run is dropped)
     rows = compare(pc, variants, bound=False, console=console, progress=progress,
                    title=f"{pc.model} {pc.preset}: the {len(chosen)} best predicted layouts "
-                         "and data parallelism")  # fmt: skip
+                         "and data parallelism", failed=failed)  # fmt: skip
     predicted = {label: seconds for seconds, label, _ in chosen}
     for row in rows:
         row["search_predicted_seconds"] = predicted.get(row["label"])
@@ -222,6 +225,7 @@ def auto_search(
         "memory_cap_gib": cap,
         "over_memory_cap": over_cap,
         "measured": rows,
+        "failed": failed,
         "ranked_by": key,
         "winner": best["label"],
         "winner_pipeline": winner.pipeline.to_dict(),
@@ -253,7 +257,7 @@ def _calibrated(
     try:
         entry["measured"], entry["memory"], chosen = _calibrate(lpc, runtime, console, progress)
     except Exception as e:  # (a mesh the model does not shard on, say)
-        if type(e).__name__ == "RuntimeBroken" or required:  # (a host died: nothing more runs)
+        if is_fatal(e) or required:  # (a host died: nothing more runs)
             raise
         entry["error"] = error_line(e, 300)
         if console is not None:

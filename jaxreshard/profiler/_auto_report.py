@@ -29,6 +29,9 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
         trained = f" (plain {plain * 1e3:.1f} ms)" if plain else ""
         lines.append(f"  {row['label']:<48} predicted {text}  measured "
                      f"{row['step_seconds'] * 1e3:9.1f} ms{trained}  memory {mem}")  # fmt: skip
+    failed = record.get("failed") or []
+    for f in failed:  # (dropped: a training loop could not run them either)
+        lines.append(f"  {f['label']:<48} failed, not ranked: {f['error']}")
     over = record.get("over_memory_cap") or []
     if over:
         lines.append(f"not measured: {len(over)} predictions over memory_cap_gib="
@@ -40,6 +43,8 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     elif speedup is not None:
         step = "plain step" if record.get("ranked_by") == "plain_step_seconds" else "step"
         lines.append(f"winner: {record['winner']}, {speedup:.2f}x data parallelism's {step}")
+    elif any(f["label"] == DATA_PARALLEL for f in failed):
+        lines.append(f"winner: {record['winner']} (no data-parallel baseline: it failed)")
     else:
         lines.append(f"winner: {record['winner']} (no data-parallel baseline: no batch axis)")
     return lines

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
@@ -20,7 +21,7 @@ from jaxreshard.profiler._report import (
     header_lines,
     places_weights,
 )
-from jaxreshard.profiler._run import Session, measured_costs, run_steps
+from jaxreshard.profiler._run import Session, is_fatal, measured_costs, run_steps
 from jaxreshard.runtime._config import PipelineConfig
 
 
@@ -80,6 +81,7 @@ def compare(
     progress: bool = True,
     title: str = "",
     measure_placement: bool = False,
+    failed: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the same model under each variant of the pipeline config, stepping them in turn
     (so machine noise hits all alike), and return one row per variant (the first is the
@@ -87,7 +89,10 @@ def compare(
     timed ones, as a single profile does (what training runs at: a timed step blocks on every
     action). With `bound`, also time signal-only steps of each (local).
     With `measure_placement`, the variants that place delayed weight gradients are built with
-    measured costs (see `placement_costs`)."""
+    measured costs (see `placement_costs`).
+    With a `failed` list, a variant that fails (to compile, or in a step: out of memory in a
+    program only it runs, say) is dropped from the comparison and recorded there (`label`,
+    `error`), and the others go on; without it, the comparison fails with it."""
     pc = _emulating(pc)
     configs = [(label, pc.replace_pipeline(**changes)) for label, changes in variants]
     with runtime_for(pc) as runtime:
@@ -98,18 +103,42 @@ def compare(
         if measure_placement:
             configs = placement_costs(configs, runtime=runtime, console=console)
         configs = [(label, _costs_that_fit(vpc)) for label, vpc in configs]
+        dropped: list[str] = []
+
+        def drop(label: str, error: Exception) -> None:
+            if failed is None or is_fatal(error):
+                raise error
+            failed.append({"label": label, "error": error_line(error, 300)})
+            dropped.append(label)
+            if console is not None:
+                console.print(f"dropped {label}: {failed[-1]['error']}", highlight=False)
+
         sessions = []
         for label, vpc in configs:
-            with _status(console, f"compiling {label}"):
-                session = Session(vpc, label, runtime=runtime)
-                session.warm_up()
+            try:
+                with _status(console, f"compiling {label}"):
+                    session = Session(vpc, label, runtime=runtime)
+                    session.warm_up()
+            except Exception as e:
+                drop(label, e)
+                continue
             sessions.append(session)
         plain = pc.run.num_plain_steps
         total = (pc.run.steps * (2 if bound else 1) + plain) * len(sessions)
+        on_failure = None if failed is None else lambda s, e: drop(s.label, e)
         with _bar(console, progress, total) as advance:
-            run_steps(sessions, pc.run.steps, plain_steps=plain, on_step=advance)
+            run_steps(sessions, pc.run.steps, plain_steps=plain, on_step=advance,
+                      on_failure=on_failure)  # fmt: skip
+            sessions = [s for s in sessions if s.label not in dropped]
             if bound:
-                run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance)
+                run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance,
+                          on_failure=on_failure)  # fmt: skip
+        sessions = [s for s in sessions if s.label not in dropped]
+        if not sessions:
+            raise RuntimeError(
+                "every variant of the comparison failed: "
+                + "; ".join(f"{f['label']}: {f['error']}" for f in failed or [])
+            )
         rows = comparison_rows(sessions)
     if console is not None:
         console.print(comparison_table(rows, title or "comparison"))

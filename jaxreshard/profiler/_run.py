@@ -379,27 +379,47 @@ def run_steps(
     signal_only: bool = False,
     plain_steps: int = 0,
     on_step: Callable[[Session, StepRecord], None] | None = None,
+    on_failure: Callable[[Session, Exception], None] | None = None,
 ) -> None:
     """Step every session `steps` times, round-robin, so that machine noise hits all alike;
     with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
     the timed ones (the first, untimed, compiles what a plain call runs: its time is added to
-    `compile_seconds`)."""
+    `compile_seconds`). With `on_failure`, a session whose step raises is handed to it and
+    stepped no more, and the others go on (a runtime that broke, `is_fatal`, still raises)."""
 
     def plain(session: Session, timed: bool = True) -> StepRecord:
         try:
             return session.plain_step(timed=timed)
         except (RuntimeError, MemoryError) as e:  # (where a recorded call runs: memory, say)
+            if is_fatal(e):
+                raise
             raise RuntimeError(
                 "a plain step (a training loop's call, timed beside the recorded steps) "
                 f"failed: {error_line(e)}; --plain-steps 0 (plain_steps = 0) times the "
                 "recorded steps only"
             ) from e
 
-    if plain_steps:
-        for session in sessions:  # (its compile counts as the warm-up's does, with its run)
+    live = list(sessions)
+
+    def each(work: Callable[[Session], None]) -> None:
+        for session in list(live):
+            try:
+                work(session)
+            except Exception as e:
+                if on_failure is None or is_fatal(e):
+                    raise
+                live.remove(session)
+                on_failure(session, e)
+
+    if plain_steps:  # (its compile counts as the warm-up's does, with its run)
+
+        def compile_plain(session: Session) -> None:
             session.compile_seconds += plain(session, timed=False).seconds
+
+        each(compile_plain)
     for i in range(max(steps, plain_steps)):
-        for session in sessions:
+
+        def turn(session: Session, i: int = i) -> None:
             if i < steps:
                 record = session.step(signal_only=signal_only)
                 if on_step is not None:
@@ -408,6 +428,22 @@ def run_steps(
                 record = plain(session)
                 if on_step is not None:
                     on_step(session, record)
+
+        each(turn)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether `error` leaves nothing more to run: a Ray runtime whose host died
+    (`RuntimeBroken`; named, not imported, so that Ray stays unimported on the local path)."""
+    return any(type(e).__name__ == "RuntimeBroken" for e in _chain(error))
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
 
 
 # -- the simulator's prediction for a measured run ------------------------------------------------

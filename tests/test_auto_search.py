@@ -22,7 +22,7 @@ BASE = ["profile", "gpt", "--no-progress", "--compile-cache", "off", "--steps", 
         "--warmup-steps", "1"]  # fmt: skip
 
 
-def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys):
+def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, capsys, monkeypatch):
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
     flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out),
              "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2",
@@ -71,7 +71,19 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     assert record["measured"][-1]["estimated_peak_bytes"] is None and not record["over_memory_cap"]
 
     # Under a cap between the configured layout's least and most, the search measures only
-    # what fits, and lists the others. Without plain steps, the timed ones rank them.
+    # what fits, and lists the others. Without plain steps, the timed ones rank them. A
+    # finalist that fails (here data parallelism, out of memory as it compiles) is dropped
+    # with its error, and the others are ranked.
+    from jaxreshard import profiler
+
+    warm_up = profiler.Session.warm_up
+
+    def failing_warm_up(self):
+        if self.label == "data parallel":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
+        return warm_up(self)
+
+    monkeypatch.setattr(profiler.Session, "warm_up", failing_warm_up)
     cap = (min(peaks) + max(peaks)) / 2
     config = tmp_path / "capped.toml"
     config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
@@ -87,7 +99,13 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     assert capped["over_memory_cap"] and capped["predicted"]
     assert all(p["estimated_peak_bytes"] <= cap for p in capped["predicted"])
     assert all(o["estimated_peak_bytes"] > cap for o in capped["over_memory_cap"])
-    assert "predictions over memory_cap_gib=" in capsys.readouterr().out
+    assert [f["label"] for f in capped["failed"]] == ["data parallel"]
+    assert "out of memory" in capped["failed"][0]["error"]
+    assert [r["label"] for r in capped["measured"]] == [capped["winner"]]
+    assert capped["speedup_over_data_parallel"] is None
+    printed = capsys.readouterr().out
+    assert "predictions over memory_cap_gib=" in printed
+    assert "failed, not ranked" in printed and "no data-parallel baseline: it failed" in printed
 
 
 def test_mixed_meshes_are_estimated_from_the_uniform_calibrations():

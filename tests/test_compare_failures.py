@@ -16,15 +16,19 @@ class RuntimeBroken(RuntimeError):
 
 
 class FakeSession:
-    """What `run_steps` uses of a `Session`; its plain steps fail from the `fail_at`-th on."""
+    """What `run_steps` uses of a `Session`; its plain steps fail from the `fail_at`-th on,
+    its timed ones from the `timed_fail_at`-th."""
 
-    def __init__(self, label, fail_at=None, error=RuntimeError):
+    def __init__(self, label, fail_at=None, error=RuntimeError, timed_fail_at=None):
         self.label, self.fail_at, self.error = label, fail_at, error
+        self.timed_fail_at = timed_fail_at
         self.compile_seconds = 0.0
         self.timed = self.plain = 0
 
     def step(self, signal_only=False):
         self.timed += 1
+        if self.timed_fail_at is not None and self.timed >= self.timed_fail_at:
+            raise self.error(OOM)
         return StepRecord(0.01, 1.0, [])
 
     def plain_step(self, *, timed=True):
@@ -45,6 +49,26 @@ def test_a_session_that_fails_is_handed_over_and_the_others_run_every_step():
     assert (bad.timed, bad.plain) == (2, 3)  # (stepped no more once it failed)
 
 
+def test_a_failing_timed_step_is_dropped_too_and_only_finished_sessions_are_returned():
+    ok, bad = FakeSession("ok"), FakeSession("bad", timed_fail_at=2)
+    dropped, counted = [], []
+    live = run_steps([ok, bad], 3, on_step=lambda s, r: counted.append(s.label),
+                     on_failure=lambda s, e: dropped.append(s))  # fmt: skip
+    assert live == [ok] and dropped == [bad]
+    assert counted == ["ok", "bad", "ok", "ok"]  # (a failed step is not counted)
+
+
+def test_a_failing_step_callback_or_a_bug_of_ours_is_raised_not_dropped():
+    def broken_bar(session, record):
+        raise KeyError("progress")
+
+    with pytest.raises(KeyError):
+        run_steps([FakeSession("ok")], 1, on_step=broken_bar, on_failure=pytest.fail)
+    with pytest.raises(TypeError):
+        run_steps([FakeSession("bug", timed_fail_at=1, error=TypeError)], 1,
+                  on_failure=pytest.fail)  # fmt: skip
+
+
 def test_without_a_handler_a_failing_plain_step_fails_the_run_and_names_the_way_out():
     with pytest.raises(RuntimeError, match=r"a plain step .* out of memory.*--plain-steps 0"):
         run_steps([FakeSession("ok"), FakeSession("bad", fail_at=2)], 2, plain_steps=2)
@@ -59,6 +83,14 @@ def test_a_broken_runtime_is_raised_even_with_a_handler():
     wrapped = RuntimeError("step failed")
     wrapped.__cause__ = RuntimeBroken("host 2 died")
     assert is_fatal(wrapped) and not is_fatal(RuntimeError(OOM))
+
+    class Wrapping(FakeSession):
+        def step(self, signal_only=False):
+            raise wrapped
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        run_steps([Wrapping("dead")], 1, on_failure=lambda s, e: dropped.append(s))
+    assert not dropped
 
 
 def test_a_comparison_drops_the_variants_that_fail_and_measures_the_rest(monkeypatch):
@@ -91,12 +123,15 @@ def test_a_comparison_drops_the_variants_that_fail_and_measures_the_rest(monkeyp
     rows = profiler.compare(pc, variants, bound=False, progress=False, failed=failed)
     assert [r["label"] for r in rows] == ["1f1b"]
     assert rows[0]["plain_step_seconds"] > 0 and rows[0]["speedup"] == 1.0
+    assert rows[0]["speedup_over"] == "1f1b"  # (the first variant failed: said, not implied)
     assert [f["label"] for f in failed] == ["no compile", "no plain step"]
     assert all("out of memory" in f["error"] for f in failed)
     assert "a plain step" in failed[1]["error"]
-    # Without the list, the first failure fails the comparison.
+    # Without the list, the first failure fails the comparison; no variants is an error.
     with pytest.raises(RuntimeError, match="out of memory"):
         profiler.compare(pc, variants[:1], bound=False, progress=False)
+    with pytest.raises(ValueError, match="variants is empty"):
+        profiler.compare(pc, [], bound=False, progress=False)
 
 
 def test_the_search_summary_lists_the_dropped_finalists():

@@ -21,7 +21,7 @@ from jaxreshard.profiler._report import (
     header_lines,
     places_weights,
 )
-from jaxreshard.profiler._run import Session, is_fatal, measured_costs, run_steps
+from jaxreshard.profiler._run import Session, droppable, measured_costs, run_steps
 from jaxreshard.runtime._config import PipelineConfig
 
 
@@ -92,7 +92,11 @@ def compare(
     measured costs (see `placement_costs`).
     With a `failed` list, a variant that fails (to compile, or in a step: out of memory in a
     program only it runs, say) is dropped from the comparison and recorded there (`label`,
-    `error`), and the others go on; without it, the comparison fails with it."""
+    `error`), and the others go on (the rows' speedups are then over the first that ran: each
+    row's `speedup_over`); without it, the comparison fails with it. The signal-only steps of
+    `bound` are a diagnostic, and a failure there fails the comparison."""
+    if not variants:
+        raise ValueError("compare: variants is empty; give at least one (label, changes) pair")
     pc = _emulating(pc)
     configs = [(label, pc.replace_pipeline(**changes)) for label, changes in variants]
     with runtime_for(pc) as runtime:
@@ -103,13 +107,11 @@ def compare(
         if measure_placement:
             configs = placement_costs(configs, runtime=runtime, console=console)
         configs = [(label, _costs_that_fit(vpc)) for label, vpc in configs]
-        dropped: list[str] = []
 
         def drop(label: str, error: Exception) -> None:
-            if failed is None or is_fatal(error):
+            if failed is None or not droppable(error):
                 raise error
             failed.append({"label": label, "error": error_line(error, 300)})
-            dropped.append(label)
             if console is not None:
                 console.print(f"dropped {label}: {failed[-1]['error']}", highlight=False)
 
@@ -125,15 +127,11 @@ def compare(
             sessions.append(session)
         plain = pc.run.num_plain_steps
         total = (pc.run.steps * (2 if bound else 1) + plain) * len(sessions)
-        on_failure = None if failed is None else lambda s, e: drop(s.label, e)
         with _bar(console, progress, total) as advance:
-            run_steps(sessions, pc.run.steps, plain_steps=plain, on_step=advance,
-                      on_failure=on_failure)  # fmt: skip
-            sessions = [s for s in sessions if s.label not in dropped]
-            if bound:
-                run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance,
-                          on_failure=on_failure)  # fmt: skip
-        sessions = [s for s in sessions if s.label not in dropped]
+            sessions = run_steps(sessions, pc.run.steps, plain_steps=plain, on_step=advance,
+                                 on_failure=lambda s, e: drop(s.label, e))  # fmt: skip
+            if bound and sessions:  # (a diagnostic: a variant that fails here fails the run)
+                run_steps(sessions, pc.run.steps, signal_only=True, on_step=advance)
         if not sessions:
             raise RuntimeError(
                 "every variant of the comparison failed: "

@@ -393,6 +393,7 @@ def comparison_rows(sessions: Sequence[Session]) -> list[dict[str, Any]]:
                 "step_seconds": step_s,
                 "best_step_seconds": min(s.seconds for s in session.steps),
                 "speedup": base / step_s if step_s > 0 else None,
+                "speedup_over": sessions[0].label,
                 "plain_step_seconds": plain,
                 "plain_speedup": base_plain / plain if base_plain and plain else None,
                 "signal_only_seconds": bound,

@@ -380,12 +380,13 @@ def run_steps(
     plain_steps: int = 0,
     on_step: Callable[[Session, StepRecord], None] | None = None,
     on_failure: Callable[[Session, Exception], None] | None = None,
-) -> None:
+) -> list[Session]:
     """Step every session `steps` times, round-robin, so that machine noise hits all alike;
     with `plain_steps`, that many plain steps too (`Session.plain_step`), taking turns with
     the timed ones (the first, untimed, compiles what a plain call runs: its time is added to
     `compile_seconds`). With `on_failure`, a session whose step raises is handed to it and
-    stepped no more, and the others go on (a runtime that broke, `is_fatal`, still raises)."""
+    stepped no more, and the others go on (unless `droppable` says no: a runtime that broke,
+    or a bug of ours). Returns the sessions that ran every step."""
 
     def plain(session: Session, timed: bool = True) -> StepRecord:
         try:
@@ -401,35 +402,42 @@ def run_steps(
 
     live = list(sessions)
 
-    def each(work: Callable[[Session], None]) -> None:
+    def each(take: Callable[[Session], StepRecord], counted: bool = True) -> None:
         for session in list(live):
             try:
-                work(session)
+                record = take(session)
             except Exception as e:
-                if on_failure is None or is_fatal(e):
+                if on_failure is None or not droppable(e):
                     raise
                 live.remove(session)
                 on_failure(session, e)
+                continue
+            if counted and on_step is not None:  # (outside the try: its errors are its own)
+                on_step(session, record)
+
+    def compile_plain(session: Session) -> StepRecord:
+        record = plain(session, timed=False)
+        session.compile_seconds += record.seconds
+        return record
 
     if plain_steps:  # (its compile counts as the warm-up's does, with its run)
-
-        def compile_plain(session: Session) -> None:
-            session.compile_seconds += plain(session, timed=False).seconds
-
-        each(compile_plain)
+        each(compile_plain, counted=False)
     for i in range(max(steps, plain_steps)):
+        if i < steps:
+            each(lambda session: session.step(signal_only=signal_only))
+        if i < plain_steps:
+            each(plain)
+    return live
 
-        def turn(session: Session, i: int = i) -> None:
-            if i < steps:
-                record = session.step(signal_only=signal_only)
-                if on_step is not None:
-                    on_step(session, record)
-            if i < plain_steps:
-                record = plain(session)
-                if on_step is not None:
-                    on_step(session, record)
 
-        each(turn)
+def droppable(error: Exception) -> bool:
+    """Whether a comparison may drop the variant that raised `error` and go on: not if the
+    runtime broke (`is_fatal`), nor for an error that is a bug of ours rather than the
+    variant's (a `TypeError` or `AttributeError` would fail every variant alike)."""
+    return not is_fatal(error) and not isinstance(error, _OUR_BUGS)
+
+
+_OUR_BUGS = (TypeError, AttributeError, AssertionError)
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -439,6 +447,8 @@ def is_fatal(error: BaseException) -> bool:
 
 
 def _chain(error: BaseException | None) -> list[BaseException]:
+    # (`__context__` too, even under `raise ... from None`: a wrapper that hides the cause
+    # from the traceback still leaves the runtime broken)
     seen: list[BaseException] = []
     while error is not None and error not in seen:
         seen.append(error)

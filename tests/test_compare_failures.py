@@ -7,12 +7,9 @@ from jaxreshard import profiler
 from jaxreshard.profiler import load_profile_config
 from jaxreshard.profiler._auto_report import DATA_PARALLEL, summary_lines
 from jaxreshard.profiler._run import StepRecord, is_fatal, run_steps
+from jaxreshard.runtime.ray._wait import RuntimeBroken
 
 OOM = "RESOURCE_EXHAUSTED: out of memory while allocating 3.1 GiB"
-
-
-class RuntimeBroken(RuntimeError):
-    """Named as the Ray runtime's (`is_fatal` goes by the name)."""
 
 
 class FakeSession:

@@ -442,8 +442,10 @@ _OUR_BUGS = (TypeError, AttributeError, AssertionError)
 
 def is_fatal(error: BaseException) -> bool:
     """Whether `error` leaves nothing more to run: a Ray runtime whose host died
-    (`RuntimeBroken`; named, not imported, so that Ray stays unimported on the local path)."""
-    return any(type(e).__name__ == "RuntimeBroken" for e in _chain(error))
+    (`RuntimeBroken`, anywhere in its chain)."""
+    from jaxreshard.runtime.ray._wait import RuntimeBroken  # (imports no Ray)
+
+    return any(isinstance(e, RuntimeBroken) for e in _chain(error))
 
 
 def _chain(error: BaseException | None) -> list[BaseException]:

@@ -53,6 +53,8 @@ class StageBackward:
         forwarded: per residual, the position in `stage.inputs` of the input it is unchanged
             (a weight the backward reads, a received activation), else None (see
             [Note: residuals kept by reference]).
+        traced: the forward as traced here, inputs -> (outputs..., residuals...): `forward`
+            evaluates it rather than linearizing the stage again.
     """
 
     stage: Stage
@@ -69,15 +71,20 @@ class StageBackward:
     reduced: tuple[str, ...] = ()
     reduced_inputs: tuple[int, ...] = ()
     forwarded: tuple[int | None, ...] = ()
+    traced: Any = dataclasses.field(repr=False, compare=False, default=None)
 
     def forward(self, *inputs: Any) -> tuple[list[Any], list[Any]]:
         """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
         if self.full is None:  # forward only
             return list(jc.jaxpr_as_fun(self.stage.jaxpr)(*inputs)), []
-        outputs, leaves, _ = _forward(
-            self.stage, self.diff, inputs, self.reduced, self.reduced_inputs
-        )
-        return outputs, leaves
+        if self.traced is None:
+            outputs, leaves, _ = _forward(
+                self.stage, self.diff, inputs, self.reduced, self.reduced_inputs
+            )
+            return outputs, leaves
+        flat = jc.jaxpr_as_fun(self.traced)(*inputs)
+        n = len(flat) - len(self.residuals)
+        return list(flat[:n]), list(flat[n:])
 
 
 def _is_float(aval: Any) -> bool:
@@ -138,10 +145,10 @@ def _whole_outputs(stage: Stage, outs: Sequence[Any]) -> None:
             )
 
 
-def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
-    """`fn`'s (outputs, residuals) shapes, and per residual the position among its arguments of
-    the one it returns unchanged, else None (see [Note: residuals kept by reference]): one
-    trace."""
+def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[Any, ...], Any]:
+    """`fn`'s (outputs, residuals) shapes, per residual the position among its arguments of
+    the one it returns unchanged, else None (see [Note: residuals kept by reference]), and the
+    trace itself (a closed jaxpr, outputs then residuals, flat): one trace."""
     closed, (outs, residuals) = jax.make_jaxpr(fn, return_shape=True)(*structs)
     # (JAX returns no sharding in the shapes of a trace on a mesh of Explicit and Auto axes; the
     # types are in the jaxpr's output avals)
@@ -152,7 +159,7 @@ def traced_with_forwarding(fn: Any, structs: Sequence[Any]) -> tuple[Any, tuple[
         position.get(v) if isinstance(v, jc.Var) else None
         for v in closed.jaxpr.outvars[len(outs) :]
     )
-    return (outs, residuals), forwarded
+    return (outs, residuals), forwarded, closed
 
 
 def _typed(struct: Any, aval: Any) -> Any:
@@ -180,7 +187,7 @@ def residual_inputs(stage: Stage) -> list[tuple[Any, int | None]]:
         return outputs, leaves
 
     with on_abstract_mesh(mesh):
-        (_, residuals), forwarded = traced_with_forwarding(fn, _structs(stage, shardings))
+        (_, residuals), forwarded, _ = traced_with_forwarding(fn, _structs(stage, shardings))
     return list(zip(residuals, _by_reference(stage, forwarded)))
 
 
@@ -269,7 +276,7 @@ def derive_backward(
     if in_shardings is None:  # (see [Note: stages traced with Explicit axes])
         mesh, in_shardings = _explicit_types(stage)
     with on_abstract_mesh(mesh):
-        (out_structs, residual_structs), forwarded = traced_with_forwarding(
+        (out_structs, residual_structs), forwarded, traced = traced_with_forwarding(
             traced_forward, _structs(stage, in_shardings)
         )
     residuals = tuple(residual_structs)
@@ -315,6 +322,7 @@ def derive_backward(
         tuple(reduced),
         tuple(reduced_inputs),
         forwarded,
+        traced,
     )
 
 

@@ -241,3 +241,38 @@ def test_an_all_reduce_is_a_ring_whose_edges_between_hosts_share_the_nics():
     assert scatter == pytest.approx(0.75 * mb / 1e9 + 3e-3)
     assert cluster.all_reduce_seconds([[0], [1]], mb) == 0.0
     assert cluster.all_reduce_seconds([[0, 1]], 0) == 0.0
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_a_fan_out_of_many_slices_plans_near_its_bound(n):
+    """64 MiB in row slices (8 devices of one host, or 16 of two) to every device of 2 hosts of
+    8. Each slice's chain crosses two NICs and 14 device links; the slices follow each other
+    hop by hop (see [Note: chained hops]), so the plan pays one pipeline fill, not one a slice:
+    holding every link of a chain to its end planned these 1.13x and 1.26x their bound."""
+    src = virtual((1, n), P("b"), 0, 8)
+    dst = virtual((2, 8), P(), n, 8)
+    cluster = cluster_over(n + 16, 8)
+    plan = plan_reshard((4096, 4096), "float32", src, dst, cluster=cluster, strategy="auto")
+    assert len(plan.ops) == n and validate_plan(plan) == []
+    assert plan.seconds <= 1.05 * plan.lower_bound_s, plan.seconds / plan.lower_bound_s
+
+
+def test_ops_along_one_nic_follow_each_other_hop_by_hop():
+    """Two slices from one host, each broadcast to two devices of the next host: the second
+    slice's NIC hop starts when the first's has ended, before the first's last receiver has
+    its copy."""
+    from jaxreshard.comm import Op
+    from jaxreshard.comm._simulate import simulate_hops
+
+    cluster = cluster_over(4, 2)
+    nbytes = 8 * cluster.chunk_bytes
+    ops = [Op("broadcast", ((k, k + 1),), nbytes, k, (2, 3)) for k in (0, 1)]
+    timeline, hops, makespan = simulate_hops(ops, cluster)
+    (nic0, local0), (nic1, local1) = hops
+    assert nic1[0] == pytest.approx(nic0[1])  # the NIC is free as soon as slice 0 has crossed
+    assert nic1[0] < local0[1]  # ... while slice 0 is still being copied inside host 1
+    assert local1[0] >= local0[1]  # device 2's link serves the slices in order
+    nic = nbytes / cluster.inter_host_bytes_per_s + cluster.latency_s
+    assert timeline[1] == (nic1[0], local1[1]) and makespan == local1[1]
+    assert makespan == pytest.approx(2 * nic + cluster.chunk_bytes / cluster.intra_host_bytes_per_s
+                                     + cluster.latency_s, rel=1e-6)  # fmt: skip

@@ -37,11 +37,36 @@ def test_sender_without_data_is_caught():
 def test_too_fast_and_overlapping_ops_are_caught():
     plan = make_plan()
     squeezed = tuple((0.0, 1e-9) for _ in plan.timeline)
-    problems = validate_plan(dataclasses.replace(plan, timeline=squeezed))
+    problems = validate_plan(dataclasses.replace(plan, timeline=squeezed, hops=()))
     assert any("less than the" in p for p in problems)
-    together = tuple((0.0, max(e for _, e in plan.timeline)) for _ in plan.timeline)
-    problems = validate_plan(dataclasses.replace(plan, timeline=together))
+    end = max(e for _, e in plan.timeline)
+    together = tuple((0.0, end) for _ in plan.timeline)
+    problems = validate_plan(dataclasses.replace(plan, timeline=together, hops=()))
     assert any("overlap on host" in p for p in problems)
+    # The same with each hop timed: every hop of every op at once.
+    hops = tuple(tuple((0.0, end) for _ in spans) for spans in plan.hops)
+    problems = validate_plan(dataclasses.replace(plan, timeline=together, hops=hops))
+    assert any("overlap on host" in p for p in problems)
+
+
+def test_hops_are_checked_one_by_one():
+    plan = make_plan("broadcast_greedy")
+    assert validate_plan(plan) == []
+    i = next(k for k, spans in enumerate(plan.hops) if len(spans) >= 2)
+    spans = list(plan.hops[i])
+
+    def with_spans(new):
+        return dataclasses.replace(plan, hops=(*plan.hops[:i], tuple(new), *plan.hops[i + 1 :]))
+
+    (s0, e0), (_, e1) = spans[0], spans[1]
+    short = [(s0, s0 + 1e-9), *spans[1:]]  # (the first hop moves its bytes in no time)
+    assert any("hop 0" in p and "less than the" in p for p in validate_plan(with_spans(short)))
+    ahead = [spans[0], (s0 - 1.0, e1), *spans[2:]]  # (the second hop starts before the first)
+    assert any("ahead of the hop before it" in p for p in validate_plan(with_spans(ahead)))
+    missing = spans[:-1]
+    assert any("hop times" in p for p in validate_plan(with_spans(missing)))
+    late = [(s0 + 1.0, e0 + 1.0), *spans[1:]]  # (the op's span no longer starts at its first hop)
+    assert any("do not span it" in p for p in validate_plan(with_spans(late)))
 
 
 def test_allgather_part_must_arrive_first():

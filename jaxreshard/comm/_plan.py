@@ -119,6 +119,9 @@ class Plan:
         lower_bound_s: a lower bound on the completion time of any plan on this cluster.
         search_finished: for `broadcast_dfs`, whether the search completed (or proved its result
             optimal) within its budget; None for the other strategies.
+        hops: per op, the simulated (start_s, end_s) of each hop of its chain (sender to first
+            receiver, and on): a hop holds its links only for its own span (see [Note: chained
+            hops] in `_simulate.py`); none for an allgather.
     """
 
     shape: tuple[int, ...]
@@ -135,6 +138,7 @@ class Plan:
     seconds: float
     lower_bound_s: float
     search_finished: bool | None = None
+    hops: tuple[tuple[tuple[float, float], ...], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -165,10 +169,13 @@ class Plan:
     def to_json(self, case: str | None = None) -> dict[str, Any]:
         """The `jaxreshard-plan/1` JSON object (see DESIGN.md, "Formats")."""
         ops = []
-        for op, (start, end) in zip(self.ops, self.timeline):
+        hops = self.hops or ((),) * len(self.ops)
+        for op, (start, end), spans in zip(self.ops, self.timeline, hops):
             record = op.to_json()
             record["start_s"] = start
             record["end_s"] = end
+            if spans:
+                record["hops"] = [list(span) for span in spans]
             ops.append(record)
         out: dict[str, Any] = {"format": PLAN_FORMAT}
         if case is not None:

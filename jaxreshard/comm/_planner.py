@@ -13,7 +13,7 @@ import numpy as np
 from jaxreshard.comm._cluster import Cluster
 from jaxreshard.comm._layout import Layout
 from jaxreshard.comm._plan import Plan
-from jaxreshard.comm._simulate import lower_bound, simulate
+from jaxreshard.comm._simulate import lower_bound, simulate_hops
 from jaxreshard.comm._strategies import PlannerOptions, build_ops
 from jaxreshard.comm._tasks import decompose
 
@@ -141,7 +141,7 @@ def plan_layouts(
     if strategy != "auto":
         primitive, balancer = STRATEGIES[strategy]
         ops, finished, _ = build_ops(tasks, cluster, primitive, balancer, options)
-        timeline, seconds = simulate(ops, cluster)
+        timeline, hops, seconds = simulate_hops(ops, cluster)
         return Plan(
             src.shape,
             dtype,
@@ -157,6 +157,7 @@ def plan_layouts(
             seconds,
             bound,
             finished,
+            hops,
         )
 
     candidates = []
@@ -176,11 +177,11 @@ def plan_layouts(
         )
         if balancer == "greedy":
             greedy = assignment
-        timeline, seconds = simulate(ops, cluster)
-        candidates.append((name, ops, timeline, seconds, finished))
+        timeline, hops, seconds = simulate_hops(ops, cluster)
+        candidates.append((name, ops, timeline, seconds, finished, hops))
     fastest = min(c[3] for c in candidates)
     tied = [c for c in candidates if math.isclose(c[3], fastest, rel_tol=1e-9, abs_tol=1e-15)]
-    name, ops, timeline, seconds, finished = min(
+    name, ops, timeline, seconds, finished, hops = min(
         tied, key=lambda c: (len(c[1]), _PREFERENCE.index(c[0]))
     )
     return Plan(
@@ -198,4 +199,5 @@ def plan_layouts(
         seconds,
         bound,
         finished,
+        hops,
     )

@@ -1,20 +1,33 @@
 """Simulation of a plan on the cluster model, and a lower bound valid for any plan.
 
 [Note: simulation model]
-Every op holds a set of links exclusively while it runs: a hop between hosts holds the sending
-host's NIC-out and the receiving host's NIC-in; a hop inside a host holds the sending device's
-link-out and the receiving device's link-in. Ops are issued in plan order and each starts as soon
-as all its links are free and the ops it depends on (`Op.after`) have finished; a link serves ops
-in plan order (no op overtakes an earlier one on the same link). This is the paper's model
-("tasks sharing a sender or a receiver host do not overlap") extended with intra-host links.
-Durations:
+A hop between hosts holds the sending host's NIC-out and the receiving host's NIC-in; a hop
+inside a host holds the sending device's link-out and the receiving device's link-in. Ops are
+issued in plan order; a link serves them in that order (no op overtakes an earlier one on the same
+link), one at a time. This is the paper's model ("tasks sharing a sender or a receiver host do not
+overlap") extended with intra-host links. An op starts once the ops it depends on (`Op.after`)
+have finished.
 - send: latency + bytes / bandwidth of its link.
-- broadcast along the chain sender -> dst_devices[0] -> dst_devices[1] ...: pipelined in chunks,
-  so it takes one latency per hop, plus bytes / the slowest hop's bandwidth, plus one chunk's time
-  on each other hop (the pipeline fill). Across A hosts with K chunks that is the paper's
-  t * (K + A - 1) / K.
+- broadcast along the chain sender -> dst_devices[0] -> dst_devices[1] ...: pipelined in chunks.
+  On free links it takes one latency per hop, plus bytes / the slowest hop's bandwidth, plus one
+  chunk's time on each other hop (the pipeline fill). Across A hosts with K chunks that is the
+  paper's t * (K + A - 1) / K.
 - allgather among the devices of one host (ring): (k - 1) steps, each moving the largest part
-  over the device links, plus one latency per step.
+  over the device links, plus one latency per step; it holds all of its links throughout.
+
+[Note: chained hops]
+A send or broadcast holds each hop's links only while that hop moves its bytes: hop i starts
+once its links are free and the op's first chunk has crossed hop i - 1, and ends no sooner than
+one chunk (and a latency) after hop i - 1 ends. On free links that is the duration above. So
+the next op along the same NIC starts as soon as this one has left it, not when this one's last
+receiver has its copy. That is how the runtimes move them: the TCP transport's sender thread
+per peer writes one op's chunks right behind the last one's, a relay forwards each chunk as it
+arrives, and NCCL runs each rank's broadcasts in stream order. Holding every link of a chain
+until its end (this simulator until 2026-11-30) charged each op of a fan-out its own pipeline
+fill and per-hop latencies: 64 MiB in 8 slices from one host to 2 hosts x 8 devices planned
+1.13x its bound, and 1.02x with the hops apart. Executed on the emulated cluster, such slices
+arrive as fast as one slice of the same bytes (docs/benchmarks.md, "Fan-out to hosts of 8
+devices").
 """
 
 from __future__ import annotations
@@ -68,21 +81,51 @@ def op_cost(op: Op, cluster: Cluster) -> tuple[tuple[Resource, ...], float]:
     return tuple(dict.fromkeys(links)), seconds
 
 
-def simulate(ops: Sequence[Op], cluster: Cluster) -> tuple[tuple[tuple[float, float], ...], float]:
+Span = tuple[float, float]
+
+
+def simulate(ops: Sequence[Op], cluster: Cluster) -> tuple[tuple[Span, ...], float]:
     """List-schedule `ops` in order; return each op's (start, end) and the completion time."""
+    timeline, _, makespan = simulate_hops(ops, cluster)
+    return timeline, makespan
+
+
+def simulate_hops(
+    ops: Sequence[Op], cluster: Cluster
+) -> tuple[tuple[Span, ...], tuple[tuple[Span, ...], ...], float]:
+    """`simulate`, with each op's hops as well: per op, the (start, end) of each hop of its
+    chain (see [Note: chained hops]; none for an allgather, which holds all of its links for
+    its whole time)."""
     free: dict[Resource, float] = {}
-    timeline: list[tuple[float, float]] = []
+    timeline: list[Span] = []
+    hops: list[tuple[Span, ...]] = []
     for op in ops:
-        links, seconds = op_cost(op, cluster)
-        start = max((free.get(r, 0.0) for r in links), default=0.0)
-        for j in op.after:
-            start = max(start, timeline[j][1])
-        end = start + seconds
-        for r in links:
-            free[r] = end
-        timeline.append((start, end))
+        ready = max((timeline[j][1] for j in op.after), default=0.0)
+        if op.kind == "allgather":
+            links, seconds = op_cost(op, cluster)
+            start = max([ready, *(free.get(r, 0.0) for r in links)])
+            for r in links:
+                free[r] = start + seconds
+            timeline.append((start, start + seconds))
+            hops.append(())
+            continue
+        chunk = min(cluster.chunk_bytes, op.nbytes)
+        spans: list[Span] = []
+        arrives = ready  # when the op's first chunk can leave this hop's sender
+        chain = (op.src_device, *op.dst_devices)
+        for a, b in itertools.pairwise(chain):
+            out_link, in_link, bandwidth = hop_links(cluster, a, b)
+            start = max(arrives, free.get(out_link, 0.0), free.get(in_link, 0.0))
+            end = start + cluster.latency_s + op.nbytes / bandwidth
+            if spans:  # (its last chunk cannot leave before it has come in)
+                end = max(end, spans[-1][1] + cluster.latency_s + chunk / bandwidth)
+            free[out_link] = free[in_link] = end
+            spans.append((start, end))
+            arrives = start + cluster.latency_s + chunk / bandwidth
+        timeline.append((spans[0][0], spans[-1][1]))
+        hops.append(tuple(spans))
     makespan = max((end for _, end in timeline), default=0.0)
-    return tuple(timeline), makespan
+    return tuple(timeline), tuple(hops), makespan
 
 
 def lower_bound(tasks: Sequence[UnitTask], cluster: Cluster) -> float:

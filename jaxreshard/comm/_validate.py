@@ -18,7 +18,15 @@ _EPS = 1e-9
 
 def validate_plan(plan: Any) -> list[str]:
     """Return the problems of a `Plan` (empty when it is valid). See `validate_ops`."""
-    return validate_ops(plan.src, plan.dst, plan.cluster, plan.ops, plan.timeline, plan.itemsize)
+    return validate_ops(
+        plan.src,
+        plan.dst,
+        plan.cluster,
+        plan.ops,
+        plan.timeline,
+        plan.itemsize,
+        plan.hops or None,
+    )
 
 
 def validate_ops(
@@ -28,15 +36,21 @@ def validate_ops(
     ops: Sequence[Any],
     timeline: Sequence[tuple[float, float]],
     itemsize: int,
+    hops: Sequence[Sequence[tuple[float, float]]] | None = None,
 ) -> list[str]:
     """Check that the ops, run at their (start, end) times, deliver `dst` from `src`.
+
+    `hops`: per op, the (start, end) of each hop of a send's or broadcast's chain, if the plan
+    times them apart; else each hop holds its links for the op's whole span.
 
     Rules:
     1. A sender (or each allgather participant, for its part) holds what it sends when the op
        starts: from the source layout, or delivered by an op that ended by then.
     2. Every destination device holds its whole region once all ops have ended.
     3. Every op lasts at least its bytes over the slowest link it crosses, plus the latency.
-    4. No two ops use the same host NIC direction at the same time.
+       With `hops`, each hop lasts at least its bytes over its own link plus the latency, the
+       chain's hops start and end in chain order, and they span the op.
+    4. No two hops (of any ops) use the same host NIC direction at the same time.
     Elements are compared on the grid of every boundary in the layouts and ops, so that every
     region involved is a union of grid cells and the checks are exact.
     """
@@ -76,13 +90,15 @@ def validate_ops(
                 f"destination device {device} never receives all of {format_index(index)}"
             )
 
-    problems += _check_timing(cluster, ops, timeline, itemsize)
+    problems += _check_timing(cluster, ops, timeline, itemsize, hops)
     return problems
 
 
-def _check_timing(cluster, ops, timeline, itemsize) -> list[str]:
+def _check_timing(cluster, ops, timeline, itemsize, hops=None) -> list[str]:
     problems = []
     busy: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    if hops is not None and len(hops) != len(ops):
+        return [f"{len(hops)} ops' hops given for {len(ops)} ops"]
     for i, (op, (start, end)) in enumerate(zip(ops, timeline)):
         if end < start:
             problems.append(f"op {i} ends before it starts")
@@ -95,14 +111,16 @@ def _check_timing(cluster, ops, timeline, itemsize) -> list[str]:
             if len(hosts) > 1:
                 problems.append(f"op {i}: allgather spans hosts {sorted(hosts)}")
         else:
-            chain = (op.src_device, *op.dst_devices)
+            chain = list(itertools.pairwise((op.src_device, *op.dst_devices)))
+            spans = [(start, end)] * len(chain) if hops is None else list(hops[i])
+            problems += _check_hops(cluster, i, op, chain, spans, (start, end))
             slowest = cluster.intra_host_bytes_per_s
-            for a, b in itertools.pairwise(chain):
+            for (a, b), (s, e) in zip(chain, spans):
                 ha, hb = cluster.host_of(a), cluster.host_of(b)
                 if ha != hb:
                     slowest = min(slowest, cluster.inter_host_bytes_per_s)
-                    busy.setdefault(("out", ha), []).append((start, end, i))
-                    busy.setdefault(("in", hb), []).append((start, end, i))
+                    busy.setdefault(("out", ha), []).append((s, e, i))
+                    busy.setdefault(("in", hb), []).append((s, e, i))
             need = op.nbytes / slowest + cluster.latency_s
         if end - start < need * (1 - 1e-9) - 1e-12:
             problems.append(
@@ -117,6 +135,30 @@ def _check_timing(cluster, ops, timeline, itemsize) -> list[str]:
                     f"ops {i1} and {i2} overlap on host {host}'s NIC-{direction} "
                     f"({s1:.6g}-{e1:.6g} s vs from {s2:.6g} s)"
                 )
+    return problems
+
+
+def _check_hops(cluster, i, op, chain, spans, whole) -> list[str]:
+    """Rule 3 for each hop of a chain timed apart."""
+    if len(spans) != len(chain):
+        return [f"op {i} ({op}) has {len(chain)} hops but {len(spans)} hop times"]
+    problems = []
+    if abs(spans[0][0] - whole[0]) > _EPS or abs(spans[-1][1] - whole[1]) > _EPS:
+        problems.append(f"op {i} ({op}): its hops do not span it ({spans} vs {whole})")
+    for k, ((a, b), (s, e)) in enumerate(zip(chain, spans)):
+        across = cluster.host_of(a) != cluster.host_of(b)
+        bandwidth = cluster.inter_host_bytes_per_s if across else cluster.intra_host_bytes_per_s
+        need = op.nbytes / bandwidth + cluster.latency_s
+        if e - s < need * (1 - 1e-9) - 1e-12:
+            problems.append(
+                f"op {i} ({op}): hop {k} ({a}->{b}) lasts {e - s:.6g} s, less than the "
+                f"{need:.6g} s its bytes need"
+            )
+        if k and (s < spans[k - 1][0] - _EPS or e < spans[k - 1][1] - _EPS):
+            problems.append(
+                f"op {i} ({op}): hop {k} ({a}->{b}) runs {s:.6g}-{e:.6g} s, ahead of the hop "
+                f"before it ({spans[k - 1][0]:.6g}-{spans[k - 1][1]:.6g} s)"
+            )
     return problems
 
 

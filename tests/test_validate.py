@@ -63,6 +63,8 @@ def test_hops_are_checked_one_by_one():
     assert any("hop 0" in p and "less than the" in p for p in validate_plan(with_spans(short)))
     ahead = [spans[0], (s0 - 1.0, e1), *spans[2:]]  # (the second hop starts before the first)
     assert any("ahead of the hop before it" in p for p in validate_plan(with_spans(ahead)))
+    instant = [spans[0]] * len(spans)  # (every relay forwards in the instant it receives)
+    assert any("ahead of the hop before it" in p for p in validate_plan(with_spans(instant)))
     missing = spans[:-1]
     assert any("hop times" in p for p in validate_plan(with_spans(missing)))
     late = [(s0 + 1.0, e0 + 1.0), *spans[1:]]  # (the op's span no longer starts at its first hop)

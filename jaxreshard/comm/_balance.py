@@ -5,6 +5,12 @@ sender hosts and, while it runs, it holds that host's NIC-out plus a fixed set o
 receiving hosts' NIC-ins, and the NIC-outs of receiving hosts that forward a broadcast). A
 balancer returns the sender of every job and the order in which to issue them; the plan's
 simulator then starts each job as early as its links allow, in that order.
+
+A job's time is its op's on free links (`op_cost`), and it holds its links for all of it: the
+balancers weigh jobs as if a chain held every link to its end, while the simulator lets each hop
+go as soon as it is done ([Note: chained hops] in `_simulate.py`). So they place and order by a
+close but coarser model, and `broadcast_dfs`'s "finished" (proved optimal) is optimal for that
+model; `auto` compares the strategies' plans by the simulator.
 """
 
 from __future__ import annotations

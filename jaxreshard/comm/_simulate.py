@@ -18,16 +18,18 @@ have finished.
 [Note: chained hops]
 A send or broadcast holds each hop's links only while that hop moves its bytes: hop i starts
 once its links are free and the op's first chunk has crossed hop i - 1, and ends no sooner than
-one chunk (and a latency) after hop i - 1 ends. On free links that is the duration above. So
-the next op along the same NIC starts as soon as this one has left it, not when this one's last
-receiver has its copy. That is how the runtimes move them: the TCP transport's sender thread
-per peer writes one op's chunks right behind the last one's, a relay forwards each chunk as it
-arrives, and NCCL runs each rank's broadcasts in stream order. Holding every link of a chain
-until its end (this simulator until 2026-11-30) charged each op of a fan-out its own pipeline
-fill and per-hop latencies: 64 MiB in 8 slices from one host to 2 hosts x 8 devices planned
-1.13x its bound, and 1.02x with the hops apart. Executed on the emulated cluster, such slices
-arrive as fast as one slice of the same bytes (docs/benchmarks.md, "Fan-out to hosts of 8
-devices").
+one chunk (and a latency) after hop i - 1 ends. On free links that is the duration above (for a
+chain that enters each host once, as the planner's chains do). So the next op along the same NIC
+starts as soon as this one has left it, not when this one's last receiver has its copy. That is
+how the TCP transport moves them: its sender thread per peer writes one op's chunks right behind
+the last one's, and a relay forwards each chunk as it arrives (measured, below). NCCL runs each
+device's ops of a resharding in order on one stream, but its relays hold a few chunks each, so
+there a hop cannot run far ahead of a slow one downstream, which this model does not charge (not
+measured: no GPU here). Holding every link of a chain until its end (this simulator until
+2026-11-30) charged each op of a fan-out its own pipeline fill and per-hop latencies: 64 MiB in
+8 slices from one host to 2 hosts x 8 devices planned 1.13x its bound, and 1.02x with the hops
+apart. Executed on the emulated cluster, such slices arrive as fast as one slice of the same
+bytes (docs/benchmarks.md, "Fan-out to hosts of 8 devices").
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def lower_bound(tasks: Sequence[UnitTask], cluster: Cluster) -> float:
     """A lower bound on the completion time of any plan for `tasks` on `cluster`.
 
     Under [Note: cluster model], only data that leaves or enters a host costs NIC time, and a
-    NIC serves one op at a time, each paying the latency once:
+    NIC serves one hop at a time, each paying the latency once:
     1. Receiving: every host must get, through its NIC-in, each element its destination devices
        need that no source device on that host holds: bytes_in(h) / bandwidth.
     2. Sending: the first time an element leaves any host it leaves a host that held it from the

@@ -139,12 +139,16 @@ def _check_timing(cluster, ops, timeline, itemsize, hops=None) -> list[str]:
 
 
 def _check_hops(cluster, i, op, chain, spans, whole) -> list[str]:
-    """Rule 3 for each hop of a chain timed apart."""
+    """Rule 3 for each hop of a chain timed apart: a hop moves all of its bytes, the first chunk
+    must cross a hop before the next hop can start, and the last chunk crosses a hop only after
+    it has crossed the hop before (a relay forwards what it has received)."""
     if len(spans) != len(chain):
         return [f"op {i} ({op}) has {len(chain)} hops but {len(spans)} hop times"]
     problems = []
     if abs(spans[0][0] - whole[0]) > _EPS or abs(spans[-1][1] - whole[1]) > _EPS:
         problems.append(f"op {i} ({op}): its hops do not span it ({spans} vs {whole})")
+    chunk = min(cluster.chunk_bytes, op.nbytes)
+    before = None  # the last hop's bandwidth
     for k, ((a, b), (s, e)) in enumerate(zip(chain, spans)):
         across = cluster.host_of(a) != cluster.host_of(b)
         bandwidth = cluster.inter_host_bytes_per_s if across else cluster.intra_host_bytes_per_s
@@ -154,11 +158,17 @@ def _check_hops(cluster, i, op, chain, spans, whole) -> list[str]:
                 f"op {i} ({op}): hop {k} ({a}->{b}) lasts {e - s:.6g} s, less than the "
                 f"{need:.6g} s its bytes need"
             )
-        if k and (s < spans[k - 1][0] - _EPS or e < spans[k - 1][1] - _EPS):
-            problems.append(
-                f"op {i} ({op}): hop {k} ({a}->{b}) runs {s:.6g}-{e:.6g} s, ahead of the hop "
-                f"before it ({spans[k - 1][0]:.6g}-{spans[k - 1][1]:.6g} s)"
-            )
+        if before is not None:
+            (s0, e0) = spans[k - 1]
+            first = s0 + cluster.latency_s + chunk / before  # the first chunk is across
+            last = e0 + cluster.latency_s + chunk / bandwidth  # the last chunk, relayed
+            if s < first * (1 - 1e-9) - 1e-12 or e < last * (1 - 1e-9) - 1e-12:
+                problems.append(
+                    f"op {i} ({op}): hop {k} ({a}->{b}) runs {s:.6g}-{e:.6g} s, ahead of the "
+                    f"hop before it ({s0:.6g}-{e0:.6g} s): it can start at {first:.6g} s and "
+                    f"end at {last:.6g} s at the earliest"
+                )
+        before = bandwidth
     return problems
 
 

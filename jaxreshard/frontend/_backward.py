@@ -84,6 +84,7 @@ class StageBackward:
             return outputs, leaves
         flat = jc.jaxpr_as_fun(self.traced)(*inputs)
         n = len(flat) - len(self.residuals)
+        assert n == len(self.stage.outputs), (n, len(self.stage.outputs))
         return list(flat[:n]), list(flat[n:])
 
 

@@ -655,17 +655,17 @@ def test_auto_places_weight_gradients_as_it_predicted():
 
 
 def test_auto_traces_each_segments_residuals_once(monkeypatch):
-    """The memory estimate needs each segment's residuals (a trace of its VJP): one trace per
-    segment, not one per segment and mesh; the report is JSON."""
+    """The memory estimate needs each segment's residuals and B's exports (a trace of its VJP):
+    one trace per segment for both, not one per segment and mesh; the report is JSON."""
     import json
 
     from jaxreshard.runtime.step import _memory, _partition
 
     calls = []
-    real = _partition.residual_inputs
-    for module in (_partition, _memory):
-        monkeypatch.setattr(module, "residual_inputs", lambda s: calls.append(s) or real(s))
-    _, report = auto_report(num_stages=3)
+    real = _memory.derive_backward
+    monkeypatch.setattr(_memory, "derive_backward", lambda s, **k: calls.append(s) or real(s, **k))
+    monkeypatch.setattr(_memory, "residual_inputs", lambda s: 1 / 0)  # (not a trace apart)
+    _, report = auto_report(num_stages=3, weight_delay=True)
     assert len(calls) == len(report.segments) == len(WIDTHS)
     record = json.loads(json.dumps(report.to_json()))
     assert record["chosen"] == list(report.chosen) and len(record["segments"]) == len(WIDTHS)

@@ -14,9 +14,9 @@ from jaxreshard.runtime.step._layout import pipeline_schedule
 from jaxreshard.runtime.step._memory import (
     SegmentMemory,
     crossing_bytes,
-    exports_of,
     mesh_bytes,
     segment_memory,
+    traced_vjp,
 )
 from jaxreshard.runtime.step._specs import spec_of
 
@@ -38,12 +38,14 @@ def memory_point(session: Any) -> Point:
     specs: list[Any] = [spec_of(getattr(x, "sharding", None)) for x in leaves]
     if len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
-    stages = [
-        segment_memory(
-            graph, s, on[s], specs, p.batch_axis, 0, exports_of(graph, s, True), p.reduce_gradients
+    stages = []
+    for s in range(graph.num_stages):
+        exports, residuals = traced_vjp(graph, s, True)  # (one trace of the stage's VJP)
+        stages.append(
+            segment_memory(
+                graph, s, on[s], specs, p.batch_axis, 0, exports, p.reduce_gradients, residuals
+            )
         )
-        for s in range(graph.num_stages)
-    ]
     boundaries = [
         crossing_bytes(graph, k, on[k], p.batch_axis) for k in range(graph.num_stages - 1)
     ]

@@ -230,12 +230,16 @@ def size(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
 
 
-def exports_of(graph: StepGraph, s: int, split_backward: bool) -> list[Any]:
-    """The avals segment `s`'s B hands its W (a split backward; none otherwise)."""
-    if graph.forward_only or not split_backward:
-        return []
-    bw = derive_backward(graph.loss.stages[s], split=True)
-    return list(bw.b.out_avals[len(bw.act_grads) :])
+def traced_vjp(
+    graph: StepGraph, s: int, split_backward: bool
+) -> tuple[list[Any], list[tuple[Any, int | None]]]:
+    """What the memory estimate reads off segment `s`'s VJP, from one trace of it: the avals
+    its B hands its W (a split backward; none otherwise), and its `residual_inputs`."""
+    if graph.forward_only:
+        return [], []
+    bw = derive_backward(graph.loss.stages[s], split=split_backward)
+    exports = list(bw.b.out_avals[len(bw.act_grads) :]) if split_backward else []
+    return exports, list(zip(bw.residuals, bw.forwarded))
 
 
 def crossing_bytes(

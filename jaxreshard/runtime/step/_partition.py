@@ -60,7 +60,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxreshard.frontend._backward import residual_inputs
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.frontend._trace import CACHED_CANDIDATES
 from jaxreshard.pipeline import Costs, simulate
@@ -74,11 +73,11 @@ from jaxreshard.runtime.step._memory import (
     chunks_of,
     crossing_bytes,
     device_limit,
-    exports_of,
     mesh_bytes,
     micro_batch_rows,
     segment_memory,
     size,
+    traced_vjp,
 )
 from jaxreshard.runtime.step._partition_report import (  # noqa: F401 (re-exported)
     MAX_CHOICES,
@@ -162,18 +161,18 @@ def choose_cuts(
         timed = timer(graph, split)
     else:
         timed = [segment_cost(graph, s, device, split) for s in range(graph.loss.num_stages)]
-    exports = [exports_of(graph, s, config.split_backward) for s in range(graph.loss.num_stages)]
+    # (a segment's exports and residuals cost a trace of its VJP: once, whatever the meshes)
+    traced = [traced_vjp(graph, s, config.split_backward) for s in range(graph.loss.num_stages)]
     segments = [cost for cost, _ in timed]
     if specs is None or len(specs) != len(graph.outer.jaxpr.invars):
         specs = [None] * len(graph.outer.jaxpr.invars)
     tensor = TensorParallel(graph, specs, config.batch_axis, meshes, splits, collectives or cluster)
     memory = []
     for s, (_, scratch) in enumerate(timed):
-        # (a segment's residuals cost a trace of its VJP: once, whatever the meshes)
-        found = [] if graph.forward_only else residual_inputs(graph.loss.stages[s])
+        exports, found = traced[s]
         memory.append([
             segment_memory(graph, s, dict(mesh.shape), specs, config.batch_axis, scratch,
-                           exports[s], config.reduce_gradients, found)
+                           exports, config.reduce_gradients, found)
             for mesh in meshes
         ])  # fmt: skip
     cotangents = {  # the output cotangents a chunk ending at i keeps from its B to its W

@@ -654,19 +654,24 @@ def test_auto_places_weight_gradients_as_it_predicted():
     assert report.placement_costs(config(partition="auto", num_stages=2)) == {}
 
 
-def test_auto_traces_each_segments_residuals_once(monkeypatch):
-    """The memory estimate needs each segment's residuals and B's exports (a trace of its VJP):
-    one trace per segment for both, not one per segment and mesh; the report is JSON."""
+@pytest.mark.parametrize("split", [True, False])
+def test_auto_traces_each_segments_residuals_once(monkeypatch, split):
+    """The memory estimate needs each segment's residuals and, with a split backward, B's
+    exports (a trace of its VJP): one per segment for both, not one per segment and mesh, nor
+    one for each; the report is JSON."""
     import json
 
     from jaxreshard.runtime.step import _memory, _partition
 
     calls = []
-    real = _memory.derive_backward
-    monkeypatch.setattr(_memory, "derive_backward", lambda s, **k: calls.append(s) or real(s, **k))
-    monkeypatch.setattr(_memory, "residual_inputs", lambda s: 1 / 0)  # (not a trace apart)
-    _, report = auto_report(num_stages=3, weight_delay=True)
-    assert len(calls) == len(report.segments) == len(WIDTHS)
+    for name in ("derive_backward", "residual_inputs"):
+        real = getattr(_memory, name)
+        monkeypatch.setattr(
+            _memory, name, lambda s, real=real, name=name, **k: calls.append(name) or real(s, **k)
+        )
+    _, report = auto_report(num_stages=3, weight_delay=split)
+    assert calls == ["derive_backward" if split else "residual_inputs"] * len(WIDTHS)
+    assert len(report.segments) == len(WIDTHS)
     record = json.loads(json.dumps(report.to_json()))
     assert record["chosen"] == list(report.chosen) and len(record["segments"]) == len(WIDTHS)
     assert len(record["tried"]) == len(report.tried) == 10  # 2 cuts among 5 candidates

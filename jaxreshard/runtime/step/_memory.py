@@ -234,12 +234,14 @@ def traced_vjp(
     graph: StepGraph, s: int, split_backward: bool
 ) -> tuple[list[Any], list[tuple[Any, int | None]]]:
     """What the memory estimate reads off segment `s`'s VJP, from one trace of it: the avals
-    its B hands its W (a split backward; none otherwise), and its `residual_inputs`."""
+    its B hands its W (a split backward; none otherwise), and its `residual_inputs` (unsplit,
+    the forward's trace alone gives them)."""
     if graph.forward_only:
         return [], []
-    bw = derive_backward(graph.loss.stages[s], split=split_backward)
-    exports = list(bw.b.out_avals[len(bw.act_grads) :]) if split_backward else []
-    return exports, list(zip(bw.residuals, bw.forwarded))
+    if not split_backward:
+        return [], residual_inputs(graph.loss.stages[s])
+    bw = derive_backward(graph.loss.stages[s], split=True)
+    return list(bw.b.out_avals[len(bw.act_grads) :]), list(zip(bw.residuals, bw.forwarded))
 
 
 def crossing_bytes(

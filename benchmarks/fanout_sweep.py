@@ -21,16 +21,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jaxreshard.bench._cases import case_from_json
+from jaxreshard.bench._cases import case_from_json, paper_cluster
 from jaxreshard.bench._simulated import plan_case
 from jaxreshard.comm import PlannerOptions
 
-CLUSTER = {
-    "devices_per_host": 8,
-    "inter_host_gbytes_per_s": 1.25,
-    "intra_host_gbytes_per_s": 50.0,
-    "latency_s": 2e-5,
-}
+CLUSTER = paper_cluster(8)
 SIZES = {"4M": [1024, 1024], "64M": [4096, 4096], "1G": [16384, 16384]}
 # name: (mesh shape, devices per host, spec)
 SOURCES = {

@@ -17,16 +17,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jaxreshard.bench._cases import case_from_json
+from jaxreshard.bench._cases import case_from_json, paper_cluster
 from jaxreshard.bench._simulated import plan_case
 from jaxreshard.comm import PlannerOptions
 
-CLUSTER = {
-    "devices_per_host": 8,
-    "inter_host_gbytes_per_s": 1.25,
-    "intra_host_gbytes_per_s": 50.0,
-    "latency_s": 2e-5,
-}
+CLUSTER = paper_cluster(8)
 
 
 def mesh(shape, names="xyz"):
@@ -76,6 +71,7 @@ def main() -> None:
                 "dst_spec": dst_spec,
             },
             CLUSTER,
+            max_mesh_devices=512,  # (a case file's meshes stop at MAX_MESH_DEVICES)
         )
         record = {"name": name, "num_hosts": case.cluster.num_hosts, "results": {}}
         for strategy in STRATEGIES:

@@ -395,17 +395,15 @@ def test_bad_case_files_name_the_key_path(tmp_path, change, expected):
     assert expected in str(info.value)
 
 
-def test_a_case_with_too_many_regions_is_refused_before_planning(monkeypatch):
-    from jaxreshard.bench import _cases
-
-    monkeypatch.setattr(_cases, "MAX_MESH_DEVICES", 4096)  # (the region count is the limit here)
+def test_a_case_with_too_many_regions_is_refused_before_planning():
     case = copy.deepcopy(SHIPPED["cases"][0])
     case.update(shape=[4096, 4096, 4096], src_spec=["x", "y", None], dst_spec=[None, "x", "y"])
     case["src_mesh"] = {"shape": [64, 64], "axis_names": ["x", "y"]}
     case["dst_mesh"] = {"shape": [63, 65], "axis_names": ["x", "y"]}
     case["shape"] = [4096, 4095 * 64, 65]
     with pytest.raises(ValueError, match=r"about [\d,]+ regions to move; at most 32,768"):
-        case_from_json(case, SHIPPED["cluster"], where="c.json: cases[0]")
+        # (meshes this large pass: the region count is the limit here)
+        case_from_json(case, SHIPPED["cluster"], where="c.json: cases[0]", max_mesh_devices=4096)
 
 
 def test_plan_files_stay_in_their_folder(tmp_path):
@@ -599,3 +597,21 @@ def test_cases_round_trip_through_json(tmp_path_factory, entry, per_host):
 def test_show_keeps_messages_short():
     assert len(_files.show("x" * 10**6)) < 60
     assert len(_files.show(list(range(10**5)))) < 60
+
+
+def test_a_programs_own_case_may_plan_a_mesh_larger_than_a_case_files():
+    """A case file's meshes stop at `MAX_MESH_DEVICES`; a benchmark's own cases (planning time
+    on 64 hosts x 8 devices) raise the limit for themselves, and only they."""
+    from jaxreshard.bench._cases import paper_cluster
+
+    case = {
+        "name": "big", "shape": [512, 8], "dtype": "float32",
+        "src_mesh": {"shape": [8, 8, 8], "axis_names": ["x", "y", "z"]},
+        "src_spec": [["x", "y", "z"], None],
+        "dst_mesh": {"shape": [8, 8, 8], "axis_names": ["x", "y", "z"]},
+        "dst_spec": [None, None],
+    }  # fmt: skip
+    with pytest.raises(_files.InputError, match="has 512 devices; at most 128 per mesh"):
+        case_from_json(case, paper_cluster(8))
+    big = case_from_json(case, paper_cluster(8), max_mesh_devices=512)
+    assert big.cluster.num_hosts == 128

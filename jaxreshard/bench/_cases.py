@@ -21,6 +21,11 @@ from jax.sharding import PartitionSpec
 from jaxreshard import _files
 from jaxreshard._files import InputError, human_bytes, show
 from jaxreshard.comm import Cluster, VirtualMesh, VirtualSharding
+from jaxreshard.comm._cluster import (
+    PAPER_INTER_HOST_GBYTES_PER_S,
+    PAPER_INTRA_HOST_GBYTES_PER_S,
+    PAPER_LATENCY_S,
+)
 from jaxreshard.comm._layout import check_spec_fits
 
 CASES_FORMAT = "jaxreshard-reshard-cases/1"
@@ -72,6 +77,17 @@ class Case:
         import jax.numpy as jnp
 
         return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+def paper_cluster(devices_per_host: int) -> dict[str, Any]:
+    """The paper's cluster model with hosts of `devices_per_host` devices, as a case file's
+    `cluster` object."""
+    return {
+        "devices_per_host": devices_per_host,
+        "inter_host_gbytes_per_s": PAPER_INTER_HOST_GBYTES_PER_S,
+        "intra_host_gbytes_per_s": PAPER_INTRA_HOST_GBYTES_PER_S,
+        "latency_s": PAPER_LATENCY_S,
+    }
 
 
 def shipped_cases_path() -> Path:
@@ -140,7 +156,11 @@ def _spec(entries: Any) -> PartitionSpec:
 
 
 def case_from_json(
-    case: Mapping[str, Any], cluster: Mapping[str, Any], where: str = "case"
+    case: Mapping[str, Any],
+    cluster: Mapping[str, Any],
+    where: str = "case",
+    *,
+    max_mesh_devices: int = MAX_MESH_DEVICES,
 ) -> Case:
     """Check a case and place it on hosts following the case file's `placement` rule.
 
@@ -152,6 +172,8 @@ def case_from_json(
         case: one entry of the file's `cases`.
         cluster: the file's `cluster` (link model and `devices_per_host`).
         where: what to call the case in errors (e.g. `x.json: cases[2]`).
+        max_mesh_devices: the most devices a mesh may have: `MAX_MESH_DEVICES` for a case
+            file; a program's own cases (benchmarks/planning_time.py) may plan larger ones.
 
     Raises:
         ValueError: a key is missing or of the wrong type, a mesh or spec does not fit the
@@ -178,7 +200,7 @@ def case_from_json(
     for side in ("src", "dst"):
         mesh = _files.expect_dict(case[f"{side}_mesh"], f"{where}.{side}_mesh", "a mesh")
         mesh_shape, axis_names, per_host = _check_mesh(
-            mesh, f"{where}.{side}_mesh", default_per_host
+            mesh, f"{where}.{side}_mesh", default_per_host, max_mesh_devices
         )
         spec = _check_spec(case[f"{side}_spec"], f"{where}.{side}_spec", shape, axis_names)
         sizes = dict(zip(axis_names, mesh_shape))
@@ -276,7 +298,7 @@ def _check_dtype(value: Any, where: str) -> str:
 
 
 def _check_mesh(
-    mesh: Mapping[str, Any], where: str, default_per_host: int
+    mesh: Mapping[str, Any], where: str, default_per_host: int, most: int = MAX_MESH_DEVICES
 ) -> tuple[tuple[int, ...], tuple[str, ...], int]:
     _files.reject_unknown_keys(mesh, MESH_KEYS, where)
     for key in ("shape", "axis_names"):
@@ -286,14 +308,13 @@ def _check_mesh(
     if not raw:
         raise InputError(f"{where}.shape is []; give the mesh's axis sizes, like [2, 4]")
     mesh_shape = tuple(
-        _files.expect_int(n, f"{where}.shape[{i}]", low=1, high=MAX_MESH_DEVICES)
-        for i, n in enumerate(raw)
+        _files.expect_int(n, f"{where}.shape[{i}]", low=1, high=most) for i, n in enumerate(raw)
     )
     devices = math.prod(mesh_shape)
-    if devices > MAX_MESH_DEVICES:
+    if devices > most:
         raise InputError(
             f"{where}.shape = {list(mesh_shape)} has {devices:,} devices; at most "
-            f"{MAX_MESH_DEVICES:,} per mesh (jaxreshard.bench._cases.MAX_MESH_DEVICES: planning "
+            f"{most:,} per mesh (jaxreshard.bench._cases.MAX_MESH_DEVICES: planning "
             "grows faster than the devices): use a smaller mesh"
         )
     names = _files.expect_list(mesh["axis_names"], f"{where}.axis_names", "axis names", MAX_RANK)
@@ -306,9 +327,7 @@ def _check_mesh(
             f"dim (shape {list(mesh_shape)})"
         )
     per_host = mesh.get("devices_per_host", default_per_host)
-    per_host = _files.expect_int(
-        per_host, f"{where}.devices_per_host", low=1, high=MAX_MESH_DEVICES
-    )
+    per_host = _files.expect_int(per_host, f"{where}.devices_per_host", low=1, high=most)
     return mesh_shape, axis_names, per_host
 
 

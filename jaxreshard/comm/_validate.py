@@ -112,8 +112,11 @@ def _check_timing(cluster, ops, timeline, itemsize, hops=None) -> list[str]:
                 problems.append(f"op {i}: allgather spans hosts {sorted(hosts)}")
         else:
             chain = list(itertools.pairwise((op.src_device, *op.dst_devices)))
-            spans = [(start, end)] * len(chain) if hops is None else list(hops[i])
-            problems += _check_hops(cluster, i, op, chain, spans, (start, end))
+            if hops is None:  # (each hop holds its links for the op's whole span)
+                spans = [(start, end)] * len(chain)
+            else:
+                spans = list(hops[i])
+                problems += _check_hops(cluster, i, op, chain, spans, (start, end))
             slowest = cluster.intra_host_bytes_per_s
             for (a, b), (s, e) in zip(chain, spans):
                 ha, hb = cluster.host_of(a), cluster.host_of(b)

@@ -77,11 +77,6 @@ class StageBackward:
         """The stage forward: (outputs, residuals). Traceable; run it under `jax.jit`."""
         if self.full is None:  # forward only
             return list(jc.jaxpr_as_fun(self.stage.jaxpr)(*inputs)), []
-        if self.traced is None:
-            outputs, leaves, _ = _forward(
-                self.stage, self.diff, inputs, self.reduced, self.reduced_inputs
-            )
-            return outputs, leaves
         flat = jc.jaxpr_as_fun(self.traced)(*inputs)
         n = len(flat) - len(self.residuals)
         assert n == len(self.stage.outputs), (n, len(self.stage.outputs))

@@ -15,6 +15,7 @@ _EXPORTS = {
     "PipelineConfig": "jaxreshard.runtime._config",
     "stage_boundary": "jaxreshard.frontend",
     "stage_candidate": "jaxreshard.frontend",
+    "scan": "jaxreshard.frontend",
     "grad": "jaxreshard.frontend",
     "value_and_grad": "jaxreshard.frontend",
     "filter_grad": "jaxreshard.frontend",

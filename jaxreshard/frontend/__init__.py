@@ -8,6 +8,7 @@ from jaxreshard.frontend._markers import grad as grad
 from jaxreshard.frontend._markers import stage_boundary as stage_boundary
 from jaxreshard.frontend._markers import stage_candidate as stage_candidate
 from jaxreshard.frontend._markers import value_and_grad as value_and_grad
+from jaxreshard.frontend._scan import scan as scan
 
 __all__ = [
     "MicroBatchWarning",
@@ -15,6 +16,7 @@ __all__ = [
     "filter_grad",
     "filter_value_and_grad",
     "grad",
+    "scan",
     "stage_boundary",
     "stage_candidate",
     "value_and_grad",

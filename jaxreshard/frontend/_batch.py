@@ -42,7 +42,7 @@ _SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert
 # Equations through which a batch statistic stays a linear part of the loss's own reduction.
 _LINEAR = ("add", "add_any", "sub", "neg", "convert_element_type", "reduce_sum", "copy",
            "copy_p", "squeeze", "reshape", "broadcast_in_dim", "expand_dims", "transpose",
-           "reduce_precision", "stage_boundary")  # fmt: skip
+           "reduce_precision", "stage_boundary", "concatenate", "slice")  # fmt: skip
 # Reductions of per-example values into a statistic that micro-batching preserves.
 _SUMS = ("reduce_sum", "dot_general", "add_any")
 # Operations along a dim whose result at one row depends on the other rows.

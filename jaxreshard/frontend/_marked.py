@@ -57,9 +57,10 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
                 f"a jr.stage_boundary (or a jr.stage_candidate chosen as a cut) is inside "
                 f"`{eqn.primitive.name}` at {_where(eqn)}: a boundary inside "
                 "lax.scan/cond/while_loop or a custom derivative cannot be cut. Call it at the "
-                "top level of the loss function; for a scanned stack of layers, give each stage "
-                "its own stacked parameters and its own lax.scan over them, with the boundary "
-                "between the scans (one stack read by two stages is sent whole every step)"
+                "top level of the loss function; for a scanned stack of layers, scan it with "
+                "jr.scan (lax.scan's signature), whose iterations are candidates, or give each "
+                "stage its own stacked parameters and its own lax.scan, with the boundary between "
+                "the scans (a stack that two stages read is copied whole every step)"
             )
         return True
 

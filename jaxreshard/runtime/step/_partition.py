@@ -131,7 +131,7 @@ def choose_cuts(
             f"PipelineConfig(partition='auto'): the step's {len(markers)} markers cut its loss "
             f"into {graph.loss.num_stages} segments, not {len(markers) + 1}; a marker inside a "
             "nested function (jax.jit, lax.scan, jax.checkpoint) does not cut it: mark "
-            "candidates at the loss's top level"
+            "candidates at the loss's top level (a scanned stack of layers: jr.scan)"
         )
     free = num_stages - 1 - forced
     if free < 0 or free > len(candidates):

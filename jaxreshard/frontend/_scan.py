@@ -1,0 +1,99 @@
+"""`jr.scan`: `lax.scan` over a stack of layers whose iterations are stage candidates.
+
+[Note: candidates inside a scanned stack]
+A `jr.stage_candidate` inside a `lax.scan` body is traced once for every iteration, so it cannot
+say after which layer a stage ends. `jr.scan` has `lax.scan`'s signature and results; while
+`parallelize` traces a step with a choice of cuts (see [Note: candidate cuts]), the gap after
+every `candidate_every`-th iteration (in the order the iterations run) is a candidate, numbered
+with the step's other candidates in the order the loss reaches them. Where some are chosen, the
+scan runs as consecutive `lax.scan`s over the pieces of `xs` between the chosen gaps, and the
+carry between two pieces passes a stage boundary; the pieces' stacked outputs are concatenated
+back in index order. A piece runs exactly the iterations the whole scan would run, on the same
+carry, so the results equal `lax.scan`'s. With no candidate chosen (and outside such a trace)
+it is one `lax.scan`.
+
+Each piece slices its part of `xs` where it runs, so a stacked parameter read by the pieces of
+two stages is read by both: the first keeps it, and the others get a copy of the whole stack
+each step and send their gradient contributions back, as for any parameter several stages read
+([Note: stage cutting] in `_split.py`); the partitioner charges that copy to every choice that
+cuts inside the stack. Where the link is slow and the stack large, give each stage its own stack
+and its own scan, with a `jr.stage_candidate` between the scans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxreshard.frontend._markers import _boundary, _state
+from jaxreshard.frontend._source import caller_location
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    *,
+    candidate_every: int = 1,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan`, whose iterations a pipeline stage may end after.
+
+    Same arguments and results as `lax.scan(f, init, xs, length, reverse, unroll)`. Inside a
+    `parallelize`d step with `PipelineConfig(partition="auto")` or `cuts=...`, the gap after
+    every `candidate_every`-th iteration (the last excepted) is a `jr.stage_candidate` on the
+    carry, numbered with the step's other candidates in the order the loss reaches them: a scan
+    of `length` iterations adds `(length - 1) // candidate_every` of them. A chosen one splits
+    the scan into two scans, the carry crossing to the next stage between them (see [Note:
+    candidates inside a scanned stack]). Elsewhere it is `lax.scan`.
+    """
+    if (
+        isinstance(candidate_every, bool)
+        or not isinstance(candidate_every, int)
+        or (candidate_every < 1)
+    ):
+        raise ValueError(
+            f"{caller_location()}: jr.scan(candidate_every={candidate_every!r}): the number of "
+            "iterations between two candidates, an int >= 1 (2: a stage may end after every "
+            "other layer)"
+        )
+    chosen = getattr(_state, "cuts", None)
+    if chosen is None:
+        return lax.scan(f, init, xs, length, reverse, unroll)
+    n = _length(xs, length)
+    gaps = list(range(candidate_every, n, candidate_every))  # iterations run before each gap
+    first = _state.candidates
+    _state.candidates = first + len(gaps)
+    cuts = [g for k, g in enumerate(gaps) if chosen == "all" or first + k in chosen]
+    if not cuts:
+        return lax.scan(f, init, xs, length, reverse, unroll)
+    carry, pieces = init, []
+    for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, n])):
+        if k:
+            carry = _boundary(carry, first + gaps.index(a))
+        lo, hi = (n - b, n - a) if reverse else (a, b)
+        part = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
+        carry, ys = lax.scan(f, carry, part, None if xs is not None else hi - lo, reverse, unroll)
+        pieces.append(ys)
+    if reverse:
+        pieces.reverse()
+    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *pieces)
+
+
+def _length(xs: Any, length: int | None) -> int:
+    """The scan's iteration count, as `lax.scan` finds it (it checks that they agree)."""
+    leaves = jax.tree.leaves(xs)
+    if leaves:
+        return int(jnp.shape(leaves[0])[0])
+    if length is None:
+        raise ValueError(
+            f"{caller_location()}: jr.scan with no xs needs length=, the number of iterations "
+            "(as lax.scan does)"
+        )
+    return int(length)

@@ -1,0 +1,241 @@
+"""`jr.scan`: `lax.scan` over a layer stack whose iterations are stage candidates. Outside a
+choice of cuts it is `lax.scan`; a chosen candidate splits it into scans whose results equal the
+whole one's, and a pipelined step cut inside the stack equals jax.jit (the stack read by two
+stages is their shared parameter: copied each step, its gradients summed)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxreshard as jr
+from jaxreshard.frontend._markers import candidate_count, candidate_cuts
+
+D, L = 16, 4
+OPT = optax.adam(1e-2)
+
+
+def body(h, wb):
+    w, b = wb
+    h = jnp.tanh(h @ w + b)
+    return h, jnp.sum(h, axis=-1)  # a per-example output of every layer
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    every=st.integers(1, 3),
+    reverse=st.booleans(),
+    picks=st.sets(st.integers(0, 6)),
+    with_xs=st.booleans(),
+)
+def test_a_split_scan_equals_the_whole_scan(n, every, reverse, picks, with_xs):
+    """Under any choice of its candidates, the scan's carry and stacked outputs equal lax.scan's,
+    it adds (n - 1) // every candidates, and each chosen one is one stage boundary."""
+    rng = np.random.default_rng(n)
+    xs = (rng.normal(size=(n, 3, 3)).astype(np.float32), rng.normal(size=(n, 3)).astype(np.float32))
+    h0 = rng.normal(size=(2, 3)).astype(np.float32)
+    if with_xs:
+        args, f = (h0, xs), body
+    else:
+        args = (h0, None, n)
+
+        def f(h, _):
+            return jnp.sin(h) * 1.5, h[0]
+
+    want = jax.lax.scan(f, *args, reverse=reverse)
+    count = (n - 1) // every
+    chosen = {p for p in picks if p < count}
+    with candidate_cuts(chosen):
+        got = jr.scan(f, *args, reverse=reverse, candidate_every=every)
+        assert candidate_count() == count
+    with candidate_cuts(chosen):
+        jaxpr = jax.make_jaxpr(lambda: jr.scan(f, *args, reverse=reverse, candidate_every=every))()
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    marks = [e for e in jaxpr.eqns if e.primitive.name == "stage_boundary"]
+    assert sorted(e.params["candidate"] for e in marks) == sorted(chosen)
+    assert sum(e.primitive.name == "scan" for e in jaxpr.eqns) == len(chosen) + 1
+
+
+def test_outside_a_choice_it_is_lax_scan():
+    rng = np.random.default_rng(0)
+    xs = (rng.normal(size=(L, D, D)).astype(np.float32), rng.normal(size=(L, D)).astype(np.float32))
+    h = rng.normal(size=(8, D)).astype(np.float32)
+    jaxpr = jax.make_jaxpr(lambda h, xs: jr.scan(body, h, xs))(h, xs)
+    assert (
+        jaxpr.jaxpr.pretty_print()
+        == jax.make_jaxpr(lambda h, xs: jax.lax.scan(body, h, xs))(h, xs).jaxpr.pretty_print()
+    )
+    loss = lambda xs, scan: jnp.sum(scan(body, h, xs)[0] ** 2)
+    grads = jax.jit(jax.grad(loss), static_argnums=1)
+    jax.tree.map(np.testing.assert_array_equal, grads(xs, jr.scan), grads(xs, jax.lax.scan))
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {
+        "embed": (rng.normal(size=(32, D)) / np.sqrt(32)).astype(np.float32),
+        "w": (rng.normal(size=(L, D, D)) / np.sqrt(D)).astype(np.float32),
+        "b": np.zeros((L, D), np.float32),
+        "head": (rng.normal(size=(D, 8)) / np.sqrt(D)).astype(np.float32),
+    }
+
+
+def make_batch():
+    rng = np.random.default_rng(1)
+    return {
+        "x": rng.normal(size=(32, 32)).astype(np.float32),
+        "y": rng.normal(size=(32, 8)).astype(np.float32),
+    }
+
+
+def make_step(pipelined=True, reverse=False):
+    """An embedding, candidate 0 after it, a scanned stack of L layers (candidates 1 to L - 1
+    between its iterations) and a head that also reads the stack's per-layer outputs."""
+    scan = jr.scan if pipelined else jax.lax.scan
+    mark = jr.stage_candidate if pipelined else (lambda h: h)
+
+    def step(params, state, batch):
+        def loss_fn(p):
+            h = mark(jnp.tanh(batch["x"] @ p["embed"]))
+            h, per_layer = scan(body, h, (p["w"], p["b"]), reverse=reverse)
+            out = h @ p["head"] + 0.01 * jnp.mean(per_layer, axis=0)[:, None]
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        grad = jr.value_and_grad if pipelined else jax.value_and_grad
+        loss, g = grad(loss_fn)(params)
+        updates, state = OPT.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
+
+
+BASE = dict(stage_mesh_shape=(1,), num_micro_batches=4, backend="local", devices_per_host=1)
+
+
+def run(step, steps=2):
+    params, batch = init_params(), make_batch()
+    state, losses = OPT.init(params), []
+    for _ in range(steps):
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return params, losses
+
+
+def assert_equal_to_jit(step, reverse=False):
+    got, losses = run(step)
+    want, want_losses = run(jax.jit(make_step(pipelined=False, reverse=reverse)))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("cuts", "reverse"), [((2,), False), ((1, 3), True), ((0, 2), False)])
+def test_cuts_inside_a_scanned_stack_equal_jit(cuts, reverse):
+    """Candidates 1 to 3 sit between the stack's layers: a cut there splits the scan, the stack
+    becomes a parameter both stages read (copied once a step, its gradient sent back), and the
+    step equals jax.jit; a reversed scan is cut in the order it runs."""
+    cfg = jr.PipelineConfig(**BASE, cuts=cuts)
+    step = jr.parallelize(make_step(reverse=reverse), config=cfg, batch_argnums=2)
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    assert plan.graph.num_stages == len(cuts) + 1
+    per_step = {(t["kind"], t["shape"]) for t in plan.boundary_tensors() if t["kind"] == "param"}
+    assert ("param", (L, D, D)) in per_step  # the stack, read on both sides of a cut inside it
+    acts = {t["shape"] for t in plan.boundary_tensors() if t["kind"] == "act"}
+    assert (8, D) in acts  # the carry, per micro-batch of 8 rows
+    assert_equal_to_jit(step, reverse)
+
+
+def test_auto_charges_the_stack_that_a_cut_inside_it_shares():
+    """Every choice inside the stack carries the stack's copy and its gradient back; on a slow
+    link that makes the cut before the scan (candidate 0) the fastest, and the plan says so."""
+    cfg = jr.PipelineConfig(
+        **BASE, partition="auto", num_stages=2, partition_trials=0, emulate_network_gbps=0.001
+    )
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+    report = plan.partition
+    assert len(report.markers) == L and len(report.tried) == L
+    by_cut = {c.cuts: c for c in report.tried}
+    assert by_cut[(0,)].costs.shared == ()
+    stack = L * D * D * 4
+    for inside in [(1,), (2,), (3,)]:
+        assert sum(s.seconds for s in by_cut[inside].costs.shared) >= stack / 1e6  # (1 MB/s)
+    assert report.chosen == (0,)
+    assert str(plan).count("MiB) is read by segments [1, 2, 3, 4]") == 2  # the stack: w and b
+    assert_equal_to_jit(step)
+
+
+def test_an_equinox_stack_of_layers_cut_inside_its_scan_equals_jit():
+    """The Equinox idiom: layers made by filter_vmap, stacked, and scanned with the static part
+    closed over; jr.scan cuts it and the step equals eqx.filter_jit's."""
+    keys = jax.random.split(jax.random.key(0), L)
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)
+    dynamic, static = eqx.partition(stack, eqx.is_array)
+    opt = optax.sgd(0.1, momentum=0.9)
+    rng = np.random.default_rng(2)
+    batch = {"x": rng.normal(size=(16, D)).astype(np.float32),
+             "y": rng.normal(size=(16, D)).astype(np.float32)}  # fmt: skip
+
+    def make(scan, value_and_grad):
+        def step(dyn, state, batch):
+            def loss_fn(dyn):
+                def layer(h, d):
+                    return jax.nn.gelu(jax.vmap(eqx.combine(d, static))(h)), None
+
+                h, _ = scan(layer, batch["x"], dyn)
+                return jnp.mean((h - batch["y"]) ** 2)
+
+            loss, g = value_and_grad(loss_fn)(dyn)
+            updates, state = opt.update(g, state, dyn)
+            return eqx.apply_updates(dyn, updates), state, loss
+
+        return step
+
+    cfg = jr.PipelineConfig(**BASE, cuts=(1,))
+    piped = jr.parallelize(make(jr.scan, jr.filter_value_and_grad), config=cfg, batch_argnums=2)
+    plain = eqx.filter_jit(make(jax.lax.scan, eqx.filter_value_and_grad))
+    results = []
+    for step in (piped, plain):
+        dyn, state = dynamic, opt.init(dynamic)
+        for _ in range(2):
+            dyn, state, loss = step(dyn, state, batch)
+        results.append((dyn, float(loss)))
+    assert piped.plan(dynamic, opt.init(dynamic), batch).graph.num_stages == 2
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+        results[0][0],
+        results[1][0],
+    )
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_candidate_every_must_be_a_positive_int(every):
+    with pytest.raises(ValueError, match=r"jr.scan\(candidate_every=.*an int >= 1"):
+        jr.scan(body, jnp.zeros((2, D)), None, length=3, candidate_every=every)
+
+
+def test_a_candidate_inside_lax_scan_is_refused_naming_jr_scan():
+    def step(params, state, batch):
+        def loss_fn(p):
+            def layer(h, wb):
+                return jr.stage_candidate(body(h, wb)[0]), None
+
+            h = jnp.tanh(batch["x"] @ p["embed"])
+            h, _ = jax.lax.scan(layer, h, (p["w"], p["b"]))
+            return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
+
+        loss, _ = jr.value_and_grad(loss_fn)(params)
+        return params, state, loss
+
+    cfg = jr.PipelineConfig(**BASE, cuts=(0,))
+    refused = r"inside `scan` at .*test_scan_candidates.py.*scan it with jr.scan"
+    with pytest.raises(jr.PipelineSplitError, match=refused):
+        jr.parallelize(step, config=cfg, batch_argnums=2).plan(
+            init_params(), OPT.init(init_params()), make_batch()
+        )

@@ -3,7 +3,8 @@
 
 Each case draws a model (plain-JAX MLP with layer norm and `jax.checkpoint`, a convolutional
 net, a small attention LM with a tied embedding, layer groups stacked and run by `lax.scan`
-(with `jax.checkpoint` and `lax.cond` in the body), a Flax Linen MLP, Linen's `nn.scan` over
+(with `jax.checkpoint` and `lax.cond` in the body), one layer stack run by `jr.scan` (cut inside
+the scan), a Flax Linen MLP, Linen's `nn.scan` over
 `nn.remat` blocks, a Flax NNX net, an Equinox net), an optimizer
 (SGD, Nesterov momentum, Adam, AdamW with global-norm clipping, Lion, Adafactor, RMSprop), a
 schedule (every one, with and without weight delay, virtual stages), 2-4 stages, a stage mesh
@@ -187,6 +188,35 @@ def scan_model(rng, depth=4, d=32, per_group=3):
     return p, apply, batch
 
 
+def jr_scan_model(rng, depth=4, d=32):
+    """One stack of `depth` layers (`w`: (depth, d, d)) run by `jr.scan`: its candidates are
+    the gaps between the iterations, so cuts fall inside the scan (the sweep's cut modes draw
+    among them; `mark` is not called), and its per-layer outputs reach the loss."""
+    p = {
+        "inp": (rng.normal(size=(12, d)) / np.sqrt(12)).astype(np.float32),
+        "w": (rng.normal(size=(depth, d, d)) / np.sqrt(d)).astype(np.float32),
+        "g": np.ones((depth, d), np.float32),
+        "head": (rng.normal(size=(d, 3)) / np.sqrt(d)).astype(np.float32),
+    }
+
+    @jax.checkpoint
+    def body(h, layer):
+        w, g = layer
+        h = h + jnp.tanh(h @ w)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * g
+        return h, jnp.mean(h, -1)  # (per example)
+
+    def apply(p, batch, mark):
+        h, per_layer = jr.scan(body, batch["x"] @ p["inp"], (p["w"], p["g"]))
+        return jnp.mean((h @ p["head"] - batch["y"]) ** 2) + 0.1 * jnp.mean(per_layer**2)
+
+    batch = lambda r: {
+        "x": r.normal(size=(B, 12)).astype(np.float32),
+        "y": r.normal(size=(B, 3)).astype(np.float32),
+    }
+    return p, apply, batch
+
+
 class LinenBlock(linen.Module):
     width: int
 
@@ -265,6 +295,7 @@ DICT_MODELS = {
     "scan": scan_model,
     "linen": linen_model,
     "linen_scan": lambda rng: linen_model(rng, net=LinenScanNet),
+    "jr_scan": jr_scan_model,
 }
 
 
@@ -405,7 +436,7 @@ SCHEDULES = [
 SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2)]
 OPTS = ["sgd", "momentum", "adam", "adamw_clip", "lion", "adafactor", "rmsprop"]
 MODELS = ["mlp", "conv", "attn", "nnx", "eqx"]  # (the default draw: the recorded seeds' cases)
-MORE_MODELS = ["scan", "linen", "linen_scan"]  # (drawn when named by --models)
+MORE_MODELS = ["scan", "linen", "linen_scan", "jr_scan"]  # (drawn when named by --models)
 
 
 def leaves(tree):
@@ -435,6 +466,8 @@ def one(r, info):
         m = 2
     o = r.choice(OPTS)
     how = r.choice(["auto", "auto_trial", "boundary", "cuts"])
+    if model == "jr_scan" and how == "boundary":  # (its candidates are jr.scan's: no forced cut)
+        how = "cuts"
     cfg = dict(
         num_micro_batches=m,
         schedule=sched,

@@ -239,3 +239,23 @@ def test_a_candidate_inside_lax_scan_is_refused_naming_jr_scan():
         jr.parallelize(step, config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
+
+
+def test_auto_on_meshes_that_split_the_rows_prices_a_scans_stacked_outputs_quietly():
+    """The stack's per-layer outputs, (layers, rows), cross a cut inside the scan: the
+    partitioner prices them as the runtime lays them out (not split along the layers, which
+    are not the rows), without a warning about a micro-batch the step does not have."""
+    import warnings
+
+    cfg = jr.PipelineConfig(
+        **{**BASE, "stage_mesh_shape": (2,), "devices_per_host": 2},
+        partition="auto",
+        num_stages=2,
+        partition_trials=0,
+    )
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jr.ReplicatedSpecWarning)
+        plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
+        assert_equal_to_jit(step)
+    assert plan.graph.num_stages == 2

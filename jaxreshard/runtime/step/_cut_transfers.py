@@ -11,13 +11,14 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxreshard.comm import VirtualSharding, plan_reshard
 from jaxreshard.frontend._graph import PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._memory import chunks_of, nbytes
+from jaxreshard.runtime.step._memory import chunks_of, micro_batch_rows, nbytes
 from jaxreshard.runtime.step._specs import batch_spec, transplant_spec
 
 
@@ -107,11 +108,17 @@ def crossing_seconds(
     from `src_mesh` to `dst_mesh`: one direction, as `Costs.comm` wants it (the simulator
     charges the same for the gradients' way back)."""
     total = 0.0
+    rows = micro_batch_rows(graph)
     for act in graph.loss.activations:
         if act.home <= position < max(act.consumers):
             shape, dtype = tuple(act.aval.shape), act.aval.dtype
-            spec_src = batch_spec(dict(src_mesh.shape), shape, config.batch_axis)
-            spec_dst = batch_spec(dict(dst_mesh.shape), shape, config.batch_axis)
+            # (split along dim 0 where that is the micro-batch's rows, as the runtime splits a
+            # boundary tensor (`split_rows`); a scan's stacked outputs, (layers, rows), are not)
+            if rows and not (shape and shape[0] == rows):
+                spec_src = spec_dst = P()
+            else:
+                spec_src = batch_spec(dict(src_mesh.shape), shape, config.batch_axis)
+                spec_dst = batch_spec(dict(dst_mesh.shape), shape, config.batch_axis)
             plan = plan_reshard(
                 shape,
                 dtype,

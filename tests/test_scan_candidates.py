@@ -259,3 +259,33 @@ def test_auto_on_meshes_that_split_the_rows_prices_a_scans_stacked_outputs_quiet
         plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
         assert_equal_to_jit(step)
     assert plan.graph.num_stages == 2
+
+
+def test_auto_past_max_choices_searches_and_finds_the_choice_every_prediction_finds(monkeypatch):
+    """With more ways to cut than `MAX_CHOICES` (here lowered to 2 of the 6 ways to cut 3
+    stages from 4 candidates), the partitioner searches ([Note: cut search]) instead of
+    predicting every way, and on the same segment times chooses what predicting all did."""
+    from jaxreshard.runtime.step import _partition, _partition_report
+
+    real, timed = _partition.segment_cost, {}
+
+    def once(graph, s, device, split):  # (both runs see the same measured segments)
+        if s not in timed:
+            timed[s] = real(graph, s, device, split)
+        return timed[s]
+
+    monkeypatch.setattr(_partition, "segment_cost", once)
+    cfg = jr.PipelineConfig(
+        **BASE, partition="auto", num_stages=3, partition_trials=0, emulate_network_gbps=0.01
+    )
+    args = (init_params(), OPT.init(init_params()), make_batch())
+    every = jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(*args).partition
+    assert every.ways == 6 and len(every.tried) == 6 and not every.to_json()["searched"]
+    monkeypatch.setattr(_partition, "MAX_CHOICES", 2)
+    monkeypatch.setattr(_partition_report, "MAX_CHOICES", 2)
+    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    plan = step.plan(*args)
+    searched = plan.partition
+    assert searched.to_json()["searched"] and searched.chosen == every.chosen
+    assert "6 ways to cut, over the 2 predicted one by one" in str(plan)
+    assert_equal_to_jit(step)

@@ -14,13 +14,13 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    micro-batch count (if no cut fits `memory_cap_gib` there, without the cap, which the
    predictions then check at every count). It chooses by its prediction alone
    (`partition_trials=0`): the search measures its best configurations itself. Every later
-   run of the layout takes that cut (`cuts=...`). A stage count with more ways to cut than the
-   partitioner tries cuts evenly. With `virtual`, a second option cuts the model into 2 model
-   stages per mesh (1 for a config of more), whose calibration (with a split backward, so
-   that W is measured) predicts the virtual-stage schedules. Each runs its warm-up and
-   timed steps, recorded, at its micro-batch count and at twice (or half) it; each stage's
-   measured F, B, W and transfer times (`measured_costs`; a stage's own collectives are inside
-   its F, B and W) are fitted as
+   run of the layout takes that cut (`cuts=...`); past `MAX_CHOICES` ways to cut,
+   `partition="auto"` searches them ([Note: cut search]). With `virtual`, a second option
+   cuts the model into 2 model stages per mesh (1 for a config of more), whose calibration
+   (with a split backward, so that W is measured) predicts the virtual-stage schedules.
+   Each runs its warm-up and timed steps, recorded, at its micro-batch count and at twice
+   (or half) it; each stage's measured F, B, W and transfer times (`measured_costs`; a
+   stage's own collectives are inside its F, B and W) are fitted as
    `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
    fixed cost; the optimizer's and the step's fixed cost are taken as measured. A layout that
    does not build (a model axis the model's shapes do not divide) is reported and skipped.
@@ -83,7 +83,7 @@ from jaxreshard.profiler._run import (
     run_steps,
     step_overhead,
 )
-from jaxreshard.runtime.step._partition import MAX_CHOICES, NoCutFits
+from jaxreshard.runtime.step._partition import NoCutFits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 UNCAPPED_GIB = 1e9  # (a cap no device reaches: the partitioner's cut without one)
@@ -326,13 +326,12 @@ def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, 
     """How `--auto` cuts the model on each layout, as pipeline changes: the configured model
     stages per mesh first, then (with `virtual`) one other count (2 per mesh for a config of 1,
     where the model has the layers; 1 for a config of more); with `cuts`, each cut chosen by
-    `partition="auto"` from a `jr.stage_candidate` after every layer, else as configured. A
-    stage count with more ways to cut than the partitioner tries (`MAX_CHOICES`) cuts evenly."""
+    `partition="auto"` from a `jr.stage_candidate` after every layer, else as configured."""
     p = pc.pipeline
     units = pc.spec.num_units(pc.model_config)
 
     def cut(stages: int, configured: bool) -> dict[str, Any]:
-        auto = cuts and stages >= 2 and math.comb(units - 1, stages - 1) <= MAX_CHOICES
+        auto = cuts and stages >= 2
         if auto:  # (the prediction alone: the search measures its best configurations itself)
             return {"partition": "auto", "cuts": None, "partition_trials": 0}
         if configured and not cuts:

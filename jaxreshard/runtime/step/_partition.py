@@ -43,8 +43,9 @@ fitted to those steps' actions ([Note: action costs fitted to a recorded step] i
 fastest measured wins (so by default a right prediction costs one trial, and a wrong one two):
 the segments are timed alone, and a running pipeline's actions also pay their host's
 dispatch, receives and other threads. The choice, every tried one's prediction and
-memory, and the trials are in `train_step.plan(...)`. Choices are
-enumerated (up to `MAX_CHOICES`). On Ray the meshes and links are the hosts'
+memory, and the trials are in `train_step.plan(...)`. Choices are all predicted while there
+are at most `MAX_CHOICES`; past that, a shortlist by dynamic programming and local moves are
+([Note: cut search] in `_cut_search.py`). On Ray the meshes and links are the hosts'
 (`stage_placement`, the runtime's cluster model), and the segments are timed on the first host
 of the first mesh ([Note: segments timed on the hosts] in `runtime/ray/_segments.py`).
 """
@@ -66,6 +67,7 @@ from jaxreshard.pipeline import Costs, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._collectives import GradientSums, Sums, with_sums
+from jaxreshard.runtime.step._cut_search import STARTS, improve, shortlist
 from jaxreshard.runtime.step._cut_transfers import SharedParams, crossing_seconds
 from jaxreshard.runtime.step._memory import (
     GIB,
@@ -141,12 +143,6 @@ def choose_cuts(
             f"have {forced + 1} to {forced + len(candidates) + 1} stages"
         )
     count = math.comb(len(candidates), free)
-    if count > MAX_CHOICES:
-        raise ValueError(
-            f"PipelineConfig(partition='auto'): {count} ways to choose {free} of "
-            f"{len(candidates)} candidates, over the {MAX_CHOICES} the partitioner tries; mark "
-            "fewer candidates (e.g. every other layer), or fewer stages"
-        )
     probe = _schedule(config, None)  # (where each chunk runs does not depend on costs)
     mesh_of = [probe.rank_of(c) for c in range(num_stages)]
     mesh0 = meshes[0]
@@ -190,26 +186,49 @@ def choose_cuts(
     }
     shared = SharedParams(graph, specs, config, cluster, meshes, mesh_of)
     sums = GradientSums(graph, specs, config, meshes, mesh_of, collectives or cluster)
-    tried = []
     positions = {m: i for i, m in enumerate(markers) if m != "forced"}
     forced_at = [i for i, m in enumerate(markers) if m == "forced"]
-    for cuts in itertools.combinations(candidates, free):
-        bounds = sorted(forced_at + [positions[c] for c in cuts])
-        f, b, w = tensor.costs(bounds, mesh_of)
-        summed = sums.costs(bounds)._replace(forward=f, input_grad=b, weight=w)
-        step, schedule, costs = _predict(
-            config, segments, crossing, bounds, shared.costs(bounds), summed, tensor, mesh_of
-        )
-        need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
-        fits = cap is None or max(need) <= cap
-        tried.append(Choice(tuple(cuts), step, need, fits, costs, scratch, summed))
-    tried.sort(key=lambda c: (not c.fits, c.step))
+    predicted: dict[tuple[int, ...], Choice] = {}
+
+    def predict(bounds: tuple[int, ...]) -> Choice:
+        """The choice whose boundaries sit at `bounds` (positions), predicted once."""
+        if bounds not in predicted:
+            f, b, w = tensor.costs(bounds, mesh_of)
+            summed = sums.costs(bounds)._replace(forward=f, input_grad=b, weight=w)
+            step, schedule, costs = _predict(
+                config, segments, crossing, bounds, shared.costs(bounds), summed, tensor, mesh_of
+            )
+            need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
+            fits = cap is None or max(need) <= cap
+            cuts = tuple(markers[i] for i in bounds if markers[i] != "forced")
+            predicted[bounds] = Choice(cuts, step, need, fits, costs, scratch, summed)
+        return predicted[bounds]
+
+    def rank(choice: Choice) -> tuple[bool, float]:
+        return (not choice.fits, choice.step)
+
+    if count <= MAX_CHOICES:
+        for cuts in itertools.combinations(candidates, free):
+            predict(tuple(sorted(forced_at + [positions[c] for c in cuts])))
+    else:  # (too many to predict one by one: see [Note: cut search])
+        work = [
+            [sum(tensor.compute(segments, i, m)[:2]) for i in range(len(segments))]
+            for m in range(len(meshes))
+        ]
+        short = shortlist(work, crossing, list(positions.values()), forced_at, mesh_of,
+                          config.num_micro_batches)  # fmt: skip
+        for bounds in short:
+            predict(bounds)
+        starts = sorted(predicted, key=lambda b: rank(predicted[b]))[:STARTS]
+        improve(starts, list(positions.values()), predict, rank)
+    tried = sorted(predicted.values(), key=rank)
     if not tried[0].fits:
         raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of))
     report = PartitionReport(
         list(markers), segments, crossing, tried, tried[0].cuts, time.perf_counter() - start,
         memory, cap,
     )  # fmt: skip
+    report.ways = count
     report.shared = shared.listed()
     report.gradient_bytes = sums.bytes_per_device()
     report.tensor_parallel = tensor.summary()

@@ -69,6 +69,7 @@ class PartitionReport:
     # Per mesh, its tensor-parallel work: the plan's lines and the JSON (see `_tensor_parallel`)
     tensor_parallel: list[str] = dataclasses.field(default_factory=list)
     tensor_parallel_json: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    ways: int = 0  # ways to place the free boundaries; over MAX_CHOICES, `tried` is a search's
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -93,6 +94,8 @@ class PartitionReport:
         return {
             "chosen": list(self.chosen),
             "seconds": self.seconds,
+            "ways": self.ways,
+            "searched": self.ways > MAX_CHOICES,
             "markers": [m if m == "forced" else int(m) for m in self.markers],
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
@@ -157,6 +160,15 @@ class PartitionReport:
             f"automatic partition: {len(self.segments)} segments between "
             f"{len(self.markers)} markers ({sum(m != 'forced' for m in self.markers)} "
             f"candidates); chose candidates {list(self.chosen)} in {self.seconds:.1f} s; {cap}",
+            *(
+                [
+                    f"  {self.ways:,} ways to cut, over the {MAX_CHOICES:,} predicted one by one: "
+                    f"{len(self.tried)} predicted, a shortlist by dynamic programming and local "
+                    "moves ([Note: cut search]; the best found, not always the best there is)"
+                ]
+                if self.ways > MAX_CHOICES
+                else []
+            ),
             "  segment   forward    backward   (W)       state      residuals/mb  "
             "crossing after it (per chunk pair)",
         ]

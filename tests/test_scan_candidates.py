@@ -3,6 +3,8 @@ choice of cuts it is `lax.scan`; a chosen candidate splits it into scans whose r
 whole one's, and a pipelined step cut inside the stack equals jax.jit (the stack read by two
 stages is their shared parameter: copied each step, its gradients summed)."""
 
+import itertools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,11 @@ def test_a_split_scan_equals_the_whole_scan(n, every, reverse, picks, with_xs):
     jax.tree.map(np.testing.assert_array_equal, got, want)
     marks = [e for e in jaxpr.eqns if e.primitive.name == "stage_boundary"]
     assert sorted(e.params["candidate"] for e in marks) == sorted(chosen)
-    assert sum(e.primitive.name == "scan" for e in jaxpr.eqns) == len(chosen) + 1
+    # The pieces run in order, each the iterations between two chosen gaps (counted in the
+    # order they run, also when reversed).
+    ends = [0, *sorted((k + 1) * every for k in chosen), n]
+    lengths = [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert lengths == [b - a for a, b in itertools.pairwise(ends)]
 
 
 def test_outside_a_choice_it_is_lax_scan():
@@ -170,6 +176,24 @@ def test_auto_charges_the_stack_that_a_cut_inside_it_shares():
     assert_equal_to_jit(step)
 
 
+def test_a_cut_inside_the_stack_counts_its_copy_and_gradient_on_the_later_mesh(monkeypatch):
+    """The stage after a cut inside the stack holds a copy of it and a gradient accumulator
+    for the step: each choice's memory on mesh 1 carries both (w and b), the cut before the
+    scan neither."""
+    from jaxreshard.runtime.step._cut_transfers import SharedParams
+
+    cfg = jr.PipelineConfig(**BASE, partition="auto", num_stages=2, partition_trials=0)
+    args = (init_params(), OPT.init(init_params()), make_batch())
+    with_copies = jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(*args).partition
+    monkeypatch.setattr(SharedParams, "copy_bytes", lambda self, bounds: [0] * len(self.meshes))
+    without = jr.parallelize(make_step(), config=cfg, batch_argnums=2).plan(*args).partition
+    stack = 2 * (L * D * D + L * D) * 4  # (the copy and its gradient)
+    got = {c.cuts: c.memory for c in with_copies.tried}
+    for choice in without.tried:
+        extra = stack if choice.cuts != (0,) else 0
+        assert got[choice.cuts] == (choice.memory[0], choice.memory[1] + extra), choice.cuts
+
+
 def test_an_equinox_stack_of_layers_cut_inside_its_scan_equals_jit():
     """The Equinox idiom: layers made by filter_vmap, stacked, and scanned with the static part
     closed over; jr.scan cuts it and the step equals eqx.filter_jit's."""
@@ -214,6 +238,52 @@ def test_an_equinox_stack_of_layers_cut_inside_its_scan_equals_jit():
     )
 
 
+def test_what_adds_no_candidates_and_what_is_refused():
+    """A scan whose carry holds no arrays adds no candidates (nothing would cross), nor does a
+    jr.scan inside another's body; a jr.stage_candidate there is refused with the fix, and so
+    are xs whose leading sizes disagree (lax.scan refuses them too)."""
+    xs = np.ones((4, 3), np.float32)
+    with candidate_cuts("all"):
+        jr.scan(lambda c, x: (c, x * 2), None, xs)
+        assert candidate_count() == 0
+
+        def outer(h, x):
+            h, _ = jr.scan(lambda g, y: (g + y, None), h, jnp.stack([x, x]))
+            return h, None
+
+        jr.scan(outer, jnp.zeros(3), xs)
+        assert candidate_count() == 3  # the outer scan's gaps only
+        refused = r"jr.stage_candidate inside the body of a jr.scan.*drop this one"
+        with pytest.raises(jr.PipelineSplitError, match=refused):
+            jr.scan(lambda h, x: (jr.stage_candidate(h + x), None), jnp.zeros(3), xs)
+        sizes = r"jr.scan: the xs leaves' leading sizes are \[4, 6\]; they must all be"
+        with pytest.raises(ValueError, match=sizes):
+            jr.scan(lambda h, x: (h, None), jnp.zeros(3), (xs, np.ones((6, 3))))
+        with pytest.raises(ValueError, match=r"sizes are \[4\] and length=6"):
+            jr.scan(lambda h, x: (h, None), jnp.zeros(3), xs, length=6)
+    jr.scan(lambda h, x: (jr.stage_candidate(h + x), None), jnp.zeros(3), xs)  # (no choice)
+
+
+def test_a_scan_over_the_batch_rows_is_refused_naming_the_fix():
+    """Candidates must not depend on the batch size: a jr.scan over the rows has more at the
+    whole batch than per micro-batch."""
+
+    def step(params, state, batch):
+        def loss_fn(p):
+            h, _ = jr.scan(lambda c, x: (c + jnp.sum(x @ p["embed"]), None), 0.0, batch["x"])
+            return h
+
+        loss, _ = jr.value_and_grad(loss_fn)(params)
+        return params, state, loss
+
+    cfg = jr.PipelineConfig(**BASE, cuts=(0,))
+    refused = r"reached 31 jr.stage_candidate markers .* whole batch and 7 at a micro-batch"
+    with pytest.raises(jr.PipelineSplitError, match=refused + r".*rows with lax.scan"):
+        jr.parallelize(step, config=cfg, batch_argnums=2).plan(
+            init_params(), OPT.init(init_params()), make_batch()
+        )
+
+
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
 def test_candidate_every_must_be_a_positive_int(every):
     with pytest.raises(ValueError, match=r"jr.scan\(candidate_every=.*an int >= 1"):
@@ -241,24 +311,35 @@ def test_a_candidate_inside_lax_scan_is_refused_naming_jr_scan():
         )
 
 
-def test_auto_on_meshes_that_split_the_rows_prices_a_scans_stacked_outputs_quietly():
-    """The stack's per-layer outputs, (layers, rows), cross a cut inside the scan: the
-    partitioner prices them as the runtime lays them out (not split along the layers, which
-    are not the rows), without a warning about a micro-batch the step does not have."""
+def test_the_partitioner_prices_boundary_tensors_in_the_layout_the_runtime_gives_them():
+    """A cut inside the stack sends the first piece's per-layer outputs, (layers, rows), and
+    the carry: the partitioner prices each in the layout the runtime gives it on meshes that
+    split the rows (the outputs along dim 1), without a warning about a micro-batch the step
+    does not have."""
     import warnings
 
-    cfg = jr.PipelineConfig(
-        **{**BASE, "stage_mesh_shape": (2,), "devices_per_host": 2},
-        partition="auto",
-        num_stages=2,
-        partition_trials=0,
-    )
-    step = jr.parallelize(make_step(), config=cfg, batch_argnums=2)
+    from jaxreshard.runtime.step._cut_transfers import crossing_spec
+
+    base = {**BASE, "stage_mesh_shape": (2,), "devices_per_host": 2}
+    args = (init_params(), OPT.init(init_params()), make_batch())
     with warnings.catch_warnings():
         warnings.simplefilter("error", jr.ReplicatedSpecWarning)
-        plan = step.plan(init_params(), OPT.init(init_params()), make_batch())
-        assert_equal_to_jit(step)
-    assert plan.graph.num_stages == 2
+        auto = jr.PipelineConfig(**base, partition="auto", num_stages=2, partition_trials=0)
+        jr.parallelize(make_step(), config=auto, batch_argnums=2).plan(*args)
+        step = jr.parallelize(make_step(), config=jr.PipelineConfig(**base, cuts=(2,)),
+                              batch_argnums=2)  # fmt: skip
+        plan = step.plan(*args)
+    acts = {k: t for k, t in plan.layout.transfers.items() if k[0] == "act"}
+    assert {t.shape for t in acts.values()} == {(2, 8), (8, D)}  # per-layer outputs, carry
+
+    def entries(spec, ndim):
+        return tuple(spec) + (None,) * (ndim - len(spec))
+
+    for t in acts.values():
+        want = entries(crossing_spec({"data": 2}, t.shape, 8, "data"), len(t.shape))
+        got = {entries(t.src_spec, len(t.shape)), entries(t.dst_spec, len(t.shape))}
+        assert got == {want}, (t.shape, t.src_spec, t.dst_spec)
+    assert_equal_to_jit(step)
 
 
 def test_auto_past_max_choices_searches_and_finds_the_choice_every_prediction_finds(monkeypatch):
@@ -289,3 +370,33 @@ def test_auto_past_max_choices_searches_and_finds_the_choice_every_prediction_fi
     assert searched.to_json()["searched"] and searched.chosen == every.chosen
     assert "6 ways to cut, over the 2 predicted one by one" in str(plan)
     assert_equal_to_jit(step)
+    tight = jr.PipelineConfig(**{**cfg.to_dict(), "memory_cap_gib": 1e-6})
+    over = r"no choice of cuts of the \d+ its search predicted \(of 6\) fits in"
+    with pytest.raises(ValueError, match=over):
+        jr.parallelize(make_step(), config=tight, batch_argnums=2).plan(*args)
+
+
+def test_a_batch_statistic_in_a_split_scan_is_named_at_the_users_line_once():
+    """The pieces of a split scan repeat their body's equations: a batch statistic in the body
+    warns once, at the user's line, not at jr.scan's."""
+
+    def layer(h, wb):
+        h = jnp.tanh(h @ wb[0] + wb[1])
+        return h, jnp.max(h)  # (a statistic of the micro-batch's rows)
+
+    def step(params, state, batch):
+        def loss_fn(p):
+            h, peaks = jr.scan(layer, jnp.tanh(batch["x"] @ p["embed"]), (p["w"], p["b"]))
+            return jnp.mean((h @ p["head"] - batch["y"]) ** 2) + jnp.sum(peaks)
+
+        loss, _ = jr.value_and_grad(loss_fn)(params)
+        return params, state, loss
+
+    cfg = jr.PipelineConfig(**BASE, cuts=(0, 2))
+    with pytest.warns(jr.MicroBatchWarning) as caught:
+        jr.parallelize(step, config=cfg, batch_argnums=2).plan(
+            init_params(), OPT.init(init_params()), make_batch()
+        )
+    messages = [str(w.message) for w in caught if w.category is jr.MicroBatchWarning]
+    assert len(messages) == len(set(messages)) >= 1
+    assert all("test_scan_candidates.py" in m and "_scan.py" not in m for m in messages), messages

@@ -34,6 +34,7 @@ import jax
 
 from jaxreshard._jax_compat import source_location
 from jaxreshard.frontend._jaxprs import dependents, inline_all, is_var
+from jaxreshard.frontend._source import user_location
 
 # Equations that only move or reshape data: present in one trace and not the other when a
 # size-1 micro-batch needs no broadcast.
@@ -42,7 +43,7 @@ _SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert
 # Equations through which a batch statistic stays a linear part of the loss's own reduction.
 _LINEAR = ("add", "add_any", "sub", "neg", "convert_element_type", "reduce_sum", "copy",
            "copy_p", "squeeze", "reshape", "broadcast_in_dim", "expand_dims", "transpose",
-           "reduce_precision", "stage_boundary", "concatenate", "slice")  # fmt: skip
+           "reduce_precision", "stage_boundary")  # fmt: skip
 # Reductions of per-example values into a statistic that micro-batching preserves.
 _SUMS = ("reduce_sum", "dot_general", "add_any")
 # Operations along a dim whose result at one row depends on the other rows.
@@ -176,6 +177,12 @@ def _align(micro: Any, full: Any) -> dict[Any, Any]:
     return to_full
 
 
+def _where(eqn: Any) -> str:
+    """The user's line that made `eqn` (not jaxreshard's: a `jr.scan` piece's equation is made
+    in `frontend/_scan.py`), else its innermost frame."""
+    return user_location(eqn) or source_location(eqn)
+
+
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """A use of the micro-batch's rows that `jax.jit` on the whole batch would not make."""
@@ -185,8 +192,8 @@ class Finding:
     statistic: Any  # the statistic's producing equation, or None
 
     def message(self, reduction: str) -> str:
-        where = source_location(self.eqn)
-        made = source_location(self.statistic) if self.statistic is not None else None
+        where = _where(self.eqn)
+        made = _where(self.statistic) if self.statistic is not None else None
         combines = "averages" if reduction == "mean" else "sums"
         if self.what == "divides":
             return (
@@ -305,11 +312,13 @@ def find_statistics(
 
 
 def warn_statistics(findings: Sequence[Finding], reduction: str) -> None:
-    for f in findings[:3]:
-        warnings.warn(f.message(reduction), MicroBatchWarning, stacklevel=4)
-    if len(findings) > 3:
+    # (once per message: the pieces of a split jr.scan repeat their body's equations)
+    messages = list(dict.fromkeys(f.message(reduction) for f in findings))
+    for message in messages[:3]:
+        warnings.warn(message, MicroBatchWarning, stacklevel=4)
+    if len(messages) > 3:
         warnings.warn(
-            f"... and {len(findings) - 3} more uses of micro-batch statistics",
+            f"... and {len(messages) - 3} more uses of micro-batch statistics",
             MicroBatchWarning,
             stacklevel=4,
         )

@@ -125,6 +125,15 @@ def stage_candidate(x: Any) -> Any:
     chosen = getattr(_state, "cuts", None)
     if chosen is None:
         return x
+    if getattr(_state, "scan_body", 0) > 0:
+        from jaxreshard.frontend._jaxprs import PipelineSplitError
+
+        raise PipelineSplitError(
+            f"{caller_location()}: jr.stage_candidate inside the body of a jr.scan: the body is "
+            "traced once for all its iterations, so it cannot say after which one a stage ends; "
+            "jr.scan's iterations are candidates already (candidate_every= thins them), so drop "
+            "this one, or mark it outside the scan"
+        )
     n = _state.candidates
     _state.candidates = n + 1
     return _boundary(x, n) if (chosen == "all" or n in chosen) else x

@@ -22,6 +22,8 @@ and its own scan, with a `jr.stage_candidate` between the scans.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -51,13 +53,15 @@ def scan(
     carry, numbered with the step's other candidates in the order the loss reaches them: a scan
     of `length` iterations adds `(length - 1) // candidate_every` of them. A chosen one splits
     the scan into two scans, the carry crossing to the next stage between them (see [Note:
-    candidates inside a scanned stack]). Elsewhere it is `lax.scan`.
+    candidates inside a scanned stack]). A scan whose carry holds no arrays adds none (nothing
+    would cross), and neither does a `jr.scan` inside another's body (the outer's iterations
+    are the candidates). Elsewhere it is `lax.scan`.
     """
-    if (
-        isinstance(candidate_every, bool)
-        or not isinstance(candidate_every, int)
-        or (candidate_every < 1)
-    ):
+    try:
+        every = operator.index(candidate_every)
+    except TypeError:
+        every = 0
+    if isinstance(candidate_every, bool) or every < 1:
         raise ValueError(
             f"{caller_location()}: jr.scan(candidate_every={candidate_every!r}): the number of "
             "iterations between two candidates, an int >= 1 (2: a stage may end after every "
@@ -66,34 +70,66 @@ def scan(
     chosen = getattr(_state, "cuts", None)
     if chosen is None:
         return lax.scan(f, init, xs, length, reverse, unroll)
+    body = _body(f)
     n = _length(xs, length)
-    gaps = list(range(candidate_every, n, candidate_every))  # iterations run before each gap
+    nested = getattr(_state, "scan_body", 0) > 0
+    gaps = [] if nested or not jax.tree.leaves(init) else list(range(every, n, every))
     first = _state.candidates
     _state.candidates = first + len(gaps)
     cuts = [g for k, g in enumerate(gaps) if chosen == "all" or first + k in chosen]
     if not cuts:
-        return lax.scan(f, init, xs, length, reverse, unroll)
+        return lax.scan(body, init, xs, length, reverse, unroll)
     carry, pieces = init, []
     for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, n])):
         if k:
             carry = _boundary(carry, first + gaps.index(a))
         lo, hi = (n - b, n - a) if reverse else (a, b)
         part = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
-        carry, ys = lax.scan(f, carry, part, None if xs is not None else hi - lo, reverse, unroll)
+        carry, ys = lax.scan(
+            body, carry, part, None if xs is not None else hi - lo, reverse, unroll
+        )
         pieces.append(ys)
     if reverse:
         pieces.reverse()
     return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *pieces)
 
 
+def _body(f: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`f`, counted as a `jr.scan` body while it is traced (`_state.scan_body`): a candidate
+    there is refused, and a nested `jr.scan` adds none."""
+
+    @functools.wraps(f)
+    def body(carry: Any, x: Any) -> Any:
+        _state.scan_body = getattr(_state, "scan_body", 0) + 1
+        try:
+            return f(carry, x)
+        finally:
+            _state.scan_body -= 1
+
+    return body
+
+
 def _length(xs: Any, length: int | None) -> int:
-    """The scan's iteration count, as `lax.scan` finds it (it checks that they agree)."""
+    """The scan's iteration count, checked as `lax.scan` checks it."""
     leaves = jax.tree.leaves(xs)
-    if leaves:
-        return int(jnp.shape(leaves[0])[0])
-    if length is None:
+    if not leaves:
+        if length is None:
+            raise ValueError(
+                f"{caller_location()}: jr.scan with no xs needs length=, the number of "
+                "iterations (as lax.scan does)"
+            )
+        return int(length)
+    shapes = [jnp.shape(leaf) for leaf in leaves]
+    if any(len(shape) == 0 for shape in shapes):
         raise ValueError(
-            f"{caller_location()}: jr.scan with no xs needs length=, the number of iterations "
-            "(as lax.scan does)"
+            f"{caller_location()}: jr.scan: an xs leaf is a scalar; every leaf of xs is scanned "
+            "along its leading axis (as lax.scan does), so give each one"
         )
-    return int(length)
+    sizes = sorted({int(shape[0]) for shape in shapes})
+    if len(sizes) > 1 or (length is not None and int(length) != sizes[0]):
+        given = "" if length is None else f" and length={length}"
+        raise ValueError(
+            f"{caller_location()}: jr.scan: the xs leaves' leading sizes are {sizes}{given}; "
+            "they must all be the number of iterations (as lax.scan requires)"
+        )
+    return sizes[0]

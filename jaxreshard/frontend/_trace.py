@@ -137,6 +137,13 @@ def trace_step(
         if candidates is not None:
             candidates[:] = [found, order]
         micro = jax.make_jaxpr(flat)(*structs(True)) if m > 1 else full
+        if m > 1 and cuts is not None and candidate_count() != found:
+            raise PipelineSplitError(
+                f"the step reached {found} jr.stage_candidate markers traced at the whole batch "
+                f"and {candidate_count()} at a micro-batch: how many candidates there are must "
+                "not depend on the batch size (a jr.scan over the batch's rows, or a Python loop "
+                "over them, does); scan a stack of layers with jr.scan, and rows with lax.scan"
+            )
         graph = split_step(
             full,
             micro,

@@ -16,7 +16,8 @@ of 48 layers cut into 8 stages: 62 million ways) has far more, so there it searc
    candidate between its neighbours, or two moved a candidate each; the best move that
    predicts a faster step (or fits where the choice did not) is taken, until none does. Then
    `KICKS` times, two boundaries of the best found are moved at random (seeded: the same
-   search every time) and the moves start again from there. At most `BUDGET` predictions.
+   search every time) and the moves start again from there. At most `BUDGET` predictions
+   besides the shortlist's.
 Every prediction made is a tried choice in the report. The result is the best choice found,
 not always the best there is: the shortlist's proxy ignores the schedule's order and where its
 transfers overlap compute, and local moves can stop at a local optimum. On random problems

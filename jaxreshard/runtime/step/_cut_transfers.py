@@ -18,7 +18,7 @@ from jaxreshard.frontend._graph import PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._memory import chunks_of, micro_batch_rows, nbytes
+from jaxreshard.runtime.step._memory import chunks_of, micro_batch_rows, nbytes, per_device
 from jaxreshard.runtime.step._specs import batch_spec, transplant_spec
 
 
@@ -70,6 +70,28 @@ class SharedParams:
                 entry[1] = entry[1] or self._differentiable(k)
         return tuple(SharedCost(o, u, t, grad) for (o, u), (t, grad) in pairs.items())
 
+    def copy_bytes(self, bounds: Sequence[int]) -> list[int]:
+        """Per mesh, the bytes per device its chunks hold of parameters another chunk owns:
+        each reading chunk on another mesh keeps a copy for the step and, where it is
+        differentiated, a gradient accumulator of the same size (the stage memory estimate
+        counts only the owner's)."""
+        extra = [0] * len(self.meshes)
+        if not self.readers:
+            return extra
+        chunk_of = {}
+        for c, r in enumerate(chunks_of(bounds, self.graph.loss.num_stages)):
+            chunk_of.update(dict.fromkeys(r, c))
+        avals = self.graph.outer.in_avals
+        for k, users in self.readers.items():
+            chunks = sorted({chunk_of[s] for s in users})
+            aval, spec = avals[self.graph.params[k]], self.specs[self.graph.params[k]]
+            for c in chunks[1:]:
+                m = self.mesh_of[c]
+                if m != self.mesh_of[chunks[0]]:
+                    held = per_device(aval, spec, dict(self.meshes[m].shape))
+                    extra[m] += held * (2 if self._differentiable(k) else 1)
+        return extra
+
     def _differentiable(self, k: int) -> bool:
         aval = self.graph.outer.in_avals[self.graph.params[k]]
         return not self.graph.forward_only and bool(np.issubdtype(aval.dtype, np.inexact))
@@ -100,6 +122,19 @@ class SharedParams:
         return self._seconds[key]
 
 
+def crossing_spec(
+    mesh_shape: dict[str, int], shape: Sequence[int], rows: int, batch_axis: str | None
+) -> P:
+    """A boundary tensor's layout on a stage mesh, as the partitioner prices it: split over
+    the batch axis along the micro-batch's rows, as the stage that makes it lays it out (a
+    scan's stacked outputs, (layers, rows), along dim 1); whole where no dim has the rows
+    (`rows` 0: no batch feed, dim 0)."""
+    dim = 0 if not rows else next((d for d, n in enumerate(shape) if n == rows), None)
+    if dim is None:
+        return P()
+    return batch_spec(mesh_shape, shape, batch_axis, dim)
+
+
 def crossing_seconds(
     graph: StepGraph, position: int, src_mesh: Any, dst_mesh: Any, config: PipelineConfig,
     cluster: Any,
@@ -112,13 +147,8 @@ def crossing_seconds(
     for act in graph.loss.activations:
         if act.home <= position < max(act.consumers):
             shape, dtype = tuple(act.aval.shape), act.aval.dtype
-            # (split along dim 0 where that is the micro-batch's rows, as the runtime splits a
-            # boundary tensor (`split_rows`); a scan's stacked outputs, (layers, rows), are not)
-            if rows and not (shape and shape[0] == rows):
-                spec_src = spec_dst = P()
-            else:
-                spec_src = batch_spec(dict(src_mesh.shape), shape, config.batch_axis)
-                spec_dst = batch_spec(dict(dst_mesh.shape), shape, config.batch_axis)
+            spec_src = crossing_spec(dict(src_mesh.shape), shape, rows, config.batch_axis)
+            spec_dst = crossing_spec(dict(dst_mesh.shape), shape, rows, config.batch_axis)
             plan = plan_reshard(
                 shape,
                 dtype,

@@ -9,7 +9,10 @@ markers of the all-candidates trace) on the stage's mesh, as:
   the step outputs that code writes (new parameters and state) unless they reuse a donated
   input's buffer. Each is divided over the mesh axes its sharding names there: the input's
   own spec, as the runtime transplants it (`transplant_spec`); an output takes the spec of an
-  input of its shape and dtype on the same stage, else it counts whole;
+  input of its shape and dtype on the same stage, else it counts whole. A choice of cuts that
+  puts a parameter's readers in several chunks adds, on each other chunk's mesh, its copy and
+  gradient accumulator (`SharedParams.copy_bytes`, since 2026-11-30: a stack cut inside its
+  `jr.scan` is read whole on both sides);
 - **residuals**: what the segment's forward keeps for its backward (the VJP's residuals, traced
   with `jax.vjp`, less the parameters it keeps as they are, see [Note: residuals kept by
   reference] in `_compile.py`; on a mesh that splits the batch with `reduce_gradients="once"`,

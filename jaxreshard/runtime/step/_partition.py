@@ -199,6 +199,7 @@ def choose_cuts(
                 config, segments, crossing, bounds, shared.costs(bounds), summed, tensor, mesh_of
             )
             need, scratch = mesh_bytes(memory, cotangents, bounds, schedule, mesh_of, len(meshes))
+            need = tuple(n + c for n, c in zip(need, shared.copy_bytes(bounds)))
             fits = cap is None or max(need) <= cap
             cuts = tuple(markers[i] for i in bounds if markers[i] != "forced")
             predicted[bounds] = Choice(cuts, step, need, fits, costs, scratch, summed)
@@ -223,12 +224,12 @@ def choose_cuts(
         improve(starts, list(positions.values()), predict, rank)
     tried = sorted(predicted.values(), key=rank)
     if not tried[0].fits:
-        raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of))
+        raise NoCutFits(_over_cap_message(config, tried, cap, memory, mesh_of, count))
     report = PartitionReport(
         list(markers), segments, crossing, tried, tried[0].cuts, time.perf_counter() - start,
         memory, cap,
     )  # fmt: skip
-    report.ways = count
+    report.ways, report.limit = count, MAX_CHOICES
     report.shared = shared.listed()
     report.gradient_bytes = sums.bytes_per_device()
     report.tensor_parallel = tensor.summary()
@@ -250,20 +251,23 @@ def _over_cap_message(
     cap: int | None,
     memory: Sequence[Sequence[SegmentMemory]],
     mesh_of: Sequence[int],
+    ways: int = 0,
 ) -> str:
     least = min(tried, key=lambda c: max(c.memory))
     mesh = int(np.argmax(least.memory))
     state = sum(memory[s][mesh].state for s in range(len(memory)))
     where = "memory_cap_gib" if config.memory_cap_gib is not None else "the device's limit"
     assert cap is not None
+    searched = f"of the {len(tried):,} its search predicted (of {ways:,}) " * (ways > MAX_CHOICES)
     return (
         f"PipelineConfig(partition='auto', num_stages={config.num_stages}): no choice of cuts "
-        f"fits in {size(cap)} per device ({where}): the least needs {size(max(least.memory))} on "
-        f"mesh {mesh} (candidates {list(least.cuts)}; estimated as [Note: stage memory "
-        f"estimate] says; the whole model's state alone is {size(state)} per device of such a "
-        "mesh). Use more stages (num_stages), more micro-batches (each keeps less), a schedule "
-        "that keeps fewer micro-batches alive (1f1b), bigger stage meshes that shard the batch "
-        "or the parameters, or raise memory_cap_gib"
+        f"{searched}fits in {size(cap)} per device ({where}): the least needs "
+        f"{size(max(least.memory))} on mesh {mesh} (candidates {list(least.cuts)}; estimated "
+        "as [Note: stage memory estimate] says; the whole model's state alone is "
+        f"{size(state)} per device of such a mesh). Use more stages (num_stages), more "
+        "micro-batches (each keeps less), a schedule that keeps fewer micro-batches alive "
+        "(1f1b), bigger stage meshes that shard the batch or the parameters, or raise "
+        "memory_cap_gib"
     )
 
 

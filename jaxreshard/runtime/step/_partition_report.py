@@ -69,7 +69,13 @@ class PartitionReport:
     # Per mesh, its tensor-parallel work: the plan's lines and the JSON (see `_tensor_parallel`)
     tensor_parallel: list[str] = dataclasses.field(default_factory=list)
     tensor_parallel_json: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    ways: int = 0  # ways to place the free boundaries; over MAX_CHOICES, `tried` is a search's
+    ways: int = 0  # ways to place the free boundaries
+    limit: int = MAX_CHOICES  # the ways predicted one by one at most; past it, a search's
+
+    @property
+    def searched(self) -> bool:
+        """Whether `tried` is a search's (see [Note: cut search]), not every way to cut."""
+        return self.ways > self.limit
 
     def placement_costs(self, config: PipelineConfig, cuts: Any = None) -> dict[str, Any]:
         """The `PipelineConfig` cost fields that make the runtime place delayed weight
@@ -95,7 +101,7 @@ class PartitionReport:
             "chosen": list(self.chosen),
             "seconds": self.seconds,
             "ways": self.ways,
-            "searched": self.ways > MAX_CHOICES,
+            "searched": self.searched,
             "markers": [m if m == "forced" else int(m) for m in self.markers],
             "segments": [dataclasses.asdict(s) for s in self.segments],
             "crossing_seconds": {str(k): list(v) for k, v in self.crossing.items()},
@@ -162,11 +168,11 @@ class PartitionReport:
             f"candidates); chose candidates {list(self.chosen)} in {self.seconds:.1f} s; {cap}",
             *(
                 [
-                    f"  {self.ways:,} ways to cut, over the {MAX_CHOICES:,} predicted one by one: "
+                    f"  {self.ways:,} ways to cut, over the {self.limit:,} predicted one by one: "
                     f"{len(self.tried)} predicted, a shortlist by dynamic programming and local "
                     "moves ([Note: cut search]; the best found, not always the best there is)"
                 ]
-                if self.ways > MAX_CHOICES
+                if self.searched
                 else []
             ),
             "  segment   forward    backward   (W)       state      residuals/mb  "

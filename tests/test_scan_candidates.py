@@ -27,17 +27,20 @@ def body(h, wb):
     return h, jnp.sum(h, axis=-1)  # a per-example output of every layer
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     n=st.integers(1, 7),
     every=st.integers(1, 3),
     reverse=st.booleans(),
     picks=st.sets(st.integers(0, 6)),
+    forcing=st.sets(st.integers(1, 6)),
     with_xs=st.booleans(),
 )
-def test_a_split_scan_equals_the_whole_scan(n, every, reverse, picks, with_xs):
-    """Under any choice of its candidates, the scan's carry and stacked outputs equal lax.scan's,
-    it adds (n - 1) // every candidates, and each chosen one is one stage boundary."""
+def test_a_split_scan_equals_the_whole_scan(n, every, reverse, picks, forcing, with_xs):
+    """Under any choice of its candidates and any boundaries, the scan's carry and stacked
+    outputs equal lax.scan's; its candidates are the gaps after every `every` iterations that
+    are not boundaries; each chosen one and each boundary is one stage boundary, and the pieces
+    run the iterations between them in order (also reversed)."""
     rng = np.random.default_rng(n)
     xs = (rng.normal(size=(n, 3, 3)).astype(np.float32), rng.normal(size=(n, 3)).astype(np.float32))
     h0 = rng.normal(size=(2, 3)).astype(np.float32)
@@ -49,20 +52,24 @@ def test_a_split_scan_equals_the_whole_scan(n, every, reverse, picks, with_xs):
         def f(h, _):
             return jnp.sin(h) * 1.5, h[0]
 
+    forced = tuple(sorted(g for g in forcing if g < n))
+    gaps = [g for g in range(every, n, every) if g not in forced]
+    chosen = {p for p in picks if p < len(gaps)}
+
+    def split():
+        return jr.scan(f, *args, reverse=reverse, candidate_every=every, boundaries=forced)
+
     want = jax.lax.scan(f, *args, reverse=reverse)
-    count = (n - 1) // every
-    chosen = {p for p in picks if p < count}
     with candidate_cuts(chosen):
-        got = jr.scan(f, *args, reverse=reverse, candidate_every=every)
-        assert candidate_count() == count
+        got = split()
+        assert candidate_count() == len(gaps)
     with candidate_cuts(chosen):
-        jaxpr = jax.make_jaxpr(lambda: jr.scan(f, *args, reverse=reverse, candidate_every=every))()
+        jaxpr = jax.make_jaxpr(split)()
     jax.tree.map(np.testing.assert_array_equal, got, want)
-    marks = [e for e in jaxpr.eqns if e.primitive.name == "stage_boundary"]
-    assert sorted(e.params["candidate"] for e in marks) == sorted(chosen)
-    # The pieces run in order, each the iterations between two chosen gaps (counted in the
-    # order they run, also when reversed).
-    ends = [0, *sorted((k + 1) * every for k in chosen), n]
+    jax.tree.map(np.testing.assert_array_equal, split(), want)  # (no choice: boundaries only)
+    marks = [e.params["candidate"] for e in jaxpr.eqns if e.primitive.name == "stage_boundary"]
+    assert sorted(marks) == sorted([-1] * len(forced) + list(chosen))
+    ends = [0, *sorted([*forced, *(gaps[k] for k in chosen)]), n]
     lengths = [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert lengths == [b - a for a, b in itertools.pairwise(ends)]
 
@@ -282,6 +289,39 @@ def test_a_scan_over_the_batch_rows_is_refused_naming_the_fix():
         jr.parallelize(step, config=cfg, batch_argnums=2).plan(
             init_params(), OPT.init(init_params()), make_batch()
         )
+
+
+def test_boundaries_inside_the_stack_make_stages_by_hand_and_beside_candidates():
+    """`boundaries=(2,)` ends a stage after the stack's first two layers: two stages without
+    any choice of cuts, equal to jax.jit; with partition="auto" that boundary stays and the
+    search chooses among the other candidates (the embedding's and gaps 1 and 3)."""
+
+    def make(boundaries, **config):
+        def step(params, state, batch):
+            def loss_fn(p):
+                h = jr.stage_candidate(jnp.tanh(batch["x"] @ p["embed"]))
+                h, per_layer = jr.scan(body, h, (p["w"], p["b"]), boundaries=boundaries)
+                out = h @ p["head"] + 0.01 * jnp.mean(per_layer, axis=0)[:, None]
+                return jnp.mean((out - batch["y"]) ** 2)
+
+            loss, g = jr.value_and_grad(loss_fn)(params)
+            updates, state = OPT.update(g, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        return jr.parallelize(step, config=jr.PipelineConfig(**BASE, **config), batch_argnums=2)
+
+    args = (init_params(), OPT.init(init_params()), make_batch())
+    by_hand = make((2,))
+    assert by_hand.plan(*args).graph.num_stages == 2
+    assert_equal_to_jit(by_hand)
+    auto = make((2,), partition="auto", num_stages=3, partition_trials=0)
+    report = auto.plan(*args).partition
+    assert report.markers == [0, 1, "forced", 2]
+    assert len(report.tried) == 3 and auto.plan(*args).graph.num_stages == 3
+    assert_equal_to_jit(auto)
+    for wrong in [(0,), (4,), (2, 2), "2", (True,)]:
+        with pytest.raises(ValueError, match=r"jr.scan\(boundaries=.*distinct iteration counts"):
+            make(wrong).plan(*args)
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])

@@ -22,12 +22,15 @@ from jaxreshard.profiler._report import summary_tables
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "profile_model.py")
 
 
-def example_config(**pipeline):
+SCAN_EXAMPLE = str(Path(__file__).parent.parent / "examples" / "profile_scan_model.py")
+
+
+def example_config(path=EXAMPLE, layers=3, **pipeline):
     return load_profile_config(
-        EXAMPLE,
+        path,
         None,
         {
-            "model": {"layers": 3, "width": 32, "hidden": 64},
+            "model": {"layers": layers, "width": 32, "hidden": 64},
             "run": {"steps": 3, "batch_size": 8},
             "pipeline": {"num_micro_batches": 4, "stage_mesh_shape": (1, 1), **pipeline},
         },
@@ -80,6 +83,22 @@ def test_partition_auto_cuts_a_model_file_at_its_candidates(capsys):
     assert pc.candidates
     result = profiler.run_profile(pc, progress=False)
     assert len(result["cuts"]) == 1 and 0 <= result["cuts"][0] < pc.model_config.layers - 1
+    losses = np.array([s["loss"] for s in result["steps"]])
+    warm = pc.run.warmup_steps
+    np.testing.assert_allclose(losses, jit_losses(pc, warm + len(losses))[warm:], rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "pipeline", [{"num_stages": 2}, {"partition": "auto", "num_stages": 3, "partition_trials": 0}]
+)
+def test_a_scan_over_layers_model_file_is_cut_inside_its_scan_and_equals_jax_jit(pipeline):
+    """The example whose blocks are one jr.scan: even stages by its `boundaries=`, or cuts
+    that partition="auto" chooses among the gaps between the blocks."""
+    pc = example_config(SCAN_EXAMPLE, layers=4, **pipeline)
+    result = profiler.run_profile(pc, progress=False)
+    assert len(result["stages"]) == pipeline["num_stages"]
+    if "partition" in pipeline:
+        assert len(result["cuts"]) == 2 and result["partition"]["markers"] == [0, 1, 2]
     losses = np.array([s["loss"] for s in result["steps"]])
     warm = pc.run.warmup_steps
     np.testing.assert_allclose(losses, jit_losses(pc, warm + len(losses))[warm:], rtol=2e-5)

@@ -8,9 +8,10 @@ every `candidate_every`-th iteration (in the order the iterations run) is a cand
 with the step's other candidates in the order the loss reaches them. Where some are chosen, the
 scan runs as consecutive `lax.scan`s over the pieces of `xs` between the chosen gaps, and the
 carry between two pieces passes a stage boundary; the pieces' stacked outputs are concatenated
-back in index order. A piece runs exactly the iterations the whole scan would run, on the same
-carry, so the results equal `lax.scan`'s. With no candidate chosen (and outside such a trace)
-it is one `lax.scan`.
+back in index order. `boundaries=` names gaps that always end a stage (a forced boundary, also
+outside a choice of cuts), which are then not candidates. A piece runs exactly the iterations
+the whole scan would run, on the same carry, so the results equal `lax.scan`'s. With neither a
+chosen candidate nor `boundaries` it is one `lax.scan`.
 
 Each piece slices its part of `xs` where it runs, so a stacked parameter read by the pieces of
 two stages is read by both: the first keeps it, and the others get a copy of the whole stack
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ def scan(
     unroll: int | bool = 1,
     *,
     candidate_every: int = 1,
+    boundaries: Sequence[int] = (),
 ) -> tuple[Any, Any]:
     """`jax.lax.scan`, whose iterations a pipeline stage may end after.
 
@@ -55,7 +57,10 @@ def scan(
     the scan into two scans, the carry crossing to the next stage between them (see [Note:
     candidates inside a scanned stack]). A scan whose carry holds no arrays adds none (nothing
     would cross), and neither does a `jr.scan` inside another's body (the outer's iterations
-    are the candidates). Elsewhere it is `lax.scan`.
+    are the candidates). `boundaries`: iteration counts after which a stage must end (a
+    `jr.stage_boundary` on the carry: `(6,)` ends a stage after the first 6 iterations run),
+    hand-placed stages inside the stack; those gaps are not candidates. Elsewhere, and without
+    `boundaries`, it is `lax.scan`.
     """
     try:
         every = operator.index(candidate_every)
@@ -68,30 +73,64 @@ def scan(
             "other layer)"
         )
     chosen = getattr(_state, "cuts", None)
-    if chosen is None:
+    if chosen is None and not boundaries:
         return lax.scan(f, init, xs, length, reverse, unroll)
-    body = _body(f)
     n = _length(xs, length)
-    nested = getattr(_state, "scan_body", 0) > 0
-    gaps = [] if nested or not jax.tree.leaves(init) else list(range(every, n, every))
-    first = _state.candidates
-    _state.candidates = first + len(gaps)
-    cuts = [g for k, g in enumerate(gaps) if chosen == "all" or first + k in chosen]
-    if not cuts:
+    forced = _boundaries(boundaries, n, init)
+    body = _body(f) if chosen is not None else f
+    gaps: list[int] = []
+    first = getattr(_state, "candidates", 0)
+    if chosen is not None:
+        nested = getattr(_state, "scan_body", 0) > 0
+        if not nested and jax.tree.leaves(init):
+            gaps = [g for g in range(every, n, every) if g not in forced]
+        _state.candidates = first + len(gaps)
+    marks = {g: "forced" for g in forced}
+    for k, g in enumerate(gaps):
+        if chosen == "all" or (chosen is not None and first + k in chosen):
+            marks[g] = first + k
+    if not marks:
         return lax.scan(body, init, xs, length, reverse, unroll)
+    cuts = sorted(marks)
     carry, pieces = init, []
     for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, n])):
         if k:
-            carry = _boundary(carry, first + gaps.index(a))
+            carry = _boundary(carry, marks[a])
         lo, hi = (n - b, n - a) if reverse else (a, b)
         part = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
-        carry, ys = lax.scan(
-            body, carry, part, None if xs is not None else hi - lo, reverse, unroll
-        )
+        steps = None if xs is not None else hi - lo
+        carry, ys = lax.scan(body, carry, part, steps, reverse, unroll)
         pieces.append(ys)
     if reverse:
         pieces.reverse()
     return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *pieces)
+
+
+def _boundaries(boundaries: Sequence[int], n: int, init: Any) -> set[int]:
+    """`jr.scan(boundaries=...)` checked: distinct iteration counts from 1 to n - 1, on a
+    carry that holds arrays."""
+    try:
+        forced = [operator.index(b) for b in boundaries]
+    except TypeError:
+        forced = None
+    if (
+        forced is None
+        or isinstance(boundaries, (str, bytes))
+        or any(isinstance(b, bool) for b in boundaries)
+        or any(not 1 <= b < n for b in forced)
+        or len(set(forced)) != len(forced)
+    ):
+        raise ValueError(
+            f"{caller_location()}: jr.scan(boundaries={boundaries!r}): distinct iteration "
+            f"counts from 1 to {n - 1} (this scan runs {n}), each the iterations run before a "
+            "stage ends; e.g. (6,) for two stages of 6 layers of 12"
+        )
+    if forced and not jax.tree.leaves(init):
+        raise ValueError(
+            f"{caller_location()}: jr.scan(boundaries={boundaries!r}) on a carry with no "
+            "arrays: nothing would cross to the next stage; end the stage outside the scan"
+        )
+    return set(forced)
 
 
 def _body(f: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

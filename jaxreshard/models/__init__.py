@@ -160,12 +160,13 @@ def get_model(name: str) -> ModelSpec:
 
 MODEL_NAMES = ("gpt", "utransformer")
 
-__all__ = ["MODEL_NAMES", "ModelSpec", "get_model", "load_model", "stage_marker"]
+__all__ = ["MODEL_NAMES", "ModelSpec", "get_model", "load_model", "scan_boundaries",
+           "stage_marker"]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    if name == "stage_marker":  # (imported on use: it brings JAX in)
-        from jaxreshard.models._common import stage_marker
+    if name in ("stage_marker", "scan_boundaries"):  # (imported on use: it brings JAX in)
+        from jaxreshard.models import _common
 
-        return stage_marker
+        return getattr(_common, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,13 @@ def stage_marker(
     return lambda x, i: stage_boundary(x) if i in ends else x
 
 
+def scan_boundaries(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """`jr.scan(..., boundaries=...)` for `num_stages` equal stages of a scanned stack of
+    `num_layers` layers (the layers run before each boundary): `stage_marker`'s counterpart
+    for a model that scans its layers."""
+    return tuple(sorted(i + 1 for i in split_evenly(num_layers, num_stages)))
+
+
 def default_optimizer() -> optax.GradientTransformation:
     """The models' optimizer unless told otherwise: Adam with Optax's defaults."""
     return optax.adam(1e-3)

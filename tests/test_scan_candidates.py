@@ -3,6 +3,7 @@ choice of cuts it is `lax.scan`; a chosen candidate splits it into scans whose r
 whole one's, and a pipelined step cut inside the stack equals jax.jit (the stack read by two
 stages is their shared parameter: copied each step, its gradients summed)."""
 
+import functools
 import itertools
 
 import equinox as eqx
@@ -440,3 +441,55 @@ def test_a_batch_statistic_in_a_split_scan_is_named_at_the_users_line_once():
     messages = [str(w.message) for w in caught if w.category is jr.MicroBatchWarning]
     assert len(messages) == len(set(messages)) >= 1
     assert all("test_scan_candidates.py" in m and "_scan.py" not in m for m in messages), messages
+
+
+def test_boundaries_outside_parallelize_differentiate_as_lax_scan_under_jit():
+    """Outside `parallelize` a boundary is the identity: under jax.jit and jax.grad a scan cut
+    by `boundaries=` (given any way a sequence is) gives lax.scan's loss and gradients, also
+    reversed and with no xs."""
+    rng = np.random.default_rng(3)
+    xs = (rng.normal(size=(L, D, D)).astype(np.float32) / 4, np.zeros((L, D), np.float32))
+    h = rng.normal(size=(8, D)).astype(np.float32)
+
+    def loss(xs, scan, reverse, **kw):
+        out, per_layer = scan(body, h, xs, reverse=reverse, **kw)
+        return jnp.sum(out**2) + jnp.sum(per_layer)
+
+    for reverse in (False, True):
+        plain = functools.partial(loss, scan=jax.lax.scan, reverse=reverse)
+        want = jax.jit(jax.value_and_grad(plain))(xs)
+        for ends in [(1, 3), np.array([2]), [3]]:
+            cut = functools.partial(loss, scan=jr.scan, reverse=reverse, boundaries=ends)
+            got = jax.jit(jax.value_and_grad(cut))(xs)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+    carry, _ = jr.scan(lambda c, _: (c * 2, None), jnp.ones(2), (), length=4, boundaries=(2,))
+    np.testing.assert_array_equal(carry, 16 * np.ones(2))
+    assert jr.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(3), boundaries=None)[0] == 3
+
+
+def test_a_nested_scans_boundaries_are_refused_and_a_refusal_leaves_no_count_behind():
+    from jaxreshard.frontend._markers import _state
+
+    def outer(h, x):
+        h, _ = jr.scan(lambda g, y: (g + y, None), h, jnp.stack([x, x, x]), boundaries=(1,))
+        return h, None
+
+    xs = np.ones((4, 3), np.float32)
+    for cuts in (None, "all"):
+        with candidate_cuts(cuts):
+            with pytest.raises(jr.PipelineSplitError, match=r"put the boundaries on the outer"):
+                jr.scan(outer, jnp.zeros(3), xs, boundaries=(2,))
+            with pytest.raises(ValueError, match=r"leading sizes"):
+                jr.scan(
+                    lambda h, x: (h, None), jnp.zeros(3), (xs, np.ones((6, 3))), boundaries=(1,)
+                )
+        assert getattr(_state, "scan_body", 0) == 0
+
+
+def test_each_message_of_a_batch_statistic_warns_once():
+    from jaxreshard.frontend._batch import Finding, warn_statistics
+
+    eqn = jax.make_jaxpr(lambda x: jnp.max(x))(jnp.ones(3)).eqns[0]
+    with pytest.warns(jr.MicroBatchWarning) as caught:
+        warn_statistics([Finding("reduces", eqn, None)] * 3, "mean")
+    assert len(caught) == 1

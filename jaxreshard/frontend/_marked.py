@@ -54,7 +54,8 @@ def inline_marked_calls(jaxpr: Any, consts: Sequence[Any]) -> tuple[Any, list[An
             return False
         if eqn.primitive.name not in CALLS:
             raise PipelineSplitError(
-                f"a jr.stage_boundary (or a jr.stage_candidate chosen as a cut) is inside "
+                f"a jr.stage_boundary (or a jr.stage_candidate chosen as a cut, or a "
+                f"jr.scan(boundaries=...)) is inside "
                 f"`{eqn.primitive.name}` at {_where(eqn)}: a boundary inside "
                 "lax.scan/cond/while_loop or a custom derivative cannot be cut. Call it at the "
                 "top level of the loss function; for a scanned stack of layers, scan it with "

@@ -30,8 +30,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxreshard.frontend._jaxprs import PipelineSplitError
 from jaxreshard.frontend._markers import _boundary, _state
 from jaxreshard.frontend._source import caller_location
 
@@ -72,16 +74,26 @@ def scan(
             "iterations between two candidates, an int >= 1 (2: a stage may end after every "
             "other layer)"
         )
+    try:
+        given = () if boundaries is None else tuple(boundaries)
+    except TypeError:
+        given = None
     chosen = getattr(_state, "cuts", None)
-    if chosen is None and not boundaries:
+    if chosen is None and given == ():
         return lax.scan(f, init, xs, length, reverse, unroll)
     n = _length(xs, length)
-    forced = _boundaries(boundaries, n, init)
-    body = _body(f) if chosen is not None else f
+    forced = _boundaries(boundaries, given, n, init)
+    nested = getattr(_state, "scan_body", 0) > 0
+    if nested and forced:
+        raise PipelineSplitError(
+            f"{caller_location()}: jr.scan(boundaries={boundaries!r}) inside the body of another "
+            "jr.scan: a boundary there would end a stage inside the outer scan, whose body is "
+            "traced once for all its iterations; put the boundaries on the outer jr.scan"
+        )
+    body = _body(f)
     gaps: list[int] = []
     first = getattr(_state, "candidates", 0)
     if chosen is not None:
-        nested = getattr(_state, "scan_body", 0) > 0
         if not nested and jax.tree.leaves(init):
             gaps = [g for g in range(every, n, every) if g not in forced]
         _state.candidates = first + len(gaps)
@@ -98,7 +110,7 @@ def scan(
             carry = _boundary(carry, marks[a])
         lo, hi = (n - b, n - a) if reverse else (a, b)
         part = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
-        steps = None if xs is not None else hi - lo
+        steps = None if jax.tree.leaves(xs) else hi - lo
         carry, ys = lax.scan(body, carry, part, steps, reverse, unroll)
         pieces.append(ys)
     if reverse:
@@ -106,17 +118,17 @@ def scan(
     return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *pieces)
 
 
-def _boundaries(boundaries: Sequence[int], n: int, init: Any) -> set[int]:
-    """`jr.scan(boundaries=...)` checked: distinct iteration counts from 1 to n - 1, on a
-    carry that holds arrays."""
+def _boundaries(boundaries: Any, given: tuple[Any, ...] | None, n: int, init: Any) -> set[int]:
+    """`jr.scan(boundaries=...)` (`given`: as a tuple, None if not a sequence) checked:
+    distinct iteration counts from 1 to n - 1, on a carry that holds arrays."""
     try:
-        forced = [operator.index(b) for b in boundaries]
+        forced = None if given is None else [operator.index(b) for b in given]
     except TypeError:
         forced = None
     if (
         forced is None
         or isinstance(boundaries, (str, bytes))
-        or any(isinstance(b, bool) for b in boundaries)
+        or any(isinstance(b, (bool, np.bool_)) for b in given or ())
         or any(not 1 <= b < n for b in forced)
         or len(set(forced)) != len(forced)
     ):
@@ -135,7 +147,7 @@ def _boundaries(boundaries: Sequence[int], n: int, init: Any) -> set[int]:
 
 def _body(f: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """`f`, counted as a `jr.scan` body while it is traced (`_state.scan_body`): a candidate
-    there is refused, and a nested `jr.scan` adds none."""
+    there is refused, a nested `jr.scan` adds none, and its boundaries are refused."""
 
     @functools.wraps(f)
     def body(carry: Any, x: Any) -> Any:

@@ -142,7 +142,8 @@ def trace_step(
                 f"the step reached {found} jr.stage_candidate markers traced at the whole batch "
                 f"and {candidate_count()} at a micro-batch: how many candidates there are must "
                 "not depend on the batch size (a jr.scan over the batch's rows, or a Python loop "
-                "over them, does); scan a stack of layers with jr.scan, and rows with lax.scan"
+                "over them, does); scan a stack of layers with jr.scan, and rows with lax.scan. "
+                + CACHED_CANDIDATES
             )
         graph = split_step(
             full,

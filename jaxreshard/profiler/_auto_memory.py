@@ -9,10 +9,13 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
+from jaxreshard.frontend._graph import PARAM
 from jaxreshard.runtime.step._layout import pipeline_schedule
 from jaxreshard.runtime.step._memory import (
     SegmentMemory,
+    borrowed_bytes,
     crossing_bytes,
     mesh_bytes,
     segment_memory,
@@ -33,7 +36,8 @@ def memory_point(session: Any) -> Point:
     shapes = p.mesh_shapes(p.num_meshes(graph.num_stages))
     meshes = [dict(zip(p.mesh_axis_names, shape)) for shape in shapes]
     placement = pipeline_schedule(p, graph.num_stages)
-    on = [meshes[placement.rank_of(s)] for s in range(graph.num_stages)]
+    ranks = [placement.rank_of(s) for s in range(graph.num_stages)]
+    on = [meshes[r] for r in ranks]
     leaves = jax.tree.leaves((session.params, session.opt, batch))
     specs: list[Any] = [spec_of(getattr(x, "sharding", None)) for x in leaves]
     if len(specs) != len(graph.outer.jaxpr.invars):
@@ -41,15 +45,34 @@ def memory_point(session: Any) -> Point:
     stages = []
     for s in range(graph.num_stages):
         exports, residuals = traced_vjp(graph, s, True)  # (one trace of the stage's VJP)
+        own = segment_memory(
+            graph, s, on[s], specs, p.batch_axis, 0, exports, p.reduce_gradients, residuals
+        )
         stages.append(
-            segment_memory(
-                graph, s, on[s], specs, p.batch_axis, 0, exports, p.reduce_gradients, residuals
-            )
+            dataclasses.replace(own, state=own.state + _borrowed(graph, s, on, ranks, specs))
         )
     boundaries = [
         crossing_bytes(graph, k, on[k], p.batch_axis) for k in range(graph.num_stages - 1)
     ]
     return session.layout.micro_batch_rows, stages, boundaries
+
+
+def _borrowed(
+    graph: Any, s: int, on: list[dict[str, int]], ranks: list[int], specs: list[Any]
+) -> int:
+    """Bytes per device stage `s` holds of parameters another stage owns (`borrowed_bytes`;
+    a copy counted wherever the owner's mesh is another one, as under the configured
+    placement, which the candidate schedules keep or change)."""
+    total = 0
+    avals = graph.outer.in_avals
+    for k, owner in enumerate(graph.owner):
+        if owner == s or s not in graph.loss.users(PARAM, k):
+            continue
+        aval = avals[graph.params[k]]
+        differentiable = not graph.forward_only and bool(np.issubdtype(aval.dtype, np.inexact))
+        same = ranks[owner] == ranks[s]
+        total += borrowed_bytes(aval, specs[graph.params[k]], on[s], differentiable, same)
+    return total
 
 
 @dataclasses.dataclass

@@ -18,7 +18,12 @@ from jaxreshard.frontend._graph import PARAM
 from jaxreshard.frontend._split import StepGraph
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.runtime._config import PipelineConfig
-from jaxreshard.runtime.step._memory import chunks_of, micro_batch_rows, nbytes, per_device
+from jaxreshard.runtime.step._memory import (
+    borrowed_bytes,
+    chunks_of,
+    micro_batch_rows,
+    nbytes,
+)
 from jaxreshard.runtime.step._specs import batch_spec, transplant_spec
 
 
@@ -71,10 +76,8 @@ class SharedParams:
         return tuple(SharedCost(o, u, t, grad) for (o, u), (t, grad) in pairs.items())
 
     def copy_bytes(self, bounds: Sequence[int]) -> list[int]:
-        """Per mesh, the bytes per device its chunks hold of parameters another chunk owns:
-        each reading chunk on another mesh keeps a copy for the step and, where it is
-        differentiated, a gradient accumulator of the same size (the stage memory estimate
-        counts only the owner's)."""
+        """Per mesh, the bytes per device its chunks hold of parameters another chunk owns
+        (`borrowed_bytes`; the stage memory estimate counts only the owner's)."""
         extra = [0] * len(self.meshes)
         if not self.readers:
             return extra
@@ -87,9 +90,9 @@ class SharedParams:
             aval, spec = avals[self.graph.params[k]], self.specs[self.graph.params[k]]
             for c in chunks[1:]:
                 m = self.mesh_of[c]
-                if m != self.mesh_of[chunks[0]]:
-                    held = per_device(aval, spec, dict(self.meshes[m].shape))
-                    extra[m] += held * (2 if self._differentiable(k) else 1)
+                same = m == self.mesh_of[chunks[0]]
+                shape = dict(self.meshes[m].shape)
+                extra[m] += borrowed_bytes(aval, spec, shape, self._differentiable(k), same)
         return extra
 
     def _differentiable(self, k: int) -> bool:

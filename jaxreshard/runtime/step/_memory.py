@@ -10,9 +10,9 @@ markers of the all-candidates trace) on the stage's mesh, as:
   input's buffer. Each is divided over the mesh axes its sharding names there: the input's
   own spec, as the runtime transplants it (`transplant_spec`); an output takes the spec of an
   input of its shape and dtype on the same stage, else it counts whole. A choice of cuts that
-  puts a parameter's readers in several chunks adds, on each other chunk's mesh, its copy and
-  gradient accumulator (`SharedParams.copy_bytes`, since 2026-11-30: a stack cut inside its
-  `jr.scan` is read whole on both sides);
+  puts a parameter's readers in several chunks adds, for each other chunk, its gradient
+  accumulator and, on another mesh than the owner's, its copy (`borrowed_bytes`, since
+  2026-11-30: a stack cut inside its `jr.scan` is read whole on both sides);
 - **residuals**: what the segment's forward keeps for its backward (the VJP's residuals, traced
   with `jax.vjp`, less the parameters it keeps as they are, see [Note: residuals kept by
   reference] in `_compile.py`; on a mesh that splits the batch with `reduce_gradients="once"`,
@@ -107,6 +107,17 @@ def per_device(aval: Any, spec: Any, mesh_shape: dict[str, int]) -> int:
         fitted = transplant_spec(spec, mesh_shape, aval.shape)
     ways = math.prod(mesh_shape[a] for entry in fitted for a in spec_axes(entry))
     return nbytes(aval) // ways
+
+
+def borrowed_bytes(
+    aval: Any, spec: Any, mesh_shape: dict[str, int], differentiable: bool, same_mesh: bool
+) -> int:
+    """Bytes per device a chunk holds of a parameter another chunk owns, on a mesh of
+    `mesh_shape`: its copy for the step (none on the owner's mesh, which shares the owner's
+    array) and, where it is differentiated, its gradient accumulator (every chunk that reads a
+    parameter accumulates its own contribution)."""
+    held = per_device(aval, spec, mesh_shape)
+    return held * (int(not same_mesh) + int(differentiable))
 
 
 def residual_avals(

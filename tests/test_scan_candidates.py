@@ -360,6 +360,7 @@ def test_the_partitioner_prices_boundary_tensors_in_the_layout_the_runtime_gives
     import warnings
 
     from jaxreshard.runtime.step._cut_transfers import crossing_spec
+    from jaxreshard.runtime.step._memory import crossing_bytes
 
     base = {**BASE, "stage_mesh_shape": (2,), "devices_per_host": 2}
     args = (init_params(), OPT.init(init_params()), make_batch())
@@ -380,6 +381,9 @@ def test_the_partitioner_prices_boundary_tensors_in_the_layout_the_runtime_gives
         want = entries(crossing_spec({"data": 2}, t.shape, 8, "data"), len(t.shape))
         got = {entries(t.src_spec, len(t.shape)), entries(t.dst_spec, len(t.shape))}
         assert got == {want}, (t.shape, t.src_spec, t.dst_spec)
+    # The memory estimate splits them the same way (each in half over `data`).
+    halves = sum(int(np.prod(t.shape)) * 4 // 2 for t in acts.values())
+    assert crossing_bytes(plan.graph, 0, {"data": 2}, "data") == halves
     assert_equal_to_jit(step)
 
 

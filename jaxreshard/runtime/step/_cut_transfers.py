@@ -23,6 +23,7 @@ from jaxreshard.runtime.step._memory import (
     chunks_of,
     micro_batch_rows,
     nbytes,
+    rows_dim,
 )
 from jaxreshard.runtime.step._specs import batch_spec, transplant_spec
 
@@ -132,7 +133,7 @@ def crossing_spec(
     the batch axis along the micro-batch's rows, as the stage that makes it lays it out (a
     scan's stacked outputs, (layers, rows), along dim 1); whole where no dim has the rows
     (`rows` 0: no batch feed, dim 0)."""
-    dim = 0 if not rows else next((d for d, n in enumerate(shape) if n == rows), None)
+    dim = 0 if not rows else rows_dim(shape, rows)
     if dim is None:
         return P()
     return batch_spec(mesh_shape, shape, batch_axis, dim)

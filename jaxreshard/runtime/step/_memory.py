@@ -85,11 +85,18 @@ def live_peak(schedule: Schedule, held: Sequence[int], pending: Sequence[int]) -
     return tuple(peaks)
 
 
+def rows_dim(shape: Sequence[int], rows: int) -> int | None:
+    """The dim of a per-micro-batch value that holds the micro-batch's `rows`, as a stage
+    splits it over its batch axis: the first of that size (a scan's stacked outputs, (layers,
+    rows), hold them in dim 1), or None."""
+    return next((d for d, n in enumerate(shape) if n == rows), None) if rows else None
+
+
 def per_micro_batch(avals: Sequence[Any], rows: int, split: int) -> int:
-    """Bytes per device of per-micro-batch values: those whose leading dim is the
-    micro-batch's `rows` are split over the batch axis (`split` ways), the others whole."""
+    """Bytes per device of per-micro-batch values: those with a dim of the micro-batch's
+    `rows` (`rows_dim`) are split over the batch axis (`split` ways), the others whole."""
     return sum(
-        nbytes(a) // split if rows and a.shape and a.shape[0] == rows and rows % split == 0
+        nbytes(a) // split if rows_dim(a.shape, rows) is not None and rows % split == 0
         else nbytes(a)
         for a in avals
     )  # fmt: skip

@@ -62,14 +62,8 @@ class SharedParams:
 
     def costs(self, bounds: Sequence[int]) -> tuple[SharedCost, ...]:
         """The `Costs.shared` of the chunks `bounds` make (one entry per owner and reader)."""
-        if not self.readers:
-            return ()
-        chunk_of = {}
-        for c, r in enumerate(chunks_of(bounds, self.graph.loss.num_stages)):
-            chunk_of.update(dict.fromkeys(r, c))
         pairs: dict[tuple[int, int], list[Any]] = {}
-        for k, users in self.readers.items():
-            chunks = sorted({chunk_of[s] for s in users})
+        for k, chunks in self._reader_chunks(bounds):
             for c in chunks[1:]:
                 entry = pairs.setdefault((chunks[0], c), [0.0, False])
                 entry[0] += self.seconds(k, chunks[0], c)
@@ -80,14 +74,8 @@ class SharedParams:
         """Per mesh, the bytes per device its chunks hold of parameters another chunk owns
         (`borrowed_bytes`; the stage memory estimate counts only the owner's)."""
         extra = [0] * len(self.meshes)
-        if not self.readers:
-            return extra
-        chunk_of = {}
-        for c, r in enumerate(chunks_of(bounds, self.graph.loss.num_stages)):
-            chunk_of.update(dict.fromkeys(r, c))
         avals = self.graph.outer.in_avals
-        for k, users in self.readers.items():
-            chunks = sorted({chunk_of[s] for s in users})
+        for k, chunks in self._reader_chunks(bounds):
             aval, spec = avals[self.graph.params[k]], self.specs[self.graph.params[k]]
             for c in chunks[1:]:
                 m = self.mesh_of[c]
@@ -95,6 +83,16 @@ class SharedParams:
                 shape = dict(self.meshes[m].shape)
                 extra[m] += borrowed_bytes(aval, spec, shape, self._differentiable(k), same)
         return extra
+
+    def _reader_chunks(self, bounds: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """Each shared parameter and the chunks that `bounds` make that read it, the owner
+        (the first) first."""
+        if not self.readers:
+            return []
+        chunk_of = {}
+        for c, r in enumerate(chunks_of(bounds, self.graph.loss.num_stages)):
+            chunk_of.update(dict.fromkeys(r, c))
+        return [(k, sorted({chunk_of[s] for s in users})) for k, users in self.readers.items()]
 
     def _differentiable(self, k: int) -> bool:
         aval = self.graph.outer.in_avals[self.graph.params[k]]

@@ -68,6 +68,11 @@ class Costs:
         apply: apply-gradient (optimizer) time, per stage.
         shared: parameters read by chunks other than their owner (`SharedCost`), at most one
             per (owner, user) pair; none by default.
+        host: per stage, how long its rank stays busy after each of its F, B and W actions
+            with that action's outputs already on their way: the host's own work between two
+            actions (posting the sends, dropping what is dead, dispatching the next). None
+            (zeros) by default; a profile measures it (see [Note: host time between actions]
+            in `jaxreshard/profiler/_run.py`).
     """
 
     forward: tuple[float, ...]
@@ -76,11 +81,14 @@ class Costs:
     comm: tuple[float, ...]
     apply: tuple[float, ...]
     shared: tuple[SharedCost, ...] = ()
+    host: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if n < 1:
             raise ValueError("Costs: need at least one stage")
+        host = self.host if self.host != () else 0.0  # (a frozen field: set once, normalised)
+        object.__setattr__(self, "host", _per(host, n, "host"))
         if not isinstance(self.shared, tuple):
             object.__setattr__(self, "shared", tuple(self.shared))  # (hashable, as the rest)
         pairs = set()
@@ -132,6 +140,7 @@ class Costs:
         weight_grad: float | Sequence[float] | None = None,
         comm: float | Sequence[float] = 0.0,
         apply: float | Sequence[float] = 0.0,
+        host: float | Sequence[float] = 0.0,
     ) -> Costs:
         """Costs from numbers (uniform) or per-stage / per-boundary sequences.
 
@@ -155,6 +164,7 @@ class Costs:
             weight_grad=_per(weight_grad, num_stages, "weight_grad"),
             comm=_per(comm, num_stages - 1, "comm"),
             apply=_per(apply, num_stages, "apply"),
+            host=_per(host, num_stages, "host"),
         )
 
     @property
@@ -176,10 +186,14 @@ class Costs:
         def compact(values: tuple[float, ...]) -> float | list[float]:
             return values[0] if values and len(set(values)) == 1 else list(values)
 
-        return {
-            "forward": compact(self.forward),
-            "backward": compact(self.backward),
-            "weight_grad": compact(self.weight_grad),
-            "comm": compact(self.comm) if self.comm else 0.0,
-            "apply": compact(self.apply),
-        } | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})
+        return (
+            {
+                "forward": compact(self.forward),
+                "backward": compact(self.backward),
+                "weight_grad": compact(self.weight_grad),
+                "comm": compact(self.comm) if self.comm else 0.0,
+                "apply": compact(self.apply),
+            }
+            | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})
+            | ({"host": compact(self.host)} if any(self.host) else {})
+        )

@@ -10,6 +10,8 @@ calls, the sends of that action and the receive the next F/B needs (as Megatron-
 sender and its receiver have posted it, and a stage leaves its batch only when every transfer in
 it is done, so both ends are blocked for its duration. A set of stages that all wait in batches
 whose peers never post is a deadlock.
+A rank stays busy `Costs.host` seconds after each F, B or W of a chunk (the host posting its
+sends and dispatching the next action), while that action's outputs are already on their way.
 A parameter that chunk o keeps and chunk u also reads (`Costs.shared`) is sent at the start, on
 the link from o to u before anything else on it, and u's first action waits for it; u's
 gradient contribution goes back after u's last action, and o's apply waits for it (overlap
@@ -199,6 +201,12 @@ def simulate(schedule: Schedule, costs: Costs, *, overlap: bool = True) -> Timel
             "overlapping transfers only; simulate with overlap (overlap=True, or without "
             "--no-overlap), or give costs without shared"
         )
+    if any(costs.host) and not overlap:
+        raise ValueError(
+            "simulate: costs.host (a rank's own time between actions) is simulated with "
+            "overlapping transfers only; simulate with overlap (overlap=True), or give costs "
+            "without host"
+        )
     if overlap:
         engine = _simulate_overlapped
     else:
@@ -282,7 +290,8 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
     order that polling found them: by round (a unit runs in its rank's round, one later if an
     input came from a higher rank), then rank, then position.
     """
-    p, split = schedule.num_stages, schedule.split_backward
+    p, split, host = schedule.num_stages, schedule.split_backward, costs.host
+    busy = any(host)
     units = [_units(schedule, r) for r in range(p)]
     # [Note: event-driven simulation] keys are ints, round * p + rank (and a count after it
     # for a transfer), not tuples: an int is no object the cyclic GC tracks, and tuples per
@@ -320,7 +329,10 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
             else:
                 ran = _run_unit(unit, start, costs, split)
                 timed[r] += ran
-                end = free[r] = ran[-1].end
+                end = ran[-1].end
+                free[r] = (
+                    end + sum(host[a.stage_index] for a in unit if a.kind != APPLY) if busy else end
+                )
                 order = (k * p + r) * limit + len(transfers)
                 position[r] += 1
                 for sent in sends:

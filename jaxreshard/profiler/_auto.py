@@ -52,6 +52,7 @@ layouts' calibrations, and the best few of them are calibrated and ranked like t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import places_weights
 from jaxreshard.profiler._run import (
+    OptimizerPhase,
     Session,
     devices_needed,
     is_fatal,
@@ -163,7 +165,7 @@ def auto_search(
                     continue  # (a micro-batch must split evenly over the stages' batch axis)
                 rows = pc.run.batch_size // m
                 costs = model.at(rows)
-                seconds, schedule = _predict(costs, changes, m)
+                seconds, schedule = _predict(costs, changes, m, entry.get("phase"))
                 run = dict(changes)
                 if placing:  # (the runtime places Ws as the prediction did)
                     run.update(_placement(lpc.pipeline.replace(**changes), costs))
@@ -255,7 +257,9 @@ def _calibrated(
     lpc = pc.replace_pipeline(**changes)
     entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
     try:
-        entry["measured"], entry["memory"], chosen = _calibrate(lpc, runtime, console, progress)
+        entry["measured"], entry["memory"], chosen, entry["phase"] = _calibrate(
+            lpc, runtime, console, progress
+        )
     except Exception as e:  # (a mesh the model does not shard on, say)
         if is_fatal(e) or required:  # (a host died: nothing more runs)
             raise
@@ -274,15 +278,19 @@ def _calibrated(
 
 def _calibrate(
     pc: ProfileConfig, runtime: Any, console: Any, progress: bool
-) -> tuple[list[tuple[int, Costs, float]], LayoutMemory | None, tuple[int, ...] | None]:
+) -> tuple[
+    list[tuple[int, Costs, float]], LayoutMemory | None, tuple[int, ...] | None, OptimizerPhase
+]:
     """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
-    overhead) per point, the stages' memory estimate (None if it could not be made), and the
-    cut `partition="auto"` chose (None: not asked to). If no cut fits the memory cap at the
-    first point's micro-batch count, the cut is chosen without it: the predictions, at every
-    count, are checked against the cap (see [Note: configuration search])."""
+    overhead) per point, the stages' memory estimate (None if it could not be made), the
+    cut `partition="auto"` chose (None: not asked to), and where and how long the optimizer
+    ran after the pipeline (the first point's: it does not change with the micro-batches).
+    If no cut fits the memory cap at the first point's micro-batch count, the cut is chosen
+    without it: the predictions, at every count, are checked against the cap (see [Note:
+    configuration search])."""
     measured: list[tuple[int, Costs, float]] = []
     points: list[Any] | None = []
-    chosen = None
+    chosen, phase = None, None
     for m in _calibration_points(pc):
         cpc = pc.replace_pipeline(num_micro_batches=m)
         if chosen is not None:  # (every point measures the cut the first one chose)
@@ -310,6 +318,8 @@ def _calibrate(
         rows = session.layout.micro_batch_rows
         measured.append((rows, measured_costs(session.steps, session.layout),
                          step_overhead(session.steps)))  # fmt: skip
+        if phase is None:
+            phase = OptimizerPhase.measured(session.steps, session.layout.schedule.num_chunks)
         if points is not None:
             try:
                 points.append(memory_point(session))
@@ -319,7 +329,8 @@ def _calibrate(
                     why = error_line(e)
                     console.print(f"no memory estimate for meshes {_layout_text(cpc)}: {why}")
         del session
-    return measured, LayoutMemory(points) if points else None, chosen
+    assert phase is not None  # (every layout has a calibration point)
+    return measured, LayoutMemory(points) if points else None, chosen, phase
 
 
 def cut_options(pc: ProfileConfig, cuts: bool, virtual: bool) -> list[dict[str, Any]]:
@@ -440,9 +451,12 @@ def _calibration_points(pc: ProfileConfig) -> list[int]:
     return fits[:2] or [m]
 
 
-def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]:
+def _predict(
+    costs: Costs, changes: dict[str, Any], m: int, phase: OptimizerPhase | None = None
+) -> tuple[float, Any]:
     """The simulated step of `changes`' schedule at `m` micro-batches of these costs, and the
-    schedule."""
+    schedule; with `phase` (the calibration's), its optimizer runs after the pipeline as
+    measured there (see [Note: the optimizer after the pipeline])."""
     v = changes.get("virtual_stages") or 1
     schedule = build_schedule(
         changes["schedule"],
@@ -452,7 +466,11 @@ def _predict(costs: Costs, changes: dict[str, Any], m: int) -> tuple[float, Any]
         weight_delay=changes.get("weight_delay", False),
         costs=costs,
     )
-    return simulate(schedule.with_apply(), costs).makespan, schedule
+    if phase is None or len(phase.hosts) != costs.num_stages:
+        return simulate(schedule.with_apply(), costs).makespan, schedule
+    n = costs.num_stages
+    timeline = simulate(schedule.with_apply(), dataclasses.replace(costs, apply=(0.0,) * n))
+    return phase.end(timeline, costs.apply), schedule
 
 
 def _batch_split(pc: ProfileConfig) -> int:

@@ -34,7 +34,8 @@ class CostModel:
         backward = line(lambda c: c.backward)
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
-                     comm=line(lambda c: c.comm), apply=self.points[0][1].apply)  # fmt: skip
+                     comm=line(lambda c: c.comm), apply=self.points[0][1].apply,
+                     host=line(lambda c: c.host))  # fmt: skip
 
 
 def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:

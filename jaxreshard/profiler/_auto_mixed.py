@@ -109,6 +109,7 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         weight_grad=tuple(at[k].weight_grad[k] for k in k_range),
         comm=comm,
         apply=tuple(at[k].apply[k] for k in k_range),
+        host=tuple(at[k].host[k] for k in k_range),
     )
     return costs, max(m.overhead for m in models)
 

@@ -15,10 +15,11 @@ away, so training goes on from correct parameters.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,12 @@ class StepRecord:
     seconds: float
     loss: float
     events: list[Event]
+    # The stages whose optimizer segments the driver ran after the hosts' step, in order
+    # (`PipelineDriver.last_driver_stages`): segments whose inputs sit on several hosts.
+    driver_stages: tuple[int, ...] = ()
+    # Per stage, its lead host: a host runs its stages' optimizer segments after all of its
+    # ranks' programs have ended (`StepRunner`'s segments, one after another).
+    hosts: tuple[int, ...] = ()
 
 
 def devices_needed(pc: ProfileConfig) -> int:
@@ -137,7 +144,11 @@ class Session:
             if self.checkpoints is not None:
                 self.checkpoints.after_step(self)
         shifted = [dataclasses.replace(e, start=e.start - start, end=e.end - start) for e in events]
-        record = StepRecord(seconds, value, sorted(shifted, key=lambda e: e.start))
+        driver = self.pipeline
+        lead = {s: hs[0] for s, hs in driver.processes.hosts_of_stage.items()}
+        hosts = tuple(lead[s] for s in sorted(lead))
+        events = sorted(shifted, key=lambda e: e.start)
+        record = StepRecord(seconds, value, events, driver.last_driver_stages, hosts)
         (self.signal_steps if signal_only else self.steps).append(record)
         return record
 
@@ -461,18 +472,24 @@ def _chain(error: BaseException | None) -> list[BaseException]:
 # -- the simulator's prediction for a measured run ------------------------------------------------
 
 
+_BLOCKED = 20e-6  # a receive that took longer waited for its value (a ready one takes ~5 us)
+
+
 def transfer_durations(steps: Sequence[StepRecord]) -> dict[str, list[float]]:
     """Per transfer name: each micro-batch's time on the wire, from the start of its send to
     its arrival at the last receiver (the `arrive` events of every receiving host, on the
     driver's clock), or to the send's end where no receiver records one (a transfer inside a
     process, whose send ends when the value is there). A sender's own end (its bytes handed
     to the transport) says nothing of the link: on 0.01 GB/s NICs a 1 MiB activation's send
-    ended after 1.5 ms, its arrival 105 ms later."""
+    ended after 1.5 ms, its arrival 105 ms later. Where a receiver was blocked waiting for it,
+    the transfer ends when that wait did (the receiving thread woke with the value): in one
+    process a send's end is its arrival, but the blocked receiver woke 0.6 ms later (median;
+    mean 1.7 ms) on this 2-core VM with 4 stages' threads."""
     out: dict[str, list[float]] = {}
     for st in steps:
         arrivals: dict[tuple[str, int], float] = {}
         for e in st.events:
-            if e.kind == ARRIVE:
+            if e.kind == ARRIVE or (e.kind == WAIT and e.end - e.start > _BLOCKED):
                 key = (e.name, e.mb)
                 arrivals[key] = max(arrivals.get(key, e.end), e.end)
         for e in st.events:
@@ -482,14 +499,52 @@ def transfer_durations(steps: Sequence[StepRecord]) -> dict[str, list[float]]:
     return out
 
 
+def host_between_actions(steps: Sequence[StepRecord], schedule: Any) -> list[float]:
+    """Per chunk, the mean time its rank spends after one of the chunk's F, B or W actions
+    before the rank's next action starts, less the time it waits there for a receive (see
+    [Note: host time between actions]); 0.0 for a chunk no action of which another followed.
+
+    [Note: host time between actions]
+    A stage's thread posts the sends of an action's outputs (a resharding, a put on the
+    transport) and drops what is dead before it dispatches the next action, and a timed step
+    blocks on each action; none of that is inside an action's own time. On this 2-core VM it
+    took 0.3-0.6 ms per action of a tiny GPT (a 64 KiB in-process send 0.2-2 ms), beside
+    actions of 1-5 ms: the simulator, which ran a rank's actions back to back, predicted its
+    steps 5-10% short. So the simulator keeps a rank busy for this time after each action
+    (`Costs.host`), with the action's outputs already sent: a receiver waits for the transfer,
+    not for the sender's host."""
+    rank_of = schedule.rank_of
+    gaps: dict[int, list[float]] = {}
+    for st in steps:
+        by_rank: dict[int, list[Any]] = {}
+        waits: dict[int, list[Any]] = {}
+        for e in st.events:
+            if 0 <= e.stage < schedule.num_chunks:
+                if e.kind in ("F", "B", "W", "FB"):
+                    by_rank.setdefault(rank_of(e.stage), []).append(e)
+                elif e.kind == WAIT:
+                    waits.setdefault(rank_of(e.stage), []).append(e)
+        for r, actions in by_rank.items():
+            actions.sort(key=lambda e: e.start)
+            for x, y in itertools.pairwise(actions):
+                waited = sum(max(0.0, min(w.end, y.start) - max(w.start, x.end))
+                             for w in waits.get(r, ()))  # fmt: skip
+                gaps.setdefault(x.stage, []).append(max(0.0, y.start - x.end - waited))
+    return [statistics.fmean(gaps[c]) if c in gaps else 0.0 for c in range(schedule.num_chunks)]
+
+
 def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
-    optimizer (A) times, per boundary the median transfer time of its activations and
-    gradients.
+    optimizer (A) times and its host's time between actions (`host_between_actions`), per
+    boundary the median transfer time of its activations and gradients, each to where its
+    receiver could use it (`transfer_durations`).
 
     Compute times are means, not medians: a step lasts the sum of its actions, and the sum of
     n actions is n means; on a loaded machine action times are skewed (a few stretched by
-    another process), and medians of them predicted steps 6-10% short."""
+    another process), and medians of them predicted steps 6-10% short. Transfer times are
+    medians: most of them overlap compute, and a boundary's mean is set by its rare long
+    ones (a U-Transformer skip's mean was 22x its median), which predicted 4-stage steps up
+    to 18% long; the medians came within 2.2% on the same ten local configurations."""
     schedule = layout.schedule
     n = schedule.num_chunks
     times: dict[tuple[int, str], list[float]] = {}
@@ -528,6 +583,7 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         weight_grad=weight,
         comm=comm,
         apply=[mean(s, "A") for s in range(n)],
+        host=host_between_actions(steps, schedule),
     )
 
 
@@ -551,21 +607,22 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
     stages adds two transfers per step (see [Note: instructions]), added here: its copy goes
     out at the step's start, ahead of the activations on the same link, and delays the user's
     first action if it arrives later; the owner's optimizer waits for the user's gradient
-    contribution after the user's last action. The step's fixed cost outside the pipeline
-    (`step_overhead`: dispatch and results) is added as measured.
+    contribution after the user's last action. The optimizer segments run after the pipeline
+    (`OptimizerPhase`). The step's fixed cost outside the pipeline (`step_overhead`: dispatch
+    and results) is added as measured.
     """
     from jaxreshard.pipeline import simulate
 
     costs = measured_costs(steps, layout)
-    timeline = simulate(layout.schedule.with_apply(), costs)
+    n = layout.schedule.num_chunks
+    phase = OptimizerPhase.measured(steps, n)
+    timeline = simulate(layout.schedule.with_apply(), dataclasses.replace(costs, apply=(0.0,) * n))
     first: dict[int, float] = {}
-    last: dict[int, float] = {}
+    last = phase.last_actions(timeline)
     for rank in timeline.stages:
         for t in rank:
             c = t.action.stage_index
             first[c] = min(first.get(c, t.start), t.start)
-            if t.action.kind != "A":
-                last[c] = max(last.get(c, t.end), t.end)
     rank = layout.schedule.placement  # links join meshes (ranks), not chunks
     link_opens: dict[tuple[int, int], float] = {}  # first simulated transfer on each link
     for tt in timeline.transfers:
@@ -573,9 +630,10 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
         if link[0] != link[1]:
             link_opens[link] = min(link_opens.get(link, tt.start), tt.start)
     durations = transfer_durations(steps)
-    late_start, makespan = 0.0, timeline.makespan
+    late_start = 0.0
+    gradients: dict[int, float] = {}  # chunk -> when a shared parameter's gradient is back
     for t in layout.transfers.values():
-        seconds = median(durations.get(t.name, [])) if durations.get(t.name) else 0.0
+        seconds = median(durations[t.name]) if durations.get(t.name) else 0.0
         kind = t.name.split(" ")[0].rstrip("0123456789")
         if kind == "param":
             late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
@@ -583,6 +641,95 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
             if link in link_opens:  # the activations on its link queue behind it
                 late_start = max(late_start, seconds - link_opens[link])
         elif kind == "param_grad":
-            done = last.get(t.src_stage, 0.0) + seconds + costs.apply[t.dst_stage]
-            makespan = max(makespan, done)
-    return makespan + late_start + step_overhead(steps), costs
+            back = last.get(t.src_stage, 0.0) + seconds
+            gradients[t.dst_stage] = max(gradients.get(t.dst_stage, 0.0), back)
+    end = phase.end(timeline, costs.apply, gradients)
+    return end + late_start + step_overhead(steps), costs
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPhase:
+    """When a step's optimizer segments end, from a simulation of its pipeline whose applies
+    took no time ([Note: the optimizer after the pipeline]).
+
+    Attributes:
+        hosts: per chunk, the lead host of its stage (`StepRecord.hosts`).
+        seconds: per host, the measured mean time from its stages' last F, B or W (or
+            receive) to the end of the last optimizer segment it ran (`apply_phases`).
+        on_driver: the chunks whose segments the driver ran (`StepRecord.driver_stages`).
+
+    [Note: the optimizer after the pipeline]
+    A host runs the optimizer segments of its stages after all of its ranks' programs have
+    ended, one after another; the driver runs a segment whose inputs sit on several hosts
+    after every host's part, in turn. The simulator ran each chunk's apply after that chunk's
+    last action, beside the other ranks' work: on one host of two tiny-GPT stages, 1.6 ms
+    before the segments really began. So a prediction simulates the pipeline without its
+    applies, then ends each host's part its measured time (`seconds`) after its last action,
+    or after a shared parameter's gradient is back (the summed applies where it ran none),
+    and adds the driver's applies after the latest.
+    """
+
+    hosts: tuple[int, ...]
+    seconds: dict[int, float]
+    on_driver: tuple[int, ...]
+
+    @classmethod
+    def measured(cls, steps: Sequence[StepRecord], num_chunks: int) -> OptimizerPhase:
+        last = steps[-1] if steps else StepRecord(0.0, 0.0, [])
+        on_driver = tuple(sorted(set(last.driver_stages)))
+        hosts = last.hosts if len(last.hosts) == num_chunks else tuple(range(num_chunks))
+        return cls(hosts, apply_phases(steps, hosts, on_driver), on_driver)
+
+    @staticmethod
+    def last_actions(timeline: Any) -> dict[int, float]:
+        """Per chunk, when its last simulated F, B or W ends."""
+        last: dict[int, float] = {}
+        for rank in timeline.stages:
+            for t in rank:
+                if t.action.kind != "A":
+                    c = t.action.stage_index
+                    last[c] = max(last.get(c, t.end), t.end)
+        return last
+
+    def end(
+        self, timeline: Any, apply: Sequence[float], gradients: Mapping[int, float] | None = None
+    ) -> float:
+        """The step's end (without its fixed cost): `timeline` simulated with no apply time,
+        `apply` each chunk's measured optimizer seconds, `gradients` when a chunk's shared
+        parameters' gradients are back from their users."""
+        n, gradients = len(self.hosts), gradients or {}
+        last = self.last_actions(timeline)
+        end = timeline.makespan
+        for h in set(self.hosts):
+            here = [c for c in range(n) if self.hosts[c] == h]
+            at = max(max(last.get(c, 0.0), gradients.get(c, 0.0)) for c in here)
+            mine = [c for c in here if c not in self.on_driver]
+            end = max(end, at + (self.seconds.get(h, sum(apply[c] for c in mine)) if mine else 0))
+        return end + sum(apply[c] for c in self.on_driver)
+
+
+def apply_phases(
+    steps: Sequence[StepRecord], host_of: Sequence[int], on_driver: Sequence[int]
+) -> dict[int, float]:
+    """Per host, the mean time from the end of its stages' last F, B or W (or receive: a shared
+    parameter's gradient) to the end of their last optimizer segment run there (not by the
+    driver): the host winds its ranks' threads
+    down, places the gradients and runs the segments one after another (on this 2-core VM a
+    tiny GPT's two stages in one process: 1.6 ms before the first, then 1.0 and 1.1 ms each,
+    where their summed applies said 2.1 ms after the later stage's last action)."""
+    spans: dict[int, list[float]] = {}
+    for st in steps:
+        last: dict[int, float] = {}
+        applied: dict[int, float] = {}
+        for e in st.events:
+            if not 0 <= e.stage < len(host_of):
+                continue
+            h = host_of[e.stage]
+            if e.kind in ("F", "B", "W", "FB", WAIT):  # (a wait: the gradient of a shared one)
+                last[h] = max(last.get(h, e.end), e.end)
+            elif e.kind == APPLY_EVENT and not (e.stage in on_driver and e.name == "apply"):
+                applied[h] = max(applied.get(h, e.end), e.end)
+        for h, end in applied.items():
+            if h in last:
+                spans.setdefault(h, []).append(max(0.0, end - last[h]))
+    return {h: statistics.fmean(v) for h, v in spans.items()}

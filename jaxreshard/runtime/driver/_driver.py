@@ -179,6 +179,9 @@ class PipelineDriver:
         self.processes = hosts
         self.config = layout.config
         self.last_events: list[Event] = []
+        # The stages of the optimizer segments the last call ran on the driver, after every
+        # host's step, one after another (a profile's prediction runs them so).
+        self.last_driver_stages: tuple[int, ...] = ()
         self._ids = itertools.count()
         self.key = ""  # the step ids' prefix
         self.last_step_id = ""
@@ -269,6 +272,7 @@ class PipelineDriver:
         consts = [step_value(self._index, host_leaves, pre, v) for v in g.consts]
         # 3. Where the post-gradient segments run.
         on_host, on_driver = self.place_segments(values)
+        self.last_driver_stages = tuple(g.segments[j].stage for j in on_driver)
         # 4. One call per host.
         calls = {}
         for h, stages in self._stages_of.items():

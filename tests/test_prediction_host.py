@@ -1,0 +1,107 @@
+"""What a measured step's prediction charges besides the actions: the host's time between a
+rank's actions, a blocked receiver's wake-up, and optimizer segments the driver runs after
+every host's step ([Note: host time between actions] in `jaxreshard/profiler/_run.py`)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._formats import costs_from_json
+from jaxreshard.profiler._run import (
+    StepRecord,
+    host_between_actions,
+    predicted_step,
+    transfer_durations,
+)
+from jaxreshard.runtime.engine._events import Event
+
+
+def _starts(timeline) -> dict[str, tuple[float, float]]:
+    return {str(t.action): (t.start, t.end) for rank in timeline.stages for t in rank}
+
+
+def test_a_rank_stays_busy_for_its_host_time_while_the_outputs_travel():
+    schedule = build_schedule("gpipe", 2, 2).with_apply()
+    plain = Costs.make(2, forward=1.0, backward=2.0)
+    busy = Costs.make(2, forward=1.0, backward=2.0, host=0.5)
+    a, b = _starts(simulate(schedule, plain)), _starts(simulate(schedule, busy))
+    assert a["0F1"] == (1.0, 2.0) and b["0F1"] == (1.5, 2.5)  # after 0F0 and its host time
+    assert b["1F0"] == a["1F0"] == (1.0, 2.0)  # 0F0's output left when 0F0 ended
+    assert b["1F1"] == (2.5, 3.5)  # 0F1's output, at its end
+    assert b["1B0"] == (4.0, 6.0)  # after 1F1 and its host time
+    # Each rank's apply waits for its last action's host time too.
+    assert simulate(schedule, busy).makespan == pytest.approx(b["0B1"][1] + 0.5)
+
+
+def test_host_time_round_trips_through_the_costs_json_and_is_overlap_only():
+    costs = Costs.make(3, host=[0.1, 0.2, 0.3])
+    assert costs.to_json()["host"] == [0.1, 0.2, 0.3]
+    assert costs_from_json(costs.to_json(), 3, "t.json") == costs
+    assert "host" not in Costs.make(3).to_json()  # (files without it stay as they were)
+    assert Costs.make(3).host == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="host has 2 entries, expected 3"):
+        Costs.make(3, host=[0.1, 0.2])
+    with pytest.raises(ValueError, match=r"host=\[-1.0\] must be >= 0"):
+        Costs(forward=(1.0,), backward=(2.0,), weight_grad=(1.0,), comm=(), apply=(0.0,),
+              host=(-1.0,))  # fmt: skip
+    with pytest.raises(ValueError, match=r"costs\.host .* overlapping transfers only"):
+        simulate(build_schedule("1f1b", 3, 3), costs, overlap=False)
+
+
+def test_host_time_between_actions_leaves_out_the_waits_for_receives():
+    schedule = build_schedule("1f1b", 2, 2)
+    events = [
+        Event(0, "F", 0, 0.0, 1.0, "0F0"),
+        Event(0, "send", 0, 1.0, 1.1, "act0 s0->s1", 8, 1),
+        Event(0, "F", 1, 1.2, 2.0, "0F1"),  # 0.2 after 0F0
+        Event(0, "wait", 0, 2.1, 3.0, "grad0 s1->s0"),
+        Event(0, "B", 0, 3.1, 4.0, "0B0"),  # 1.1 after 0F1, 0.9 of it waiting
+        Event(1, "F", 0, 1.1, 2.0, "1F0"),
+    ]
+    assert host_between_actions([StepRecord(4.0, 0.0, events)], schedule) == pytest.approx(
+        [0.2, 0.0]  # mean of 0.2 and 0.2; stage 1 ran one action, none followed
+    )
+
+
+def test_a_blocked_receiver_ends_its_transfer_when_it_wakes():
+    events = [
+        Event(0, "send", 0, 1.0, 1.1, "act0 s0->s1", 8, 1),
+        Event(1, "wait", 0, 0.5, 1.7, "act0 s0->s1"),  # blocked: woke 0.6 after the send
+        Event(0, "send", 1, 2.0, 2.1, "act0 s0->s1", 8, 1),
+        Event(1, "wait", 1, 3.0, 3.0, "act0 s0->s1"),  # the value was there: no wait
+    ]
+    assert transfer_durations([StepRecord(4.0, 0.0, events)]) == {
+        "act0 s0->s1": [pytest.approx(0.7), pytest.approx(0.1)]
+    }
+
+
+def _two_stage_step(applies: list[tuple[int, float]], **where) -> StepRecord:
+    """1F1B over 2 stages and 1 micro-batch, every action 1 s; each apply 1 s, starting at the
+    times given: the pipeline ends at 4 s (stage 1's part at 3 s)."""
+    actions = [Event(0, "F", 0, 0.0, 1.0, "0F0"), Event(1, "F", 0, 1.0, 2.0, "1F0"),
+               Event(1, "B", 0, 2.0, 3.0, "1B0"), Event(0, "wait", 0, 1.0, 3.0, "grad0 s1->s0"),
+               Event(0, "B", 0, 3.0, 4.0, "0B0")]  # fmt: skip
+    applied = [Event(s, "A", -1, t, t + 1.0, "apply") for s, t in applies]
+    return StepRecord(max(e.end for e in applied), 0.0, actions + applied, **where)
+
+
+@pytest.mark.parametrize(
+    ("applies", "where", "predicted"),
+    [
+        # One host per stage: stage 1's apply beside stage 0's backward.
+        ([(1, 3.0), (0, 4.0)], {"hosts": (0, 1)}, 5.0),
+        # One host for both: its segments run after both stages' programs, one by one.
+        ([(1, 4.0), (0, 5.0)], {"hosts": (0, 0)}, 6.0),
+        # The driver's: after every host's part, one by one.
+        ([(0, 4.0), (1, 5.0)], {"hosts": (0, 1), "driver_stages": (0, 1)}, 6.0),
+    ],
+)
+def test_optimizer_segments_run_after_their_hosts_ranks(applies, where, predicted):
+    layout = types.SimpleNamespace(schedule=build_schedule("1f1b", 2, 1), transfers={})
+    step = _two_stage_step(applies, **where)
+    seconds, costs = predicted_step([step], layout)
+    assert costs.apply == (1.0, 1.0) and costs.host == (0.0, 0.0)
+    assert seconds == pytest.approx(predicted)

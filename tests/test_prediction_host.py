@@ -13,6 +13,7 @@ from jaxreshard.pipeline._formats import costs_from_json
 from jaxreshard.profiler._run import (
     StepRecord,
     host_between_actions,
+    measured_costs,
     predicted_step,
     transfer_durations,
 )
@@ -105,3 +106,38 @@ def test_optimizer_segments_run_after_their_hosts_ranks(applies, where, predicte
     seconds, costs = predicted_step([step], layout)
     assert costs.apply == (1.0, 1.0) and costs.host == (0.0, 0.0)
     assert seconds == pytest.approx(predicted)
+
+
+def test_gradients_take_their_own_time_back():
+    schedule = build_schedule("1f1b", 2, 1)
+    same = _starts(simulate(schedule, Costs.make(2, forward=1.0, backward=2.0, comm=0.5)))
+    back = Costs.make(2, forward=1.0, backward=2.0, comm=0.5, comm_back=1.5)
+    slow = _starts(simulate(schedule, back))
+    assert same["1F0"] == slow["1F0"] == (1.5, 2.5)  # activations: comm
+    assert same["0B0"][0] == 5.0 and slow["0B0"][0] == 6.0  # gradients: comm_back
+    assert back.to_json()["comm_back"] == 1.5 and costs_from_json(back.to_json(), 2, "t") == back
+    # (None follows comm, whatever replaces it)
+    assert Costs.make(2, comm=0.5).transfer_seconds("gradient", 0) == 0.5
+
+
+def test_measured_transfers_are_timed_per_direction_and_leave_out_shared_parameters():
+    layout = types.SimpleNamespace(
+        schedule=build_schedule("1f1b", 2, 1),
+        transfers={
+            name: types.SimpleNamespace(name=name, src_stage=src, dst_stage=dst)
+            for name, src, dst in [("act0 s0->s1", 0, 1), ("grad0 s1->s0", 1, 0),
+                                   ("param7 s0->s1", 0, 1), ("param_grad7 s1->s0", 1, 0)]
+        },
+    )  # fmt: skip
+    events = [
+        Event(0, "F", 0, 0.0, 1.0, "0F0"),
+        Event(0, "send", -1, 0.0, 0.9, "param7 s0->s1", 8, 1),
+        Event(0, "send", 0, 1.0, 1.2, "act0 s0->s1", 8, 1),
+        Event(1, "F", 0, 1.2, 2.0, "1F0"),
+        Event(1, "B", 0, 2.0, 3.0, "1B0"),
+        Event(1, "send", 0, 3.0, 3.6, "grad0 s1->s0", 8, 0),
+        Event(1, "send", -1, 3.6, 5.0, "param_grad7 s1->s0", 8, 0),
+        Event(0, "B", 0, 3.6, 4.0, "0B0"),
+    ]
+    costs = measured_costs([StepRecord(5.0, 0.0, events)], layout)
+    assert costs.comm == pytest.approx((0.2,)) and costs.comm_back == pytest.approx((0.6,))

@@ -439,7 +439,7 @@ def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
         return None
     where = f"{source}: costs"
     costs = _files.expect_dict(value, where, "the costs the timeline was simulated with")
-    keys = ("forward", "backward", "weight_grad", "comm", "apply", "host")
+    keys = ("forward", "backward", "weight_grad", "comm", "apply", "host", "comm_back")
     _files.reject_unknown_keys(costs, (*keys, "shared"), where)
     try:
         made = Costs.make(num_chunks, **{k: costs[k] for k in keys if k in costs})

@@ -32,7 +32,13 @@ from collections.abc import Callable, Sequence
 from jaxreshard.pipeline._action import BACKWARD, FORWARD, WEIGHT, Action
 from jaxreshard.pipeline._costs import Costs
 from jaxreshard.pipeline._limits import MAX_ACTIONS, check_counts
-from jaxreshard.pipeline._schedule import Schedule, Transfer, transfer_from, transfer_into
+from jaxreshard.pipeline._schedule import (
+    GRADIENT,
+    Schedule,
+    Transfer,
+    transfer_from,
+    transfer_into,
+)
 from jaxreshard.pipeline._simulate import ScheduleError, simulate
 from jaxreshard.pipeline._virtual import (
     DEFAULT_VIRTUAL_STAGES,
@@ -257,7 +263,7 @@ def _delay_limit(costs: Costs, chunk: int, placement: Sequence[int]) -> int:
     """max(1, ceil(C / F)): the micro-batches of forward work that cover chunk's gradient send
     (none when the previous chunk is on the same rank)."""
     remote = chunk > 0 and placement[chunk - 1] != placement[chunk]
-    comm = costs.comm[chunk - 1] if remote else 0.0
+    comm = costs.transfer_seconds(GRADIENT, chunk - 1) if remote else 0.0
     if costs.forward[chunk] <= 0:
         return 1
     return max(1, math.ceil(comm / costs.forward[chunk]))
@@ -319,7 +325,9 @@ def _place_weights(
             ahead += duration(action)
             if action == needed.producer:
                 break
-        comm = 0.0 if q == place[needed.dst] else costs.comm[needed.boundary]
+        comm = (
+            0.0 if q == place[needed.dst] else costs.transfer_seconds(needed.kind, needed.boundary)
+        )
         return free[q] + ahead + comm
 
     def run(r: int, action: Action, start: float) -> None:
@@ -339,7 +347,7 @@ def _place_weights(
                 return
             link = (sent.src, sent.dst)
             t0 = max(end, link_free.get(link, 0.0))
-            link_free[link] = arrival[sent] = t0 + costs.comm[sent.boundary]
+            link_free[link] = arrival[sent] = t0 + costs.transfer_seconds(sent.kind, sent.boundary)
 
     def step(r: int) -> bool:
         """Decide rank r's next action at its free time; False when it must wait."""

@@ -342,7 +342,8 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
                         link = (sent.src, sent.dst)
                         t0 = max(end, link_free.get(link, 0.0))
                         took = seconds.get(sent)
-                        took = costs.comm[sent.boundary] if took is None else took
+                        if took is None:
+                            took = costs.transfer_seconds(sent.kind, sent.boundary)
                         t1 = link_free[link] = t0 + took
                     arrival[sent], sent_by[sent] = t1, k * p + r
                     transfers.append(TimedTransfer(sent, t0, t1))

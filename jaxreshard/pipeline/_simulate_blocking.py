@@ -131,7 +131,8 @@ def simulate_blocking(schedule: Schedule, costs: Costs):
                     found[t] = min(found[t], first)
                 else:
                     start = max(posted[0][t], posted[1][t])
-                    done[t] = TimedTransfer(t, start, start + costs.comm[t.boundary])
+                    took = costs.transfer_seconds(t.kind, t.boundary)
+                    done[t] = TimedTransfer(t, start, start + took)
                     found[t] = first
                 end = max(end, done[t].end)
             now[r] = end

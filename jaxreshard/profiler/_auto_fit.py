@@ -30,12 +30,16 @@ class CostModel:
             (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
             return tuple(_fit(r0, v0, r1, v1, rows) for v0, v1 in zip(get(c0), get(c1)))
 
+        def back(c: Costs) -> tuple[float, ...]:
+            return c.comm if c.comm_back is None else c.comm_back
+
         forward = line(lambda c: c.forward)
         backward = line(lambda c: c.backward)
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
                      comm=line(lambda c: c.comm), apply=self.points[0][1].apply,
-                     host=line(lambda c: c.host))  # fmt: skip
+                     host=line(lambda c: c.host),
+                     comm_back=line(back))  # fmt: skip
 
 
 def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._schedule import GRADIENT
 from jaxreshard.profiler._auto_fit import CostModel
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._run import devices_needed
@@ -103,6 +104,10 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
     at = [m.at(rows) for m in models]
     k_range = range(len(models))
     comm = tuple(max(at[k].comm[k], at[k + 1].comm[k]) for k in range(len(models) - 1))
+    back = tuple(
+        max(at[k].transfer_seconds(GRADIENT, k), at[k + 1].transfer_seconds(GRADIENT, k))
+        for k in range(len(models) - 1)
+    )
     costs = Costs(
         forward=tuple(at[k].forward[k] for k in k_range),
         backward=tuple(at[k].backward[k] for k in k_range),
@@ -110,6 +115,7 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         comm=comm,
         apply=tuple(at[k].apply[k] for k in k_range),
         host=tuple(at[k].host[k] for k in k_range),
+        comm_back=back,
     )
     return costs, max(m.overhead for m in models)
 

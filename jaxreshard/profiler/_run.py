@@ -533,11 +533,16 @@ def host_between_actions(steps: Sequence[StepRecord], schedule: Any) -> list[flo
     return [statistics.fmean(gaps[c]) if c in gaps else 0.0 for c in range(schedule.num_chunks)]
 
 
+def _kind(name: str) -> str:
+    """A runtime transfer's kind from its name: `act`, `grad`, `param` or `param_grad`."""
+    return name.split(" ")[0].rstrip("0123456789")
+
+
 def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
     optimizer (A) times and its host's time between actions (`host_between_actions`), per
-    boundary the median transfer time of its activations and gradients, each to where its
-    receiver could use it (`transfer_durations`).
+    boundary the median transfer time of its activations and, apart, of its gradients, each
+    to where its receiver could use it (`transfer_durations`).
 
     Compute times are means, not medians: a step lasts the sum of its actions, and the sum of
     n actions is n means; on a loaded machine action times are skewed (a few stretched by
@@ -567,15 +572,18 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     backward = [mean(s, "B") + (mean(s, "W") if split else 0.0) for s in range(n)]
     weight = [mean(s, "W") if split else b / 2 for s, b in zip(range(n), backward)]
     durations = transfer_durations(steps)
-    comm = []
-    for b in range(n - 1):
+
+    def boundary(src: int, dst: int) -> float:
         values = [
             d
             for t in layout.transfers.values()
-            if {t.src_stage, t.dst_stage} == {b, b + 1}
+            if (t.src_stage, t.dst_stage) == (src, dst) and _kind(t.name) in ("act", "grad")
             for d in durations.get(t.name, [])
         ]
-        comm.append(median(values) if values else 0.0)
+        return median(values) if values else 0.0
+
+    comm = [boundary(b, b + 1) for b in range(n - 1)]
+    comm_back = [boundary(b + 1, b) for b in range(n - 1)]
     return Costs.make(
         n,
         forward=forward,
@@ -584,6 +592,7 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         comm=comm,
         apply=[mean(s, "A") for s in range(n)],
         host=host_between_actions(steps, schedule),
+        comm_back=comm_back,
     )
 
 
@@ -634,7 +643,7 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
     gradients: dict[int, float] = {}  # chunk -> when a shared parameter's gradient is back
     for t in layout.transfers.values():
         seconds = median(durations[t.name]) if durations.get(t.name) else 0.0
-        kind = t.name.split(" ")[0].rstrip("0123456789")
+        kind = _kind(t.name)
         if kind == "param":
             late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
             link = (rank[t.src_stage], rank[t.dst_stage])

@@ -141,3 +141,49 @@ def test_measured_transfers_are_timed_per_direction_and_leave_out_shared_paramet
     ]
     costs = measured_costs([StepRecord(5.0, 0.0, events)], layout)
     assert costs.comm == pytest.approx((0.2,)) and costs.comm_back == pytest.approx((0.6,))
+    # The shared parameter's copy from its send; its gradient from when the link was free
+    # again (grad0 in at 3.6), not from its send's start behind it.
+    (shared,) = costs.shared
+    assert (shared.owner, shared.user, shared.grad) == (0, 1, True)
+    assert shared.seconds == pytest.approx(0.9) and shared.back == pytest.approx(1.4)
+
+
+def test_a_transfer_is_timed_from_the_end_of_the_action_that_made_it():
+    layout = types.SimpleNamespace(
+        schedule=build_schedule("gpipe", 2, 2),
+        transfers={"act0 s0->s1": types.SimpleNamespace(name="act0 s0->s1", src_stage=0,
+                                                        dst_stage=1)},
+    )  # fmt: skip
+    events = [
+        Event(0, "F", 0, 0.0, 1.0, "0F0"),
+        Event(0, "F", 1, 1.0, 2.0, "0F1"),
+        Event(0, "send", 0, 1.5, 1.6, "act0 s0->s1", 8, 1),  # began 0.5 after 0F0 ended
+        Event(1, "arrive", 0, 2.5, 2.5, "act0 s0->s1", 0, 1),
+        Event(0, "send", 1, 2.0, 2.1, "act0 s0->s1", 8, 1),
+        Event(1, "arrive", 1, 3.0, 3.0, "act0 s0->s1", 0, 1),  # behind mb 0 on the link
+    ]
+    costs = measured_costs([StepRecord(4.0, 0.0, events)], layout)
+    # 1.5 from 0F0's end, 0.5 from mb 0's arrival: their median (from the sends' starts,
+    # 0.75; with mb 1 from 0F1's end, 1.25)
+    assert costs.comm == pytest.approx((1.0,))
+
+
+def test_the_first_micro_batch_activations_take_their_measured_extra_time():
+    schedule = build_schedule("gpipe", 2, 2)
+    late = _starts(simulate(schedule, Costs.make(2, comm=0.5, comm_first=2.0)))
+    assert late["1F0"][0] == 3.5 and late["1F1"][0] == 4.5  # 1 + 0.5 + 2; then 2 + 0.5 queued
+    layout = types.SimpleNamespace(
+        schedule=schedule,
+        transfers={"act0 s0->s1": types.SimpleNamespace(name="act0 s0->s1", src_stage=0,
+                                                        dst_stage=1)},
+    )  # fmt: skip
+    events = [
+        Event(0, "F", 0, 0.0, 1.0, "0F0"),
+        Event(0, "F", 1, 1.0, 2.0, "0F1"),
+        Event(0, "send", 0, 1.0, 1.1, "act0 s0->s1", 8, 1),
+        Event(1, "arrive", 0, 3.0, 3.0, "act0 s0->s1", 0, 1),  # 2.0 from 0F0's end
+        Event(0, "send", 1, 2.0, 2.1, "act0 s0->s1", 8, 1),
+        Event(1, "arrive", 1, 3.5, 3.5, "act0 s0->s1", 0, 1),  # 0.5 after mb 0's
+    ]
+    costs = measured_costs([StepRecord(4.0, 0.0, events)] * 3, layout)
+    assert costs.comm == pytest.approx((1.25,)) and costs.comm_first == pytest.approx((0.75,))

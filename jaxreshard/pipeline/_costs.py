@@ -43,16 +43,21 @@ class SharedCost:
     """Parameters that chunk `owner` keeps and chunk `user` also reads (a tied embedding): the
     owner sends them at the start of the step, taking `seconds` on the link from owner to user,
     and the user's first action waits for them; with `grad`, the user sends its gradient
-    contribution back after its last action, as long again, and the owner's apply waits for it
-    (the runtime's `param` and `param_grad` transfers; see [Note: instructions])."""
+    contribution back after its last action, as long again (or `back` seconds), and the
+    owner's apply waits for it (the runtime's `param` and `param_grad` transfers; see [Note:
+    instructions])."""
 
     owner: int
     user: int
     seconds: float
     grad: bool = True
+    back: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.back is None:
+            del out["back"]  # (as long as the copy: files without it stay as they were)
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +75,9 @@ class Costs:
             default. Measured runs give both: on a shaped link the way that carries a burst
             of sends is slower than the other (2-host cluster at 0.01 GB/s: a tiny GPT's
             64 KiB activations took 8.2 ms, the same size of gradients 1.3 ms).
+        comm_first: per boundary, how much longer the step's first micro-batch's activations
+            take (zeros by default): on Ray a step's first send over a boundary arrived
+            1-4 ms later than the others (measured, see `jaxreshard/profiler/_run.py`).
         apply: apply-gradient (optimizer) time, per stage.
         shared: parameters read by chunks other than their owner (`SharedCost`), at most one
             per (owner, user) pair; none by default.
@@ -88,6 +96,7 @@ class Costs:
     shared: tuple[SharedCost, ...] = ()
     host: tuple[float, ...] = ()
     comm_back: tuple[float, ...] | None = None
+    comm_first: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -97,6 +106,8 @@ class Costs:
         object.__setattr__(self, "host", _per(host, n, "host"))
         if self.comm_back is not None:  # (None: as `comm`, whatever `replace` makes it)
             object.__setattr__(self, "comm_back", _per(self.comm_back, n - 1, "comm_back"))
+        first = self.comm_first if self.comm_first != () else 0.0
+        object.__setattr__(self, "comm_first", _per(first, n - 1, "comm_first"))
         if not isinstance(self.shared, tuple):
             object.__setattr__(self, "shared", tuple(self.shared))  # (hashable, as the rest)
         pairs = set()
@@ -113,13 +124,13 @@ class Costs:
                     f"Costs: shared {x} must name two different chunks of the {n} (ints 0 to "
                     f"{n - 1})"
                 )
-            seconds = x.seconds
-            if (
-                isinstance(seconds, bool)
-                or not isinstance(seconds, numbers.Real)
-                or not 0 <= seconds <= MAX_COST
-            ):
-                raise ValueError(f"Costs: shared {x} must take 0 to {MAX_COST:g} seconds")
+            for seconds in (x.seconds, 0.0 if x.back is None else x.back):
+                if (
+                    isinstance(seconds, bool)
+                    or not isinstance(seconds, numbers.Real)
+                    or not 0 <= seconds <= MAX_COST
+                ):
+                    raise ValueError(f"Costs: shared {x} must take 0 to {MAX_COST:g} seconds")
             if (x.owner, x.user) in pairs:
                 raise ValueError(
                     f"Costs: shared names chunks {x.owner} -> {x.user} twice; give one entry "
@@ -150,6 +161,7 @@ class Costs:
         apply: float | Sequence[float] = 0.0,
         host: float | Sequence[float] = 0.0,
         comm_back: float | Sequence[float] | None = None,
+        comm_first: float | Sequence[float] = 0.0,
     ) -> Costs:
         """Costs from numbers (uniform) or per-stage / per-boundary sequences.
 
@@ -175,17 +187,23 @@ class Costs:
             apply=_per(apply, num_stages, "apply"),
             host=_per(host, num_stages, "host"),
             comm_back=None if comm_back is None else _per(comm_back, num_stages - 1, "comm_back"),
+            comm_first=_per(comm_first, num_stages - 1, "comm_first"),
         )
 
     @property
     def num_stages(self) -> int:
         return len(self.forward)
 
-    def transfer_seconds(self, kind: str, boundary: int) -> float:
+    def with_shared(self, shared: Sequence[SharedCost]) -> Costs:
+        """These costs with `shared` as their shared parameters."""
+        return dataclasses.replace(self, shared=tuple(shared))
+
+    def transfer_seconds(self, kind: str, boundary: int, mb: int = -1) -> float:
         """How long a micro-batch's transfer of `kind` (a `Transfer`'s: gradients go back)
-        takes across `boundary`."""
-        back = self.comm if self.comm_back is None else self.comm_back
-        return (back if kind == GRADIENT else self.comm)[boundary]
+        takes across `boundary` (the first micro-batch's activations `comm_first` longer)."""
+        if kind == GRADIENT:
+            return (self.comm if self.comm_back is None else self.comm_back)[boundary]
+        return self.comm[boundary] + (self.comm_first[boundary] if mb == 0 else 0.0)
 
     def duration(self, stage: int, kind: str, split: bool) -> float:
         """How long one action of `kind` takes on `stage` (`split`: backward split into B/W)."""
@@ -212,6 +230,7 @@ class Costs:
             }
             | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})
             | ({"host": compact(self.host)} if any(self.host) else {})
+            | ({"comm_first": compact(self.comm_first)} if any(self.comm_first) else {})
             | (
                 {"comm_back": compact(self.comm_back)}
                 if self.comm_back is not None and self.comm_back != self.comm

@@ -409,18 +409,20 @@ def _shared_cost(value: Any) -> Any:
     """One `SharedCost` from its `to_json` form."""
     from jaxreshard.pipeline._costs import SharedCost
 
-    fields = ("owner", "user", "seconds", "grad")
+    fields = ("owner", "user", "seconds", "grad", "back")
     if not isinstance(value, dict) or not set(fields[:3]) <= set(value):
         raise ValueError(
-            f"shared entry {show(value)} must be an object with owner, user, seconds (and grad)"
+            f"shared entry {show(value)} must be an object with owner, user, seconds (and grad, "
+            "back)"
         )
     unknown = sorted(set(value) - set(fields), key=str)
     if unknown:
         raise ValueError(
             f"shared entry {show(value)} has unknown key {show(unknown[0])}; its keys are "
-            "owner, user, seconds and grad"
+            "owner, user, seconds, grad and back"
         )
-    owner, user, seconds, grad = (value.get(k, True) for k in fields)
+    owner, user, seconds, grad = (value.get(k, True) for k in fields[:4])
+    back = value.get("back")
     for name, x in (("owner", owner), ("user", user)):
         if isinstance(x, bool) or not isinstance(x, int):
             raise ValueError(f"shared entry's {name}={show(x)} must be a chunk index")
@@ -428,7 +430,9 @@ def _shared_cost(value: Any) -> Any:
         raise ValueError(f"shared entry's seconds={show(seconds)} must be a number")
     if not isinstance(grad, bool):
         raise ValueError(f"shared entry's grad={show(grad)} must be true or false")
-    return SharedCost(owner, user, float(seconds), grad)
+    if back is not None and (isinstance(back, bool) or not isinstance(back, (int, float))):
+        raise ValueError(f"shared entry's back={show(back)} must be a number")
+    return SharedCost(owner, user, float(seconds), grad, None if back is None else float(back))
 
 
 def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
@@ -439,7 +443,16 @@ def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
         return None
     where = f"{source}: costs"
     costs = _files.expect_dict(value, where, "the costs the timeline was simulated with")
-    keys = ("forward", "backward", "weight_grad", "comm", "apply", "host", "comm_back")
+    keys = (
+        "forward",
+        "backward",
+        "weight_grad",
+        "comm",
+        "apply",
+        "host",
+        "comm_back",
+        "comm_first",
+    )
     _files.reject_unknown_keys(costs, (*keys, "shared"), where)
     try:
         made = Costs.make(num_chunks, **{k: costs[k] for k in keys if k in costs})

@@ -260,7 +260,7 @@ def _add_shared(
         copies[copy] = (t0, t1)
         if x.grad and of_user:
             back = Transfer(PARAM_GRAD, -1, u, o)
-            seconds[back] = x.seconds
+            seconds[back] = x.seconds if x.back is None else x.back
             use[of_user[-1]][2].append(back)
             for unit, needed, _ in own:
                 if Action(o, APPLY) in unit:
@@ -343,7 +343,7 @@ def _simulate_overlapped(schedule: Schedule, costs: Costs):
                         t0 = max(end, link_free.get(link, 0.0))
                         took = seconds.get(sent)
                         if took is None:
-                            took = costs.transfer_seconds(sent.kind, sent.boundary)
+                            took = costs.transfer_seconds(sent.kind, sent.boundary, sent.mb)
                         t1 = link_free[link] = t0 + took
                     arrival[sent], sent_by[sent] = t1, k * p + r
                     transfers.append(TimedTransfer(sent, t0, t1))

@@ -131,7 +131,7 @@ def simulate_blocking(schedule: Schedule, costs: Costs):
                     found[t] = min(found[t], first)
                 else:
                     start = max(posted[0][t], posted[1][t])
-                    took = costs.transfer_seconds(t.kind, t.boundary)
+                    took = costs.transfer_seconds(t.kind, t.boundary, t.mb)
                     done[t] = TimedTransfer(t, start, start + took)
                     found[t] = first
                 end = max(end, done[t].end)

@@ -52,7 +52,6 @@ layouts' calibrations, and the best few of them are calibrated and ranked like t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -468,9 +467,7 @@ def _predict(
     )
     if phase is None or len(phase.hosts) != costs.num_stages:
         return simulate(schedule.with_apply(), costs).makespan, schedule
-    n = costs.num_stages
-    timeline = simulate(schedule.with_apply(), dataclasses.replace(costs, apply=(0.0,) * n))
-    return phase.end(timeline, costs.apply), schedule
+    return phase.predict(schedule, costs), schedule
 
 
 def _batch_split(pc: ProfileConfig) -> int:

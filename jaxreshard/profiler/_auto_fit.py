@@ -12,7 +12,8 @@ from jaxreshard.pipeline import Costs
 @dataclasses.dataclass
 class CostModel:
     """Per stage and action kind, seconds = fixed + per_row * micro-batch rows (fitted through
-    the calibration points; with one point, proportional to the rows)."""
+    the calibration points; with one point, proportional to the rows); the optimizer and the
+    shared parameters' once-a-step transfers as the first point measured them."""
 
     points: list[tuple[int, Costs]]
     overhead: float
@@ -39,7 +40,8 @@ class CostModel:
         return Costs(forward=forward, backward=backward, weight_grad=weight,
                      comm=line(lambda c: c.comm), apply=self.points[0][1].apply,
                      host=line(lambda c: c.host),
-                     comm_back=line(back))  # fmt: skip
+                     comm_back=line(back), comm_first=self.points[0][1].comm_first,
+                     shared=self.points[0][1].shared)  # fmt: skip
 
 
 def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:

@@ -19,7 +19,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,8 @@ import jaxreshard as jr
 from jaxreshard._jax_compat import make_mesh
 from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs
+from jaxreshard.pipeline._costs import SharedCost
+from jaxreshard.pipeline._schedule import PARAM_GRAD
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.runtime.engine._events import APPLY_EVENT, ARRIVE, SEND, WAIT, Event
 from jaxreshard.runtime.step._specs import transplant_spec
@@ -487,15 +489,84 @@ def transfer_durations(steps: Sequence[StepRecord]) -> dict[str, list[float]]:
     mean 1.7 ms) on this 2-core VM with 4 stages' threads."""
     out: dict[str, list[float]] = {}
     for st in steps:
-        arrivals: dict[tuple[str, int], float] = {}
+        for (name, _), (start, end) in _transfer_spans(st).items():
+            out.setdefault(name, []).append(end - start)
+    return out
+
+
+def _transfer_spans(st: StepRecord) -> dict[tuple[str, int], tuple[float, float]]:
+    """Per (transfer name, micro-batch) of a step: its send's start and its arrival (see
+    `transfer_durations`)."""
+    arrivals: dict[tuple[str, int], float] = {}
+    for e in st.events:
+        if e.kind == ARRIVE or (e.kind == WAIT and e.end - e.start > _BLOCKED):
+            key = (e.name, e.mb)
+            arrivals[key] = max(arrivals.get(key, e.end), e.end)
+    return {
+        (e.name, e.mb): (e.start, max(e.end, arrivals.get((e.name, e.mb), e.end)))
+        for e in st.events
+        if e.kind == SEND and e.nbytes > 0
+    }
+
+
+def link_service_times(
+    steps: Sequence[StepRecord], layout: Any
+) -> dict[tuple[int, int, str], list[float]]:
+    """Per (src chunk, dst chunk, kind) the times the simulator's links took, as measured:
+    kind `x` is a micro-batch's activations (src < dst, adjacent chunks) or gradients (src >
+    dst), `param` the copies of the parameters src keeps and dst reads, `param_grad` their
+    gradients back. Each is all of that micro-batch's (or step's) tensors between the two
+    chunks, from the end of the action that made them (the F, the B, the user's last action;
+    else the first send's start), or from the previous arrival on the same link if later, to
+    the last one's arrival.
+
+    A transfer's own time (`transfer_durations`) counts its wait behind the ones before it
+    on the link, which the simulator queues itself, and leaves out the time before its send
+    starts, which the simulator does not know of. On the 2-host emulated cluster at 0.01
+    GB/s (one core per host):
+    - eager-1F1B sent a tiny GPT's activations faster than the link took them: their
+      medians (5.0 ms, the queue in them) predicted its step 24% long;
+    - under ZB-H1 a host's sender thread began a send 0.1-1.4 ms after its F had ended (the
+      host's one core was dispatching the next action): from the send's start, the step
+      was predicted 12% short;
+    - the tied embedding's gradient took 12.8 ms behind 4 micro-batches' gradients and
+      2.7 ms behind 8 smaller ones: its queue, not the link.
+    Kind `first` repeats the first micro-batch's activations (`Costs.comm_first`): on Ray a
+    step's first send over a boundary arrived 1-4 ms later than the others (a tiny GPT under
+    ZB-H1, the user-model template's MLP), which delays every stage after it."""
+    names = {t.name: t for t in layout.transfers.values()}
+    out: dict[tuple[int, int, str], list[float]] = {}
+    for st in steps:
+        made: dict[tuple[int, str, int], float] = {}  # (chunk, kind, mb) -> its end
+        last: dict[int, float] = {}  # chunk -> its last action's end
         for e in st.events:
-            if e.kind == ARRIVE or (e.kind == WAIT and e.end - e.start > _BLOCKED):
-                key = (e.name, e.mb)
-                arrivals[key] = max(arrivals.get(key, e.end), e.end)
-        for e in st.events:
-            if e.kind == SEND and e.nbytes > 0:
-                end = max(e.end, arrivals.get((e.name, e.mb), e.end))
-                out.setdefault(e.name, []).append(end - e.start)
+            if e.kind in ("F", "B", "W", "FB"):
+                made[(e.stage, e.kind, e.mb)] = e.end
+                last[e.stage] = max(last.get(e.stage, e.end), e.end)
+        groups: dict[tuple[int, int, int, str], list[float]] = {}  # -> [start, end]
+        for (name, mb), (start, end) in _transfer_spans(st).items():
+            t, kind = names.get(name), _kind(name)
+            if t is None:
+                continue
+            src, dst = t.src_stage, t.dst_stage
+            if kind in ("act", "grad"):
+                if abs(src - dst) != 1:
+                    continue  # (a skip past a stage: no boundary of the simulator's)
+                by = "F" if src < dst else "B"
+                start = made.get((src, by, mb), made.get((src, "FB", mb), start))
+                kind = "x"
+            elif kind == "param_grad":
+                start = last.get(src, start)
+            span = groups.setdefault((src, dst, mb, kind), [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+        free: dict[tuple[int, int], float] = {}
+        for (src, dst, mb, kind), (start, end) in sorted(groups.items(), key=lambda g: g[1][0]):
+            link = (src, dst)
+            begin = max(start, free.get(link, start))
+            out.setdefault((src, dst, kind), []).append(max(0.0, end - begin))
+            if kind == "x" and mb == 0 and src < dst:  # (the step's first on the boundary)
+                out.setdefault((src, dst, "first"), []).append(max(0.0, end - begin))
+            free[link] = max(free.get(link, end), end)
     return out
 
 
@@ -571,19 +642,22 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     forward = [mean(s, "F") for s in range(n)]
     backward = [mean(s, "B") + (mean(s, "W") if split else 0.0) for s in range(n)]
     weight = [mean(s, "W") if split else b / 2 for s, b in zip(range(n), backward)]
-    durations = transfer_durations(steps)
+    service = link_service_times(steps, layout)
 
-    def boundary(src: int, dst: int) -> float:
-        values = [
-            d
-            for t in layout.transfers.values()
-            if (t.src_stage, t.dst_stage) == (src, dst) and _kind(t.name) in ("act", "grad")
-            for d in durations.get(t.name, [])
-        ]
+    def seconds(src: int, dst: int, kind: str = "x") -> float:
+        values = service.get((src, dst, kind))
         return median(values) if values else 0.0
 
-    comm = [boundary(b, b + 1) for b in range(n - 1)]
-    comm_back = [boundary(b + 1, b) for b in range(n - 1)]
+    comm = [seconds(b, b + 1) for b in range(n - 1)]
+    comm_back = [seconds(b + 1, b) for b in range(n - 1)]
+    first = [max(0.0, seconds(b, b + 1, "first") - comm[b]) for b in range(n - 1)]
+    # Shared parameters, per owner and user: their copies, and their gradients back.
+    pairs = {(o, u) for o, u, kind in service if kind == "param"}
+    grads = {(o, u) for u, o, kind in service if kind == "param_grad"}
+    shared = [
+        SharedCost(o, u, seconds(o, u, "param"), (o, u) in grads, seconds(u, o, "param_grad"))
+        for o, u in sorted(pairs)
+    ]
     return Costs.make(
         n,
         forward=forward,
@@ -593,7 +667,8 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         apply=[mean(s, "A") for s in range(n)],
         host=host_between_actions(steps, schedule),
         comm_back=comm_back,
-    )
+        comm_first=first,
+    ).with_shared(shared)
 
 
 def step_overhead(steps: Sequence[StepRecord]) -> float:
@@ -612,48 +687,15 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
     """What the pipeline simulator says a step of this schedule takes with the measured costs
     (transfers overlapping compute, as the runtime runs them), and those costs.
 
-    The schedule simulator knows activations and their gradients; a parameter shared by two
-    stages adds two transfers per step (see [Note: instructions]), added here: its copy goes
-    out at the step's start, ahead of the activations on the same link, and delays the user's
-    first action if it arrives later; the owner's optimizer waits for the user's gradient
-    contribution after the user's last action. The optimizer segments run after the pipeline
-    (`OptimizerPhase`). The step's fixed cost outside the pipeline (`step_overhead`: dispatch
-    and results) is added as measured.
+    A parameter shared by two stages (a tied embedding) is in the costs (`Costs.shared`, as
+    measured): the simulator sends its copy at the step's start, ahead of the activations on
+    the same link, and its gradient back after the user's last action. The optimizer
+    segments run after the pipeline (`OptimizerPhase`). The step's fixed cost outside the
+    pipeline (`step_overhead`: dispatch and results) is added as measured.
     """
-    from jaxreshard.pipeline import simulate
-
     costs = measured_costs(steps, layout)
-    n = layout.schedule.num_chunks
-    phase = OptimizerPhase.measured(steps, n)
-    timeline = simulate(layout.schedule.with_apply(), dataclasses.replace(costs, apply=(0.0,) * n))
-    first: dict[int, float] = {}
-    last = phase.last_actions(timeline)
-    for rank in timeline.stages:
-        for t in rank:
-            c = t.action.stage_index
-            first[c] = min(first.get(c, t.start), t.start)
-    rank = layout.schedule.placement  # links join meshes (ranks), not chunks
-    link_opens: dict[tuple[int, int], float] = {}  # first simulated transfer on each link
-    for tt in timeline.transfers:
-        link = (rank[tt.transfer.src], rank[tt.transfer.dst])
-        if link[0] != link[1]:
-            link_opens[link] = min(link_opens.get(link, tt.start), tt.start)
-    durations = transfer_durations(steps)
-    late_start = 0.0
-    gradients: dict[int, float] = {}  # chunk -> when a shared parameter's gradient is back
-    for t in layout.transfers.values():
-        seconds = median(durations[t.name]) if durations.get(t.name) else 0.0
-        kind = _kind(t.name)
-        if kind == "param":
-            late_start = max(late_start, seconds - first.get(t.dst_stage, 0.0))
-            link = (rank[t.src_stage], rank[t.dst_stage])
-            if link in link_opens:  # the activations on its link queue behind it
-                late_start = max(late_start, seconds - link_opens[link])
-        elif kind == "param_grad":
-            back = last.get(t.src_stage, 0.0) + seconds
-            gradients[t.dst_stage] = max(gradients.get(t.dst_stage, 0.0), back)
-    end = phase.end(timeline, costs.apply, gradients)
-    return end + late_start + step_overhead(steps), costs
+    phase = OptimizerPhase.measured(steps, layout.schedule.num_chunks)
+    return phase.predict(layout.schedule, costs) + step_overhead(steps), costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -700,13 +742,24 @@ class OptimizerPhase:
                     last[c] = max(last.get(c, t.end), t.end)
         return last
 
-    def end(
-        self, timeline: Any, apply: Sequence[float], gradients: Mapping[int, float] | None = None
-    ) -> float:
+    def predict(self, schedule: Any, costs: Costs) -> float:
+        """The simulated step (without its fixed cost) of `schedule` under `costs`, its
+        optimizer run after the pipeline."""
+        from jaxreshard.pipeline import simulate
+
+        n = costs.num_stages
+        timeline = simulate(schedule.with_apply(), dataclasses.replace(costs, apply=(0.0,) * n))
+        return self.end(timeline, costs.apply)
+
+    def end(self, timeline: Any, apply: Sequence[float]) -> float:
         """The step's end (without its fixed cost): `timeline` simulated with no apply time,
-        `apply` each chunk's measured optimizer seconds, `gradients` when a chunk's shared
-        parameters' gradients are back from their users."""
-        n, gradients = len(self.hosts), gradients or {}
+        `apply` each chunk's measured optimizer seconds."""
+        n = len(self.hosts)
+        gradients: dict[int, float] = {}  # chunk -> when its shared parameters' gradients are in
+        for tt in timeline.transfers:
+            if tt.transfer.kind == PARAM_GRAD:
+                c = tt.transfer.dst
+                gradients[c] = max(gradients.get(c, tt.end), tt.end)
         last = self.last_actions(timeline)
         end = timeline.makespan
         for h in set(self.hosts):

@@ -120,7 +120,7 @@ def test_gradients_take_their_own_time_back():
     assert Costs.make(2, comm=0.5).transfer_seconds("gradient", 0) == 0.5
 
 
-def test_measured_transfers_are_timed_per_direction_and_leave_out_shared_parameters():
+def test_measured_transfers_are_timed_per_direction_and_shared_parameters_apart():
     layout = types.SimpleNamespace(
         schedule=build_schedule("1f1b", 2, 1),
         transfers={
@@ -163,9 +163,9 @@ def test_a_transfer_is_timed_from_the_end_of_the_action_that_made_it():
         Event(1, "arrive", 1, 3.0, 3.0, "act0 s0->s1", 0, 1),  # behind mb 0 on the link
     ]
     costs = measured_costs([StepRecord(4.0, 0.0, events)], layout)
-    # 1.5 from 0F0's end, 0.5 from mb 0's arrival: their median (from the sends' starts,
-    # 0.75; with mb 1 from 0F1's end, 1.25)
-    assert costs.comm == pytest.approx((1.0,))
+    # mb 1: 0.5 from mb 0's arrival (from its send's start 1.0, from 0F1's end 1.0); mb 0:
+    # 1.5 from 0F0's end (from its send's start 1.0), the first's extra 1.0
+    assert costs.comm == pytest.approx((0.5,)) and costs.comm_first == pytest.approx((1.0,))
 
 
 def test_the_first_micro_batch_activations_take_their_measured_extra_time():
@@ -186,4 +186,70 @@ def test_the_first_micro_batch_activations_take_their_measured_extra_time():
         Event(1, "arrive", 1, 3.5, 3.5, "act0 s0->s1", 0, 1),  # 0.5 after mb 0's
     ]
     costs = measured_costs([StepRecord(4.0, 0.0, events)] * 3, layout)
-    assert costs.comm == pytest.approx((1.25,)) and costs.comm_first == pytest.approx((0.75,))
+    assert costs.comm == pytest.approx((0.5,)) and costs.comm_first == pytest.approx((1.5,))
+
+
+def test_host_time_is_per_rank_and_leaves_out_gradient_sums():
+    """Virtual stages: chunks 0 and 3 share rank 0 (ZB-V), so a gap runs from chunk 0's action
+    to chunk 3's; a gradient sum (an `A` event `0R`) inside a gap is the apply's, not host."""
+    schedule = build_schedule("zbv", 2, 2)
+    assert schedule.rank_of(0) == schedule.rank_of(3) == 0
+    events = [
+        Event(0, "F", 0, 0.0, 1.0, "0F0"),
+        Event(3, "F", 0, 1.5, 2.0, "3F0"),  # 0.5 after chunk 0's, on the same rank
+        Event(3, "B", 0, 2.0, 3.0, "3B0"),
+        Event(3, "A", -1, 3.0, 3.8, "3R"),  # a gradient sum
+        Event(0, "B", 0, 4.0, 5.0, "0B0"),  # 1.0 after 3B0: 0.2 of it host time
+    ]
+    host = host_between_actions([StepRecord(5.0, 0.0, events)], schedule)
+    assert host == pytest.approx([0.5, 0.0, 0.0, 0.1])  # chunk 3: mean of 0.0 and 0.2
+
+
+def test_a_shared_gradient_delays_its_owners_optimizer_and_placement_follows_the_schedule():
+    from jaxreshard.pipeline._costs import SharedCost
+    from jaxreshard.profiler._run import OptimizerPhase
+
+    schedule = build_schedule("1f1b", 2, 1)
+    costs = Costs.make(2, forward=1.0, backward=2.0, apply=0.5).with_shared(
+        [SharedCost(0, 1, 0.0, True, 4.0)]
+    )
+    phase = OptimizerPhase(hosts=(0, 1), seconds={0: 0.5, 1: 0.5}, on_driver=())
+    # 0F0 0-1, 1F0 1-2, 1B0 2-4, 0B0 4-6; the gradient leaves after 1B0 (4) and is in at 8.
+    assert phase.predict(schedule, costs) == pytest.approx(8.5)
+    assert phase.predict(schedule, costs.with_shared([])) == pytest.approx(6.5)
+    # Per rank: a V placement puts chunks 0 and 3 on rank 0's host.
+    v = build_schedule("zbv", 2, 1)
+    assert phase.hosts_of(v) == (0, 1, 1, 0)
+
+
+def test_new_cost_fields_are_checked():
+    with pytest.raises(ValueError, match="comm_back has 1 entries, expected 2"):
+        Costs.make(3, comm_back=[1.0])
+    with pytest.raises(ValueError, match=r"comm_first=\[-1.0, 0.0\] must be >= 0"):
+        Costs.make(3, comm_first=[-1.0, 0.0])
+    from jaxreshard.pipeline._costs import SharedCost
+
+    with pytest.raises(ValueError, match="must take 0 to"):
+        Costs.make(2).with_shared([SharedCost(0, 1, 1.0, True, -2.0)])
+    with pytest.raises(Exception, match=r"back=.* must be a number"):
+        costs_from_json({"shared": [{"owner": 0, "user": 1, "seconds": 1, "back": "x"}]}, 2, "t")
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"Costs: host=array.* must be a number or a sequence"):
+        Costs(forward=(1.0, 1.0), backward=(2.0, 2.0), weight_grad=(1.0, 1.0), comm=(0.0,),
+              apply=(0.0, 0.0), host=np.array([0.1, 0.2]))  # fmt: skip
+
+
+def test_the_search_predicts_the_schedule_the_runtime_builds_from_its_cost_fields():
+    """The runtime places delayed Ws from `cost_fields` (no comm_back, host, shared): the
+    search's prediction must simulate that schedule, not one placed with all its costs."""
+    from jaxreshard.profiler._auto import _predict
+    from jaxreshard.profiler._compare import cost_fields
+
+    costs = Costs.make(3, forward=1.0, backward=2.0, weight_grad=1.5, comm=0.1, comm_back=6.0,
+                       host=0.3)  # fmt: skip
+    changes = {"schedule": "zb_h1", "weight_delay": True}
+    _, predicted = _predict(costs, changes, 6)
+    fields = {k.removeprefix("cost_"): v for k, v in cost_fields(costs).items()}
+    runtime = build_schedule("zb_h1", 3, 6, weight_delay=True, costs=Costs.make(3, **fields))
+    assert predicted.actions == runtime.actions

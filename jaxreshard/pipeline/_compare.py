@@ -63,16 +63,22 @@ class Row:
 
 
 def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
-    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute / v; a chunk
-    boundary between neighbour ranks costs their boundary's `comm`, one between other ranks
-    (the interleaved ring's p - 1 -> 0) the largest `comm`."""
+    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute / v and host
+    time; a chunk boundary between neighbour ranks costs their boundary's `comm` (and
+    `comm_back`, `comm_first`), one between other ranks (the interleaved ring's p - 1 -> 0)
+    the largest. Shared parameters are per stage and left out."""
     v = len(placement) // costs.num_stages
-    widest = max(costs.comm, default=0.0)
 
-    def comm(a: int, b: int) -> float:
+    def comm(a: int, b: int, of: tuple[float, ...] = costs.comm) -> float:
         if a == b:
             return 0.0  # local: never charged
-        return costs.comm[min(a, b)] if abs(a - b) == 1 else widest
+        return of[min(a, b)] if abs(a - b) == 1 else max(of, default=0.0)
+
+    def back(a: int, b: int) -> float:
+        return comm(a, b, costs.comm if costs.comm_back is None else costs.comm_back)
+
+    def first(a: int, b: int) -> float:
+        return comm(a, b, costs.comm_first)
 
     return Costs.make(
         len(placement),
@@ -81,6 +87,9 @@ def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
         weight_grad=[costs.weight_grad[r] / v for r in placement],
         comm=[comm(a, b) for a, b in itertools.pairwise(placement)],
         apply=[costs.apply[r] / v for r in placement],
+        host=[costs.host[r] for r in placement],
+        comm_back=[back(a, b) for a, b in itertools.pairwise(placement)],
+        comm_first=[first(a, b) for a, b in itertools.pairwise(placement)],
     )
 
 

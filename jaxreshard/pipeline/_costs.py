@@ -83,9 +83,10 @@ class Costs:
             per (owner, user) pair; none by default.
         host: per stage, how long its rank stays busy after each of its F, B and W actions
             with that action's outputs already on their way: the host's own work between two
-            actions (posting the sends, dropping what is dead, dispatching the next). None
-            (zeros) by default; a profile measures it (see [Note: host time between actions]
-            in `jaxreshard/profiler/_run.py`).
+            actions (posting the sends, dropping what is dead, dispatching the next); a
+            fused run of actions pays its actions' host time at its end. Zeros by default;
+            a profile measures it (see [Note: host time between actions] in
+            `jaxreshard/profiler/_run.py`).
     """
 
     forward: tuple[float, ...]
@@ -102,12 +103,12 @@ class Costs:
         n = len(self.forward)
         if n < 1:
             raise ValueError("Costs: need at least one stage")
-        host = self.host if self.host != () else 0.0  # (a frozen field: set once, normalised)
-        object.__setattr__(self, "host", _per(host, n, "host"))
+        for name in ("host", "comm_first"):  # (frozen fields: set once, normalised)
+            value, size = getattr(self, name), n if name == "host" else n - 1
+            empty = isinstance(value, tuple) and not value
+            object.__setattr__(self, name, _per(0.0 if empty else value, size, name))
         if self.comm_back is not None:  # (None: as `comm`, whatever `replace` makes it)
             object.__setattr__(self, "comm_back", _per(self.comm_back, n - 1, "comm_back"))
-        first = self.comm_first if self.comm_first != () else 0.0
-        object.__setattr__(self, "comm_first", _per(first, n - 1, "comm_first"))
         if not isinstance(self.shared, tuple):
             object.__setattr__(self, "shared", tuple(self.shared))  # (hashable, as the rest)
         pairs = set()

@@ -326,7 +326,9 @@ def _place_weights(
             if action == needed.producer:
                 break
         comm = (
-            0.0 if q == place[needed.dst] else costs.transfer_seconds(needed.kind, needed.boundary)
+            0.0
+            if q == place[needed.dst]
+            else costs.transfer_seconds(needed.kind, needed.boundary, needed.mb)
         )
         return free[q] + ahead + comm
 
@@ -347,7 +349,9 @@ def _place_weights(
                 return
             link = (sent.src, sent.dst)
             t0 = max(end, link_free.get(link, 0.0))
-            link_free[link] = arrival[sent] = t0 + costs.transfer_seconds(sent.kind, sent.boundary)
+            link_free[link] = arrival[sent] = t0 + costs.transfer_seconds(
+                sent.kind, sent.boundary, sent.mb
+            )
 
     def step(r: int) -> bool:
         """Decide rank r's next action at its free time; False when it must wait."""

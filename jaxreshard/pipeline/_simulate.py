@@ -11,7 +11,8 @@ sender and its receiver have posted it, and a stage leaves its batch only when e
 it is done, so both ends are blocked for its duration. A set of stages that all wait in batches
 whose peers never post is a deadlock.
 A rank stays busy `Costs.host` seconds after each F, B or W of a chunk (the host posting its
-sends and dispatching the next action), while that action's outputs are already on their way.
+sends and dispatching the next action; a fused run pays its actions' at its end), while that
+action's outputs are already on their way.
 A parameter that chunk o keeps and chunk u also reads (`Costs.shared`) is sent at the start, on
 the link from o to u before anything else on it, and u's first action waits for it; u's
 gradient contribution goes back after u's last action, and o's apply waits for it (overlap

@@ -318,7 +318,7 @@ def _calibrate(
         measured.append((rows, measured_costs(session.steps, session.layout),
                          step_overhead(session.steps)))  # fmt: skip
         if phase is None:
-            phase = OptimizerPhase.measured(session.steps, session.layout.schedule.num_chunks)
+            phase = OptimizerPhase.measured(session.steps, session.layout.schedule)
         if points is not None:
             try:
                 points.append(memory_point(session))
@@ -457,15 +457,18 @@ def _predict(
     schedule; with `phase` (the calibration's), its optimizer runs after the pipeline as
     measured there (see [Note: the optimizer after the pipeline])."""
     v = changes.get("virtual_stages") or 1
+    # Placed with the costs the runtime gets (`cost_fields`), so that it runs this schedule.
+    placing = Costs(forward=costs.forward, backward=costs.backward,
+                    weight_grad=costs.weight_grad, comm=costs.comm, apply=costs.apply)  # fmt: skip
     schedule = build_schedule(
         changes["schedule"],
         len(costs.forward) // v,
         m,
         virtual_stages=v,
         weight_delay=changes.get("weight_delay", False),
-        costs=costs,
+        costs=placing,
     )
-    if phase is None or len(phase.hosts) != costs.num_stages:
+    if phase is None:
         return simulate(schedule.with_apply(), costs).makespan, schedule
     return phase.predict(schedule, costs), schedule
 

@@ -29,10 +29,10 @@ class CostModel:
         return cls([(rows, costs) for rows, costs, _ in measured], overhead)
 
     def at(self, rows: int) -> Costs:
-        def line(get: Any) -> tuple[float, ...]:
-            if len(self.points) == 1:
+        def line(get: Any, flat: bool = False) -> tuple[float, ...]:
+            if len(self.points) == 1:  # (what moves no rows stays as measured)
                 ((r0, c0),) = self.points
-                return tuple(v * rows / r0 for v in get(c0))
+                return tuple(v if flat else v * rows / r0 for v in get(c0))
             (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
             return tuple(_fit(r0, v0, r1, v1, rows) for v0, v1 in zip(get(c0), get(c1)))
 
@@ -47,8 +47,8 @@ class CostModel:
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
                      comm=line(lambda c: c.comm), apply=self.points[0][1].apply,
-                     host=line(lambda c: c.host),
-                     comm_back=line(back), comm_first=line(lambda c: c.comm_first),
+                     host=line(lambda c: c.host, flat=True),
+                     comm_back=line(back), comm_first=line(lambda c: c.comm_first, flat=True),
                      shared=self._shared(line, shared))  # fmt: skip
 
     def _shared(self, line: Any, seconds: Any) -> tuple[SharedCost, ...]:
@@ -57,7 +57,7 @@ class CostModel:
         first = self.points[0][1].shared
         if any(len(c.shared) != len(first) for _, c in self.points):
             return first
-        fitted = line(seconds)
+        fitted = line(seconds, flat=True)
         return tuple(
             dataclasses.replace(x, seconds=fitted[2 * i], back=fitted[2 * i + 1])
             for i, x in enumerate(first)

@@ -100,7 +100,8 @@ def placements(
 def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
     """Stage k's costs from `models[k]` (each a uniform layout's `CostModel`) at `rows` rows a
     micro-batch; boundary k's transfer the slower of its two layouts' there; the step's fixed
-    cost the largest."""
+    cost the largest. Shared parameters and the optimizer's phase after the pipeline are left
+    out of this estimate: the mixes it ranks best are calibrated, which measures them."""
     at = [m.at(rows) for m in models]
     k_range = range(len(models))
     comm = tuple(max(at[k].comm[k], at[k + 1].comm[k]) for k in range(len(models) - 1))
@@ -116,6 +117,9 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         apply=tuple(at[k].apply[k] for k in k_range),
         host=tuple(at[k].host[k] for k in k_range),
         comm_back=back,
+        comm_first=tuple(
+            max(at[k].comm_first[k], at[k + 1].comm_first[k]) for k in range(len(models) - 1)
+        ),
     )
     return costs, max(m.overhead for m in models)
 

@@ -531,7 +531,8 @@ def link_service_times(
       was predicted 12% short;
     - the tied embedding's gradient took 12.8 ms behind 4 micro-batches' gradients and
       2.7 ms behind 8 smaller ones: its queue, not the link.
-    Kind `first` repeats the first micro-batch's activations (`Costs.comm_first`): on Ray a
+    Kinds `first` and `later` repeat the activations of the first micro-batch and of the
+    others (`Costs.comm_first` is the first's extra over the others'): on Ray a
     step's first send over a boundary arrived 1-4 ms later than the others (a tiny GPT under
     ZB-H1, the user-model template's MLP), which delays every stage after it."""
     names = {t.name: t for t in layout.transfers.values()}
@@ -560,12 +561,15 @@ def link_service_times(
             span = groups.setdefault((src, dst, mb, kind), [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
         free: dict[tuple[int, int], float] = {}
-        for (src, dst, mb, kind), (start, end) in sorted(groups.items(), key=lambda g: g[1][0]):
+        order = {"param": 0, "x": 1, "param_grad": 2}  # (ties: in the order they are sent)
+        ranked = sorted(groups.items(), key=lambda g: (g[1][0], order[g[0][3]], g[1][1]))
+        for (src, dst, mb, kind), (start, end) in ranked:
             link = (src, dst)
             begin = max(start, free.get(link, start))
             out.setdefault((src, dst, kind), []).append(max(0.0, end - begin))
-            if kind == "x" and mb == 0 and src < dst:  # (the step's first on the boundary)
-                out.setdefault((src, dst, "first"), []).append(max(0.0, end - begin))
+            if kind == "x" and src < dst:  # (the step's first on the boundary, and the rest)
+                what = "first" if mb == 0 else "later"
+                out.setdefault((src, dst, what), []).append(max(0.0, end - begin))
             free[link] = max(free.get(link, end), end)
     return out
 
@@ -593,7 +597,7 @@ def host_between_actions(steps: Sequence[StepRecord], schedule: Any) -> list[flo
             if 0 <= e.stage < schedule.num_chunks:
                 if e.kind in ("F", "B", "W", "FB"):
                     by_rank.setdefault(rank_of(e.stage), []).append(e)
-                elif e.kind == WAIT:
+                elif e.kind in (WAIT, APPLY_EVENT):  # (a gradient sum `{c}R`: the apply's)
                     waits.setdefault(rank_of(e.stage), []).append(e)
         for r, actions in by_rank.items():
             actions.sort(key=lambda e: e.start)
@@ -648,9 +652,14 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         values = service.get((src, dst, kind))
         return median(values) if values else 0.0
 
-    comm = [seconds(b, b + 1) for b in range(n - 1)]
+    # Activations: the micro-batches after the first (the first's extra apart: comm_first).
+    comm = [seconds(b, b + 1, "later" if (b, b + 1, "later") in service else "x")
+            for b in range(n - 1)]  # fmt: skip
     comm_back = [seconds(b + 1, b) for b in range(n - 1)]
-    first = [max(0.0, seconds(b, b + 1, "first") - comm[b]) for b in range(n - 1)]
+    first = [
+        max(0.0, seconds(b, b + 1, "first") - comm[b]) if (b, b + 1, "first") in service else 0.0
+        for b in range(n - 1)
+    ]
     # Shared parameters, per owner and user: their copies, and their gradients back.
     pairs = {(o, u) for o, u, kind in service if kind == "param"}
     grads = {(o, u) for u, o, kind in service if kind == "param_grad"}
@@ -694,7 +703,7 @@ def predicted_step(steps: Sequence[StepRecord], layout: Any) -> tuple[float, Cos
     pipeline (`step_overhead`: dispatch and results) is added as measured.
     """
     costs = measured_costs(steps, layout)
-    phase = OptimizerPhase.measured(steps, layout.schedule.num_chunks)
+    phase = OptimizerPhase.measured(steps, layout.schedule)
     return phase.predict(layout.schedule, costs) + step_overhead(steps), costs
 
 
@@ -704,20 +713,23 @@ class OptimizerPhase:
     took no time ([Note: the optimizer after the pipeline]).
 
     Attributes:
-        hosts: per chunk, the lead host of its stage (`StepRecord.hosts`).
+        hosts: per rank (mesh), its lead host (`StepRecord.hosts`, by the rank of each
+            chunk): a schedule of the same meshes and another placement of chunks (ZB-V's V
+            against interleaved) finds each chunk's host through its own placement.
         seconds: per host, the measured mean time from its stages' last F, B or W (or
             receive) to the end of the last optimizer segment it ran (`apply_phases`).
         on_driver: the chunks whose segments the driver ran (`StepRecord.driver_stages`).
 
     [Note: the optimizer after the pipeline]
     A host runs the optimizer segments of its stages after all of its ranks' programs have
-    ended, one after another; the driver runs a segment whose inputs sit on several hosts
-    after every host's part, in turn. The simulator ran each chunk's apply after that chunk's
-    last action, beside the other ranks' work: on one host of two tiny-GPT stages, 1.6 ms
-    before the segments really began. So a prediction simulates the pipeline without its
-    applies, then ends each host's part its measured time (`seconds`) after its last action,
-    or after a shared parameter's gradient is back (the summed applies where it ran none),
-    and adds the driver's applies after the latest.
+    ended, dispatched in order (on separate devices they may overlap; the time is measured,
+    not summed); the driver runs a segment whose inputs sit on several hosts after every
+    host's part, in turn. The simulator ran each chunk's apply after that chunk's last
+    action, beside the other ranks' work: on one host of two tiny-GPT stages, 1.6 ms before
+    the segments really began. So a prediction simulates the pipeline without its applies,
+    then ends each host's part its measured time (`seconds`) after its last action, or after
+    a shared parameter's gradient is back (the summed applies where it ran none), and adds
+    the driver's applies after the latest.
     """
 
     hosts: tuple[int, ...]
@@ -725,11 +737,20 @@ class OptimizerPhase:
     on_driver: tuple[int, ...]
 
     @classmethod
-    def measured(cls, steps: Sequence[StepRecord], num_chunks: int) -> OptimizerPhase:
+    def measured(cls, steps: Sequence[StepRecord], schedule: Any) -> OptimizerPhase:
         last = steps[-1] if steps else StepRecord(0.0, 0.0, [])
         on_driver = tuple(sorted(set(last.driver_stages)))
-        hosts = last.hosts if len(last.hosts) == num_chunks else tuple(range(num_chunks))
-        return cls(hosts, apply_phases(steps, hosts, on_driver), on_driver)
+        n, p = schedule.num_chunks, schedule.num_stages
+        chunk_hosts = last.hosts if len(last.hosts) == n else tuple(range(n))
+        ranks = {schedule.rank_of(c): chunk_hosts[c] for c in range(n)}
+        hosts = tuple(ranks.get(r, r) for r in range(p))
+        return cls(hosts, apply_phases(steps, chunk_hosts, on_driver), on_driver)
+
+    def hosts_of(self, schedule: Any) -> tuple[int, ...]:
+        """Per chunk of `schedule`, its host (each rank its own where the rank counts differ)."""
+        p = schedule.num_stages
+        hosts = self.hosts if len(self.hosts) == p else tuple(range(p))
+        return tuple(hosts[schedule.rank_of(c)] for c in range(schedule.num_chunks))
 
     @staticmethod
     def last_actions(timeline: Any) -> dict[int, float]:
@@ -754,7 +775,8 @@ class OptimizerPhase:
     def end(self, timeline: Any, apply: Sequence[float]) -> float:
         """The step's end (without its fixed cost): `timeline` simulated with no apply time,
         `apply` each chunk's measured optimizer seconds."""
-        n = len(self.hosts)
+        hosts = self.hosts_of(timeline.schedule)
+        n = len(hosts)
         gradients: dict[int, float] = {}  # chunk -> when its shared parameters' gradients are in
         for tt in timeline.transfers:
             if tt.transfer.kind == PARAM_GRAD:
@@ -762,8 +784,8 @@ class OptimizerPhase:
                 gradients[c] = max(gradients.get(c, tt.end), tt.end)
         last = self.last_actions(timeline)
         end = timeline.makespan
-        for h in set(self.hosts):
-            here = [c for c in range(n) if self.hosts[c] == h]
+        for h in set(hosts):
+            here = [c for c in range(n) if hosts[c] == h]
             at = max(max(last.get(c, 0.0), gradients.get(c, 0.0)) for c in here)
             mine = [c for c in here if c not in self.on_driver]
             end = max(end, at + (self.seconds.get(h, sum(apply[c] for c in mine)) if mine else 0))

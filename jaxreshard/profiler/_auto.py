@@ -22,7 +22,9 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    (or half) it; each stage's measured F, B, W and transfer times (`measured_costs`; a
    stage's own collectives are inside its F, B and W) are fitted as
    `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
-   fixed cost; the optimizer's and the step's fixed cost are taken as measured. A layout that
+   fixed cost (the transfers that move no rows too: the shared parameters', the first
+   activation's extra); the optimizer's, run after the pipeline as the calibration measured
+   it (`OptimizerPhase`), and the step's fixed cost are taken as measured. A layout that
    does not build (a model axis the model's shapes do not divide) is reported and skipped.
 3. Predict: per layout and cut, every schedule of `schedule_variants` for its model stages per
    mesh, with every micro-batch count that divides the batch into micro-batches its stages'

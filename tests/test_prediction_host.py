@@ -20,6 +20,12 @@ from jaxreshard.profiler._run import (
 from jaxreshard.runtime.engine._events import Event
 
 
+def _layout(schedule, *transfers: tuple[str, int, int]) -> types.SimpleNamespace:
+    """A pipeline layout's schedule and runtime transfers (name, src chunk, dst chunk)."""
+    named = {n: types.SimpleNamespace(name=n, src_stage=s, dst_stage=d) for n, s, d in transfers}
+    return types.SimpleNamespace(schedule=schedule, transfers=named)
+
+
 def _starts(timeline) -> dict[str, tuple[float, float]]:
     return {str(t.action): (t.start, t.end) for rank in timeline.stages for t in rank}
 
@@ -101,7 +107,7 @@ def _two_stage_step(applies: list[tuple[int, float]], **where) -> StepRecord:
     ],
 )
 def test_optimizer_segments_run_after_their_hosts_ranks(applies, where, predicted):
-    layout = types.SimpleNamespace(schedule=build_schedule("1f1b", 2, 1), transfers={})
+    layout = _layout(build_schedule("1f1b", 2, 1))
     step = _two_stage_step(applies, **where)
     seconds, costs = predicted_step([step], layout)
     assert costs.apply == (1.0, 1.0) and costs.host == (0.0, 0.0)
@@ -121,14 +127,8 @@ def test_gradients_take_their_own_time_back():
 
 
 def test_measured_transfers_are_timed_per_direction_and_shared_parameters_apart():
-    layout = types.SimpleNamespace(
-        schedule=build_schedule("1f1b", 2, 1),
-        transfers={
-            name: types.SimpleNamespace(name=name, src_stage=src, dst_stage=dst)
-            for name, src, dst in [("act0 s0->s1", 0, 1), ("grad0 s1->s0", 1, 0),
-                                   ("param7 s0->s1", 0, 1), ("param_grad7 s1->s0", 1, 0)]
-        },
-    )  # fmt: skip
+    layout = _layout(build_schedule("1f1b", 2, 1), ("act0 s0->s1", 0, 1), ("grad0 s1->s0", 1, 0),
+                     ("param7 s0->s1", 0, 1), ("param_grad7 s1->s0", 1, 0))  # fmt: skip
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "send", -1, 0.0, 0.9, "param7 s0->s1", 8, 1),
@@ -149,11 +149,7 @@ def test_measured_transfers_are_timed_per_direction_and_shared_parameters_apart(
 
 
 def test_a_transfer_is_timed_from_the_end_of_the_action_that_made_it():
-    layout = types.SimpleNamespace(
-        schedule=build_schedule("gpipe", 2, 2),
-        transfers={"act0 s0->s1": types.SimpleNamespace(name="act0 s0->s1", src_stage=0,
-                                                        dst_stage=1)},
-    )  # fmt: skip
+    layout = _layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "F", 1, 1.0, 2.0, "0F1"),
@@ -172,11 +168,7 @@ def test_the_first_micro_batch_activations_take_their_measured_extra_time():
     schedule = build_schedule("gpipe", 2, 2)
     late = _starts(simulate(schedule, Costs.make(2, comm=0.5, comm_first=2.0)))
     assert late["1F0"][0] == 3.5 and late["1F1"][0] == 4.5  # 1 + 0.5 + 2; then 2 + 0.5 queued
-    layout = types.SimpleNamespace(
-        schedule=schedule,
-        transfers={"act0 s0->s1": types.SimpleNamespace(name="act0 s0->s1", src_stage=0,
-                                                        dst_stage=1)},
-    )  # fmt: skip
+    layout = _layout(schedule, ("act0 s0->s1", 0, 1))
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "F", 1, 1.0, 2.0, "0F1"),

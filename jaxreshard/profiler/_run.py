@@ -615,16 +615,17 @@ def _kind(name: str) -> str:
 
 def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
-    optimizer (A) times and its host's time between actions (`host_between_actions`), per
-    boundary the median transfer time of its activations and, apart, of its gradients, each
-    to where its receiver could use it (`transfer_durations`).
+    optimizer (A) times and its host's time between actions (`host_between_actions`); per
+    boundary the median time the link took a micro-batch's activations (those after the
+    first; the first's extra is `comm_first`) and, apart, its gradients; the shared
+    parameters' copies and gradients (all as `link_service_times` times them).
 
     Compute times are means, not medians: a step lasts the sum of its actions, and the sum of
     n actions is n means; on a loaded machine action times are skewed (a few stretched by
     another process), and medians of them predicted steps 6-10% short. Transfer times are
     medians: most of them overlap compute, and a boundary's mean is set by its rare long
     ones (a U-Transformer skip's mean was 22x its median), which predicted 4-stage steps up
-    to 18% long; the medians came within 2.2% on the same ten local configurations."""
+    to 18% long on this VM's local runtime."""
     schedule = layout.schedule
     n = schedule.num_chunks
     times: dict[tuple[int, str], list[float]] = {}

@@ -228,7 +228,8 @@ def test_a_profiles_measured_transfer_time_is_the_wires(cluster):
     """A profile measures a transfer from the start of its send to its arrival at the last
     receiver: a boundary activation of 1 MiB between two hosts cannot cross a 0.1 GB/s NIC in
     less than 10.5 ms, whatever the sender's own part took."""
-    from jaxreshard.profiler._run import StepRecord, transfer_stats
+    from jaxreshard.profiler._measured import transfer_stats
+    from jaxreshard.profiler._run import StepRecord
 
     rows, width = 64, 4096  # 1 MiB of float32 per micro-batch
     jaxreshard.init("ray", address=cluster.address, timeout_s=60)

@@ -10,13 +10,13 @@ import pytest
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.pipeline._formats import costs_from_json
-from jaxreshard.profiler._run import (
-    StepRecord,
+from jaxreshard.profiler._measured import (
     host_between_actions,
     measured_costs,
     predicted_step,
     transfer_durations,
 )
+from jaxreshard.profiler._run import StepRecord
 from jaxreshard.runtime.engine._events import Event
 
 
@@ -199,7 +199,7 @@ def test_host_time_is_per_rank_and_leaves_out_gradient_sums():
 
 def test_a_shared_gradient_delays_its_owners_optimizer_and_placement_follows_the_schedule():
     from jaxreshard.pipeline._costs import SharedCost
-    from jaxreshard.profiler._run import OptimizerPhase
+    from jaxreshard.profiler._measured import OptimizerPhase
 
     schedule = build_schedule("1f1b", 2, 1)
     costs = Costs.make(2, forward=1.0, backward=2.0, apply=0.5).with_shared(

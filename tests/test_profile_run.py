@@ -235,7 +235,8 @@ def test_which_costs_place_weight_gradients():
 
 
 def test_step_overhead_is_the_time_outside_the_actions():
-    from jaxreshard.profiler._run import StepRecord, step_overhead
+    from jaxreshard.profiler._measured import step_overhead
+    from jaxreshard.profiler._run import StepRecord
     from jaxreshard.runtime.engine._events import Event
 
     def record(seconds, first, last):

@@ -77,7 +77,7 @@ class Costs:
             64 KiB activations took 8.2 ms, the same size of gradients 1.3 ms).
         comm_first: per boundary, how much longer the step's first micro-batch's activations
             take (zeros by default): on Ray a step's first send over a boundary arrived
-            1-4 ms later than the others (measured, see `jaxreshard/profiler/_run.py`).
+            1-4 ms later than the others (measured, see `jaxreshard/profiler/_measured.py`).
         apply: apply-gradient (optimizer) time, per stage.
         shared: parameters read by chunks other than their owner (`SharedCost`), at most one
             per (owner, user) pair; none by default.
@@ -86,7 +86,7 @@ class Costs:
             actions (posting the sends, dropping what is dead, dispatching the next); a
             fused run of actions pays its actions' host time at its end. Zeros by default;
             a profile measures it (see [Note: host time between actions] in
-            `jaxreshard/profiler/_run.py`).
+            `jaxreshard/profiler/_measured.py`).
     """
 
     forward: tuple[float, ...]

@@ -5,8 +5,8 @@
     rows = compare(pc, schedule_variants(pc))
 
 See [Note: what a profile measures]. One profile: `_profile.py`; comparisons: `_compare.py`; the
-`--auto` search: `_auto.py`;
-settings: `_config.py`; sessions and statistics: `_run.py`; tables and files: `_report.py`.
+`--auto` search: `_auto.py`; settings: `_config.py`; sessions: `_run.py`; statistics and the
+simulator's prediction: `_measured.py`; tables and files: `_report.py`.
 """
 
 from jaxreshard.profiler._auto import auto_search, profile_toml

@@ -75,17 +75,10 @@ from jaxreshard.profiler._compare import (
     schedule_variants,
 )
 from jaxreshard.profiler._config import ProfileConfig
+from jaxreshard.profiler._measured import OptimizerPhase, measured_costs, step_overhead
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import places_weights
-from jaxreshard.profiler._run import (
-    OptimizerPhase,
-    Session,
-    devices_needed,
-    is_fatal,
-    measured_costs,
-    run_steps,
-    step_overhead,
-)
+from jaxreshard.profiler._run import Session, devices_needed, is_fatal, run_steps
 from jaxreshard.runtime.step._partition import NoCutFits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)

@@ -12,6 +12,7 @@ from typing import Any
 from jaxreshard._tracebacks import error_line
 from jaxreshard.pipeline import Costs
 from jaxreshard.profiler._config import ProfileConfig
+from jaxreshard.profiler._measured import measured_costs
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import (
     COMPARE_FORMAT,
@@ -21,7 +22,7 @@ from jaxreshard.profiler._report import (
     header_lines,
     places_weights,
 )
-from jaxreshard.profiler._run import Session, droppable, measured_costs, run_steps
+from jaxreshard.profiler._run import Session, droppable, run_steps
 from jaxreshard.runtime._config import PipelineConfig
 
 

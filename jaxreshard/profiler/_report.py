@@ -15,15 +15,14 @@ from jaxreshard.pipeline._action import Action
 from jaxreshard.pipeline._schedule import ACTIVATION, GRADIENT, Transfer
 from jaxreshard.pipeline._simulate import TimedAction, TimedTransfer, Timeline
 from jaxreshard.pipeline._visualize import to_chrome_trace
-from jaxreshard.profiler._run import (
+from jaxreshard.profiler._measured import (
     COMPUTE_KINDS,
-    Session,
-    StepRecord,
     median,
     predicted_step,
     stage_stats,
     transfer_stats,
 )
+from jaxreshard.profiler._run import Session, StepRecord
 from jaxreshard.runtime.engine._events import SEND, WAIT
 
 PROFILE_FORMAT = "jaxreshard-profile/1"

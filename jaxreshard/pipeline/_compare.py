@@ -63,7 +63,8 @@ class Row:
 
 
 def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
-    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute / v and host
+    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute (and first
+    micro-batch's extra) / v and host
     time; a chunk boundary between neighbour ranks costs their boundary's `comm` (and
     `comm_back`, `comm_first`), one between other ranks (the interleaved ring's p - 1 -> 0)
     the largest. Shared parameters are per stage and left out."""
@@ -90,6 +91,9 @@ def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
         host=[costs.host[r] for r in placement],
         comm_back=[back(a, b) for a, b in itertools.pairwise(placement)],
         comm_first=[first(a, b) for a, b in itertools.pairwise(placement)],
+        forward_first=[costs.forward_first[r] / v for r in placement],
+        backward_first=[costs.backward_first[r] / v for r in placement],
+        weight_grad_first=[costs.weight_grad_first[r] / v for r in placement],
     )
 
 

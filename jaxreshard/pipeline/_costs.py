@@ -13,9 +13,15 @@ from jaxreshard.pipeline._action import APPLY, BACKWARD, FORWARD, WEIGHT
 from jaxreshard.pipeline._schedule import GRADIENT
 
 MAX_COST = 1e12
+# The first micro-batch's extra compute per stage (`Costs.forward_first`, ...).
+FIRST = ("forward_first", "backward_first", "weight_grad_first")
 
 
-def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
+def _per(
+    value: float | Sequence[float], n: int, name: str, signed: bool = False
+) -> tuple[float, ...]:
+    """`value` (one number, or n) as n floats, each at most MAX_COST in size and, unless
+    `signed`, >= 0."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         values: tuple[Any, ...] = (value,) * n
     elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -30,9 +36,10 @@ def _per(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]
     if bad:
         raise ValueError(f"Costs: {name} holds {show(bad[0])}; every entry must be a number")
     values = tuple(float(v) for v in values)
-    if any(not 0 <= v <= MAX_COST for v in values):
+    if any(not (-MAX_COST if signed else 0) <= v <= MAX_COST for v in values):
+        low = f"-{MAX_COST:g}" if signed else "0"
         raise ValueError(
-            f"Costs: {name}={show(list(values))} must be >= 0 and at most {MAX_COST:g} (a time "
+            f"Costs: {name}={show(list(values))} must be >= {low} and at most {MAX_COST:g} (a time "
             "in any unit; sums over a schedule's actions must stay finite)"
         )
     return values
@@ -76,11 +83,19 @@ class Costs:
             of sends is slower than the other (2-host cluster at 0.01 GB/s: a tiny GPT's
             64 KiB activations took 8.2 ms, the same size of gradients 1.3 ms).
         comm_first: per boundary, how much longer the step's first micro-batch's activations
-            take (zeros by default): on Ray a step's first send over a boundary arrived
-            1-4 ms later than the others (measured, see `jaxreshard/profiler/_measured.py`).
+            take (zeros by default), negative where shorter (down to `-comm`): on Ray a
+            step's first send over a boundary arrived 1-4 ms later than the others, and on a
+            shaped link that was idle before the step 3-4x sooner (measured, see
+            `jaxreshard/profiler/_measured.py`).
         apply: apply-gradient (optimizer) time, per stage.
         shared: parameters read by chunks other than their owner (`SharedCost`), at most one
             per (owner, user) pair; none by default.
+        forward_first, backward_first, weight_grad_first: per stage, how much longer the
+            step's first micro-batch's forward, whole backward and W take than `forward`,
+            `backward` and `weight_grad` (zeros by default; `weight_grad_first` is the W part
+            of `backward_first`). A chunk's first backward starts its gradient accumulators
+            in fresh buffers; on the 2-host emulated cluster an MLP's first W took 3-6 ms
+            where the others took 1-2 (see `jaxreshard/profiler/_measured.py`).
         host: per stage, how long its rank stays busy after each of its F, B and W actions
             with that action's outputs already on their way: the host's own work between two
             actions (posting the sends, dropping what is dead, dispatching the next); a
@@ -98,15 +113,20 @@ class Costs:
     host: tuple[float, ...] = ()
     comm_back: tuple[float, ...] | None = None
     comm_first: tuple[float, ...] = ()
+    forward_first: tuple[float, ...] = ()
+    backward_first: tuple[float, ...] = ()
+    weight_grad_first: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if n < 1:
             raise ValueError("Costs: need at least one stage")
-        for name in ("host", "comm_first"):  # (frozen fields: set once, normalised)
-            value, size = getattr(self, name), n if name == "host" else n - 1
+        for name in ("host", "comm_first", *FIRST):  # (frozen fields: set once, normalised)
+            value, size = getattr(self, name), n - 1 if name == "comm_first" else n
             empty = isinstance(value, tuple) and not value
-            object.__setattr__(self, name, _per(0.0 if empty else value, size, name))
+            object.__setattr__(
+                self, name, _per(0.0 if empty else value, size, name, signed=name == "comm_first")
+            )
         if self.comm_back is not None:  # (None: as `comm`, whatever `replace` makes it)
             object.__setattr__(self, "comm_back", _per(self.comm_back, n - 1, "comm_back"))
         if not isinstance(self.shared, tuple):
@@ -143,11 +163,23 @@ class Costs:
                 raise ValueError(f"Costs: {name} must have one entry per stage ({n})")
         if len(self.comm) != n - 1:
             raise ValueError(f"Costs: comm must have one entry per boundary ({n - 1})")
+        for b, (c, f) in enumerate(zip(self.comm, self.comm_first)):
+            if c + f < 0:
+                raise ValueError(
+                    f"Costs: boundary {b}'s comm_first={f} would make its first transfer take "
+                    f"{c + f:g} (comm={c} plus comm_first); comm_first must be >= -comm"
+                )
         for s, (b, w) in enumerate(zip(self.backward, self.weight_grad)):
             if w > b:
                 raise ValueError(
                     f"Costs: stage {s} weight_grad={w} exceeds its whole backward={b}; "
                     "weight_grad is the part of backward spent on weight gradients"
+                )
+        for s, (b, w) in enumerate(zip(self.backward_first, self.weight_grad_first)):
+            if w > b:
+                raise ValueError(
+                    f"Costs: stage {s} weight_grad_first={w} exceeds its backward_first={b}; "
+                    "weight_grad_first is the W part of the first backward's extra time"
                 )
 
     @classmethod
@@ -163,10 +195,14 @@ class Costs:
         host: float | Sequence[float] = 0.0,
         comm_back: float | Sequence[float] | None = None,
         comm_first: float | Sequence[float] = 0.0,
+        forward_first: float | Sequence[float] = 0.0,
+        backward_first: float | Sequence[float] = 0.0,
+        weight_grad_first: float | Sequence[float] | None = None,
     ) -> Costs:
         """Costs from numbers (uniform) or per-stage / per-boundary sequences.
 
-        `weight_grad` defaults to half of `backward`, `comm_back` to `comm`.
+        `weight_grad` defaults to half of `backward`, `weight_grad_first` to half of
+        `backward_first`, `comm_back` to `comm`.
         """
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"Costs: num_stages={show(num_stages)} must be an int >= 1")
@@ -180,6 +216,9 @@ class Costs:
         backward_t = _per(backward, num_stages, "backward")
         if weight_grad is None:
             weight_grad = [b / 2 for b in backward_t]
+        backward_first_t = _per(backward_first, num_stages, "backward_first")
+        if weight_grad_first is None:
+            weight_grad_first = [b / 2 for b in backward_first_t]
         return cls(
             forward=_per(forward, num_stages, "forward"),
             backward=backward_t,
@@ -188,7 +227,10 @@ class Costs:
             apply=_per(apply, num_stages, "apply"),
             host=_per(host, num_stages, "host"),
             comm_back=None if comm_back is None else _per(comm_back, num_stages - 1, "comm_back"),
-            comm_first=_per(comm_first, num_stages - 1, "comm_first"),
+            comm_first=_per(comm_first, num_stages - 1, "comm_first", signed=True),
+            forward_first=_per(forward_first, num_stages, "forward_first"),
+            backward_first=backward_first_t,
+            weight_grad_first=_per(weight_grad_first, num_stages, "weight_grad_first"),
         )
 
     @property
@@ -206,16 +248,28 @@ class Costs:
             return (self.comm if self.comm_back is None else self.comm_back)[boundary]
         return self.comm[boundary] + (self.comm_first[boundary] if mb == 0 else 0.0)
 
-    def duration(self, stage: int, kind: str, split: bool) -> float:
-        """How long one action of `kind` takes on `stage` (`split`: backward split into B/W)."""
+    def duration(self, stage: int, kind: str, split: bool, mb: int = -1) -> float:
+        """How long one action of `kind` on micro-batch `mb` takes on `stage` (`split`:
+        backward split into B/W; the first micro-batch's `*_first` longer)."""
+        if kind == APPLY:
+            return self.apply[stage]
+        if mb == 0:
+            return self._first_duration(stage, kind, split)
         if kind == FORWARD:
             return self.forward[stage]
         if kind == BACKWARD:
             return self.backward[stage] - (self.weight_grad[stage] if split else 0.0)
+        assert kind == WEIGHT
+        return self.weight_grad[stage]
+
+    def _first_duration(self, stage: int, kind: str, split: bool) -> float:
+        if kind == FORWARD:
+            return self.forward[stage] + self.forward_first[stage]
+        w = self.weight_grad[stage] + self.weight_grad_first[stage]
         if kind == WEIGHT:
-            return self.weight_grad[stage]
-        assert kind == APPLY
-        return self.apply[stage]
+            return w
+        assert kind == BACKWARD
+        return self.backward[stage] + self.backward_first[stage] - (w if split else 0.0)
 
     def to_json(self) -> dict[str, Any]:
         def compact(values: tuple[float, ...]) -> float | list[float]:
@@ -232,6 +286,7 @@ class Costs:
             | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})
             | ({"host": compact(self.host)} if any(self.host) else {})
             | ({"comm_first": compact(self.comm_first)} if any(self.comm_first) else {})
+            | {name: compact(getattr(self, name)) for name in FIRST if any(getattr(self, name))}
             | (
                 {"comm_back": compact(self.comm_back)}
                 if self.comm_back is not None and self.comm_back != self.comm

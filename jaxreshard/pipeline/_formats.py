@@ -452,6 +452,9 @@ def costs_from_json(value: Any, num_chunks: int, source: str) -> Any:
         "host",
         "comm_back",
         "comm_first",
+        "forward_first",
+        "backward_first",
+        "weight_grad_first",
     )
     _files.reject_unknown_keys(costs, (*keys, "shared"), where)
     try:

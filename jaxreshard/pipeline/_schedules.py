@@ -315,7 +315,7 @@ def _place_weights(
     capped = False
 
     def duration(action: Action) -> float:
-        return costs.duration(action.stage_index, action.kind, split=True)
+        return costs.duration(action.stage_index, action.kind, True, action.microbatch_index)
 
     def earliest_arrival(needed: Transfer) -> float:
         """A lower bound on when `needed` arrives, from its producer's rank as it is now."""

@@ -15,8 +15,8 @@ sends and dispatching the next action; a fused run pays its actions' at its end)
 action's outputs are already on their way.
 A parameter that chunk o keeps and chunk u also reads (`Costs.shared`) is sent at the start, on
 the link from o to u before anything else on it, and u's first action waits for it; u's
-gradient contribution goes back after u's last action, and o's apply waits for it (overlap
-only).
+gradient contribution goes back after the last action of u's rank, and o's apply waits for it
+(overlap only).
 With virtual stages (see [Note: chunks and ranks] in `_schedule.py`) "stage" above means rank,
 a link serves one chunk boundary and direction, and a transfer between two chunks of one rank is
 local: it arrives when its producer ends, takes no time, and is in no batch.
@@ -241,9 +241,10 @@ def _add_shared(
 ) -> tuple[dict[Transfer, float], dict[Transfer, tuple[float, float]]]:
     """Add `costs.shared`'s transfers to the ranks' `units` (in place): each copy is needed by
     the first unit of its user chunk, and sent at the start on the owner's link to it (those
-    links are busy until then: `link_free`); each gradient contribution is sent by the user
-    chunk's last unit and needed by the owner's apply, where the schedule has one. Returns the
-    gradients' seconds by transfer, and each copy's (start, arrival)."""
+    links are busy until then: `link_free`); each gradient contribution is sent after the
+    last F, B or W of the user's rank (a rank's program sends its contributions after all of
+    its actions: `pipeline._emit`) and needed by the owner's apply, where the schedule has
+    one. Returns the gradients' seconds by transfer, and each copy's (start, arrival)."""
     seconds: dict[Transfer, float] = {}
     copies: dict[Transfer, tuple[float, float]] = {}
     for x in costs.shared:
@@ -256,13 +257,16 @@ def _add_shared(
             use[of_user[0]][1].append(copy)
         t0 = t1 = 0.0
         if not schedule.is_local(copy):
-            t0 = link_free.get((o, u), 0.0)
-            t1 = link_free[(o, u)] = t0 + x.seconds
+            link = (o, u)
+            t0 = link_free.get(link, 0.0)
+            t1 = link_free[link] = t0 + x.seconds
         copies[copy] = (t0, t1)
         if x.grad and of_user:
             back = Transfer(PARAM_GRAD, -1, u, o)
             seconds[back] = x.seconds if x.back is None else x.back
-            use[of_user[-1]][2].append(back)
+            last = max(i for i, (unit, _, _) in enumerate(use)
+                       if any(a.kind != APPLY for a in unit))  # fmt: skip
+            use[last][2].append(back)
             for unit, needed, _ in own:
                 if Action(o, APPLY) in unit:
                     needed.append(back)
@@ -275,7 +279,9 @@ def _run_unit(
 ) -> list[TimedAction]:
     timed = []
     for action in unit:
-        end = start + costs.duration(action.stage_index, action.kind, split)
+        end = start + costs.duration(
+            action.stage_index, action.kind, split, action.microbatch_index
+        )
         timed.append(TimedAction(action, start, end))
         start = end
     return timed

@@ -45,10 +45,19 @@ class CostModel:
         forward = line(lambda c: c.forward)
         backward = line(lambda c: c.backward)
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
+        backward_first = line(lambda c: c.backward_first)
+        weight_first = tuple(
+            min(w, b) for w, b in zip(line(lambda c: c.weight_grad_first), backward_first)
+        )
+        comm = line(lambda c: c.comm)
+        # (a first transfer sooner than the rest, as fitted, never takes less than no time)
+        first = tuple(max(f, -c) for f, c in zip(line(lambda c: c.comm_first, flat=True), comm))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
-                     comm=line(lambda c: c.comm), apply=self.points[0][1].apply,
+                     comm=comm, apply=self.points[0][1].apply,
                      host=line(lambda c: c.host, flat=True),
-                     comm_back=line(back), comm_first=line(lambda c: c.comm_first, flat=True),
+                     comm_back=line(back), comm_first=first,
+                     forward_first=line(lambda c: c.forward_first),
+                     backward_first=backward_first, weight_grad_first=weight_first,
                      shared=self._shared(line, shared))  # fmt: skip
 
     def _shared(self, line: Any, seconds: Any) -> tuple[SharedCost, ...]:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._costs import FIRST
 from jaxreshard.pipeline._schedule import GRADIENT
 from jaxreshard.profiler._auto_fit import CostModel
 from jaxreshard.profiler._config import ProfileConfig
@@ -120,6 +121,7 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         comm_first=tuple(
             max(at[k].comm_first[k], at[k + 1].comm_first[k]) for k in range(len(models) - 1)
         ),
+        **{name: tuple(getattr(at[k], name)[k] for k in k_range) for name in FIRST},
     )
     return costs, max(m.overhead for m in models)
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
+from jaxreshard.pipeline._costs import FIRST
 from jaxreshard.runtime._config import PipelineConfig
 from jaxreshard.runtime.step._collectives import Sums, with_sums
 
@@ -75,6 +76,7 @@ def calibrated(costs: Costs, k: float, c: float = 0.0, split: bool = False) -> C
         backward=tuple(k * b + (2 * c if split else c) for b in costs.backward),
         weight_grad=tuple(k * w + (c if split else 0.0) for w in costs.weight_grad),
         apply=tuple(k * a + c if a > 0 else 0.0 for a in costs.apply),
+        **{name: tuple(k * x for x in getattr(costs, name)) for name in FIRST},
     )
 
 

@@ -134,11 +134,12 @@ def test_the_first_micro_batch_extras_follow_fits_spreads_and_scales():
     from jaxreshard.profiler._auto_fit import CostModel
     from jaxreshard.runtime.step._refit import calibrated
 
-    small = Costs.make(2, forward_first=1.0, backward_first=2.0, comm=1.0, comm_first=-0.5)
-    large = Costs.make(2, forward_first=2.0, backward_first=4.0, comm=3.0, comm_first=-2.5)
+    small = Costs.make(2, forward_first=1.0, backward_first=2.0, comm=1.0, comm_first=-1.0)
+    large = Costs.make(2, forward_first=2.0, backward_first=4.0, comm=1.5, comm_first=-1.5)
     at = CostModel([(4, small), (8, large)], 0.0).at(2)
     assert at.forward_first == pytest.approx((0.5, 0.5))  # (on the line through the points)
-    assert at.comm == pytest.approx((0.5,)) and at.comm_first == pytest.approx((-0.5,))  # >= -comm
+    # (comm 0.5 + 0.125 a row; the first's extra, fitted flat at -1.0, no lower than -comm)
+    assert at.comm == pytest.approx((0.75,)) and at.comm_first == pytest.approx((-0.75,))
     spread = chunk_costs(small, (0, 1, 0, 1))  # v = 2: each chunk half its rank's
     assert spread.forward_first == (0.5,) * 4 and spread.weight_grad_first == (0.5,) * 4
     assert calibrated(small, 2.0, 0.1).backward_first == (4.0, 4.0)  # (scaled; no fixed part)

@@ -38,6 +38,12 @@ def test_the_first_micro_batch_actions_take_their_extra_time():
     assert costs.duration(0, "B", True, 0) == 3.5 and costs.duration(0, "B", True, 1) == 2.0
     assert costs.duration(0, "B", False, 0) == 5.0 and costs.duration(0, "B", False) == 3.0
     assert costs.duration(0, "F", False, 0) == 1.0  # (no forward_first)
+    # Simulated: ZB-H1's first B and W on stage 1 each take their share.
+    zb = build_schedule("zb_h1", 2, 2)
+    split = Costs.make(2, backward=2.0, backward_first=[0.0, 3.0], weight_grad_first=[0.0, 1.0])
+    plain, first = _spans(simulate(zb, Costs.make(2, backward=2.0))), _spans(simulate(zb, split))
+    assert first["1B0"][1] - first["1B0"][0] == 3.0 and first["1W0"][1] - first["1W0"][0] == 2.0
+    assert first["1B1"][1] - first["1B1"][0] == plain["1B1"][1] - plain["1B1"][0] == 1.0
 
 
 def test_first_micro_batch_fields_are_checked_and_round_trip_through_json():
@@ -46,6 +52,11 @@ def test_first_micro_batch_fields_are_checked_and_round_trip_through_json():
     data = costs.to_json()
     assert data["forward_first"] == [0.1, 0.0, 0.2] and data["weight_grad_first"] == 0.2
     assert costs_from_json(data, 3, "t.json") == costs
+    # A first backward slower in B alone: its W part (none) is written, not read back as half.
+    b_only = Costs(forward=(1.0,), backward=(2.0,), weight_grad=(1.0,), comm=(), apply=(0.0,),
+                   backward_first=(1.0,))  # fmt: skip
+    assert b_only.to_json()["weight_grad_first"] == 0.0
+    assert costs_from_json(b_only.to_json(), 1, "t.json") == b_only
     assert "forward_first" not in Costs.make(3).to_json()  # (files without it stay as they were)
     with pytest.raises(ValueError, match=r"forward_first=\[-1.0, 0.0\] must be >= 0"):
         Costs.make(2, forward_first=[-1.0, 0.0])
@@ -91,9 +102,18 @@ def test_measured_costs_time_the_first_micro_batch_apart():
     assert costs.forward[0] == pytest.approx(2.0) and costs.forward_first[0] == 0.0
 
 
+def test_an_unsplit_backward_measures_its_first_extra_whole():
+    layout = _layout(build_schedule("1f1b", 2, 2))
+    events = [Event(0, "B", 0, 0.0, 3.0, "0B0"), Event(0, "B", 1, 3.0, 4.0, "0B1")]
+    costs = measured_costs([StepRecord(4.0, 0.0, events)], layout)
+    assert costs.backward[0] == pytest.approx(1.0) and costs.backward_first[0] == pytest.approx(2.0)
+    assert costs.weight_grad_first[0] == pytest.approx(1.0)  # (half, as weight_grad)
+
+
 def test_transfer_times_are_means_without_the_rare_long_and_short_ones():
     assert trimmed_mean([1.0] * 6 + [3.0] * 3 + [50.0]) == pytest.approx(14 / 8)  # drops 1, 50
     assert trimmed_mean([4.0, 2.0]) == 3.0 and trimmed_mean([]) != trimmed_mean([])  # (nan)
+    assert trimmed_mean([1.0, 2.0, 30.0, 3.0]) == 2.5  # (one each side from 3 values on)
     layout = _layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
     later = [2.0] * 6 + [3.0] * 3 + [40.0]  # the second micro-batch's transfer, 10 steps
     steps = [_step(1.0, 1.0, 1.5, 2.0 + s) for s in later]
@@ -138,8 +158,26 @@ def test_the_first_micro_batch_extras_follow_fits_spreads_and_scales():
     large = Costs.make(2, forward_first=2.0, backward_first=4.0, comm=1.5, comm_first=-1.5)
     at = CostModel([(4, small), (8, large)], 0.0).at(2)
     assert at.forward_first == pytest.approx((0.5, 0.5))  # (on the line through the points)
-    # (comm 0.5 + 0.125 a row; the first's extra, fitted flat at -1.0, no lower than -comm)
+    # comm: 0.5 + 0.125 a row; the first transfer takes no time at either point, and its
+    # line (fitted flat at 0 outside them) stays there.
     assert at.comm == pytest.approx((0.75,)) and at.comm_first == pytest.approx((-0.75,))
+    shorter = Costs.make(2, comm=1.0, comm_first=-0.5)
+    at = CostModel([(4, shorter), (8, Costs.make(2, comm=2.0, comm_first=-0.5))], 0.0).at(16)
+    # (the first transfer on its own line: 0.5 at 4 rows, 1.5 at 8, so 3.0 at 16 in proportion
+    # to the nearer point; the others 4.0. A flat extra would have said 3.5.)
+    assert at.comm == pytest.approx((4.0,)) and at.comm_first == pytest.approx((-1.0,))
+    assert CostModel([(4, small)], 0.0).at(8).forward_first == (1.0, 1.0)  # (one point: flat)
     spread = chunk_costs(small, (0, 1, 0, 1))  # v = 2: each chunk half its rank's
     assert spread.forward_first == (0.5,) * 4 and spread.weight_grad_first == (0.5,) * 4
     assert calibrated(small, 2.0, 0.1).backward_first == (4.0, 4.0)  # (scaled; no fixed part)
+
+
+def test_mixed_layouts_take_the_slower_whole_first_transfer():
+    from jaxreshard.profiler._auto_fit import CostModel
+    from jaxreshard.profiler._auto_mixed import compose
+
+    quick = Costs.make(2, comm=10.0, comm_first=-8.0, forward_first=[1.0, 0.0])  # first: 2
+    even = Costs.make(2, comm=3.0, forward_first=[0.0, 0.5])  # first: 3
+    costs, _ = compose([CostModel([(4, quick)], 0.0), CostModel([(4, even)], 0.0)], 4)
+    assert costs.comm == (10.0,) and costs.comm_first == (-7.0,)  # 3 in all
+    assert costs.forward_first == (1.0, 0.5)  # each stage its own layout's

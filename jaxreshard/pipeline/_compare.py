@@ -63,11 +63,11 @@ class Row:
 
 
 def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
-    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute (and first
-    micro-batch's extra) / v and host
-    time; a chunk boundary between neighbour ranks costs their boundary's `comm` (and
-    `comm_back`, `comm_first`), one between other ranks (the interleaved ring's p - 1 -> 0)
-    the largest. Shared parameters are per stage and left out."""
+    """Per-stage `costs` spread over chunks: each chunk gets its rank's compute (and the
+    first micro-batch's extra compute) / v and host time; a chunk boundary between neighbour
+    ranks costs their boundary's `comm` (and `comm_back`, `comm_first`), one between other
+    ranks (the interleaved ring's p - 1 -> 0) the largest (its first transfer the largest
+    whole first transfer). Shared parameters are per stage and left out."""
     v = len(placement) // costs.num_stages
 
     def comm(a: int, b: int, of: tuple[float, ...] = costs.comm) -> float:
@@ -79,6 +79,9 @@ def chunk_costs(costs: Costs, placement: tuple[int, ...]) -> Costs:
         return comm(a, b, costs.comm if costs.comm_back is None else costs.comm_back)
 
     def first(a: int, b: int) -> float:
+        if abs(a - b) != 1:  # (the largest whole first transfer, less the largest comm)
+            whole = [c + f for c, f in zip(costs.comm, costs.comm_first)]
+            return comm(a, b, tuple(whole)) - comm(a, b)
         return comm(a, b, costs.comm_first)
 
     return Costs.make(

@@ -50,7 +50,7 @@ class SharedCost:
     """Parameters that chunk `owner` keeps and chunk `user` also reads (a tied embedding): the
     owner sends them at the start of the step, taking `seconds` on the link from owner to user,
     and the user's first action waits for them; with `grad`, the user sends its gradient
-    contribution back after its last action, as long again (or `back` seconds), and the
+    contribution back after its rank's last action, as long again (or `back` seconds), and the
     owner's apply waits for it (the runtime's `param` and `param_grad` transfers; see [Note:
     instructions])."""
 
@@ -243,7 +243,8 @@ class Costs:
 
     def transfer_seconds(self, kind: str, boundary: int, mb: int = -1) -> float:
         """How long a micro-batch's transfer of `kind` (a `Transfer`'s: gradients go back)
-        takes across `boundary` (the first micro-batch's activations `comm_first` longer)."""
+        takes across `boundary` (the first micro-batch's activations `comm_first` longer, or
+        shorter where it is negative)."""
         if kind == GRADIENT:
             return (self.comm if self.comm_back is None else self.comm_back)[boundary]
         return self.comm[boundary] + (self.comm_first[boundary] if mb == 0 else 0.0)
@@ -287,6 +288,12 @@ class Costs:
             | ({"host": compact(self.host)} if any(self.host) else {})
             | ({"comm_first": compact(self.comm_first)} if any(self.comm_first) else {})
             | {name: compact(getattr(self, name)) for name in FIRST if any(getattr(self, name))}
+            # (a reader defaults weight_grad_first to half of backward_first: say when it is not)
+            | (
+                {"weight_grad_first": compact(self.weight_grad_first)}
+                if any(self.backward_first)
+                else {}
+            )
             | (
                 {"comm_back": compact(self.comm_back)}
                 if self.comm_back is not None and self.comm_back != self.comm

@@ -430,13 +430,14 @@ def _cycle(
 
 def _producer(schedule: Schedule, transfer: Transfer) -> Action:
     """The action after which `transfer` is sent: a boundary tensor's producer; a shared
-    parameter's gradient contribution goes after its chunk's last action (a copy goes at the
-    start: its owner's first)."""
+    parameter's gradient contribution goes after the last action of its chunk's rank (a copy
+    goes at the start: its owner's first)."""
     if transfer.kind not in (PARAM_COPY, PARAM_GRAD):
         return transfer.producer
-    mine = [a for a in schedule.actions[schedule.rank_of(transfer.src)]
-            if a.stage_index == transfer.src and a.kind != APPLY]  # fmt: skip
-    return mine[-1] if transfer.kind == PARAM_GRAD else mine[0]
+    rank = [a for a in schedule.actions[schedule.rank_of(transfer.src)] if a.kind != APPLY]
+    if transfer.kind == PARAM_GRAD:
+        return rank[-1]
+    return next(a for a in rank if a.stage_index == transfer.src)
 
 
 def ideal_makespan(num_stages: int, num_micro_batches: int, costs: Costs) -> float:

@@ -72,6 +72,7 @@ from jaxreshard.profiler._compare import (
     compare,
     cost_fields,
     measures_placement,
+    placing_costs,
     schedule_variants,
 )
 from jaxreshard.profiler._config import ProfileConfig
@@ -453,8 +454,7 @@ def _predict(
     measured there (see [Note: the optimizer after the pipeline])."""
     v = changes.get("virtual_stages") or 1
     # Placed with the costs the runtime gets (`cost_fields`), so that it runs this schedule.
-    placing = Costs(forward=costs.forward, backward=costs.backward,
-                    weight_grad=costs.weight_grad, comm=costs.comm, apply=costs.apply)  # fmt: skip
+    placing = placing_costs(costs)
     schedule = build_schedule(
         changes["schedule"],
         len(costs.forward) // v,

@@ -45,18 +45,26 @@ class CostModel:
         forward = line(lambda c: c.forward)
         backward = line(lambda c: c.backward)
         weight = tuple(min(w, b) for w, b in zip(line(lambda c: c.weight_grad), backward))
-        backward_first = line(lambda c: c.backward_first)
+        # The first micro-batch's extra compute starts buffers the size of the parameters:
+        # with one point it stays as measured.
+        backward_first = line(lambda c: c.backward_first, flat=True)
         weight_first = tuple(
-            min(w, b) for w, b in zip(line(lambda c: c.weight_grad_first), backward_first)
+            min(w, b)
+            for w, b in zip(line(lambda c: c.weight_grad_first, flat=True), backward_first)
         )
         comm = line(lambda c: c.comm)
-        # (a first transfer sooner than the rest, as fitted, never takes less than no time)
-        first = tuple(max(f, -c) for f, c in zip(line(lambda c: c.comm_first, flat=True), comm))
+        if len(self.points) == 1:
+            first = line(lambda c: c.comm_first, flat=True)
+        else:  # the first transfer's whole time on its own line, less the others'
+            whole = line(lambda c: tuple(a + b for a, b in zip(c.comm, c.comm_first)))
+            first = tuple(w - c for w, c in zip(whole, comm))
+        # (a first transfer sooner than the rest never takes less than no time)
+        first = tuple(max(f, -c) for f, c in zip(first, comm))
         return Costs(forward=forward, backward=backward, weight_grad=weight,
                      comm=comm, apply=self.points[0][1].apply,
                      host=line(lambda c: c.host, flat=True),
                      comm_back=line(back), comm_first=first,
-                     forward_first=line(lambda c: c.forward_first),
+                     forward_first=line(lambda c: c.forward_first, flat=True),
                      backward_first=backward_first, weight_grad_first=weight_first,
                      shared=self._shared(line, shared))  # fmt: skip
 

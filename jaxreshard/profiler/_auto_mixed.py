@@ -33,8 +33,9 @@ from typing import Any
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.pipeline._costs import FIRST
-from jaxreshard.pipeline._schedule import GRADIENT
+from jaxreshard.pipeline._schedule import ACTIVATION, GRADIENT
 from jaxreshard.profiler._auto_fit import CostModel
+from jaxreshard.profiler._compare import placing_costs
 from jaxreshard.profiler._config import ProfileConfig
 from jaxreshard.profiler._run import devices_needed
 
@@ -68,7 +69,8 @@ def mixed_layouts(
             continue
         costs, overhead = compose([by_shape[s][0] for s in mix], rows)
         schedule_of = build_schedule(schedule, num_meshes, micro_batches, virtual_stages=1,
-                                     weight_delay=weight_delay, costs=costs)  # fmt: skip
+                                     weight_delay=weight_delay,
+                                     costs=placing_costs(costs))  # fmt: skip
         seconds = simulate(schedule_of.with_apply(), costs).makespan + overhead
         cuts = {_key(by_shape[s][1]) for s in mix}
         out.append({"stage_mesh_shape": [list(s) for s in mix], "estimate_seconds": seconds,
@@ -106,6 +108,11 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
     at = [m.at(rows) for m in models]
     k_range = range(len(models))
     comm = tuple(max(at[k].comm[k], at[k + 1].comm[k]) for k in range(len(models) - 1))
+    # The first transfer: the slower of the two layouts' whole first transfers.
+    first = tuple(
+        max(at[j].transfer_seconds(ACTIVATION, k, 0) for j in (k, k + 1)) - comm[k]
+        for k in range(len(models) - 1)
+    )
     back = tuple(
         max(at[k].transfer_seconds(GRADIENT, k), at[k + 1].transfer_seconds(GRADIENT, k))
         for k in range(len(models) - 1)
@@ -118,9 +125,7 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         apply=tuple(at[k].apply[k] for k in k_range),
         host=tuple(at[k].host[k] for k in k_range),
         comm_back=back,
-        comm_first=tuple(
-            max(at[k].comm_first[k], at[k + 1].comm_first[k]) for k in range(len(models) - 1)
-        ),
+        comm_first=first,
         **{name: tuple(getattr(at[k], name)[k] for k in k_range) for name in FIRST},
     )
     return costs, max(m.overhead for m in models)

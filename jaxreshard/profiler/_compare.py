@@ -211,6 +211,13 @@ def cost_fields(costs: Costs) -> dict[str, tuple[float, ...]]:
             "cost_weight_grad": costs.weight_grad, "cost_comm": costs.comm}  # fmt: skip
 
 
+def placing_costs(costs: Costs) -> Costs:
+    """What a runtime given `cost_fields(costs)` places delayed weight gradients with: the
+    same schedule a prediction must simulate."""
+    return Costs(forward=costs.forward, backward=costs.backward,
+                 weight_grad=costs.weight_grad, comm=costs.comm, apply=costs.apply)  # fmt: skip
+
+
 def pin_cuts(
     configs: Sequence[tuple[str, ProfileConfig]], *, runtime: Any = None, console: Any = None
 ) -> list[tuple[str, ProfileConfig]]:

@@ -33,9 +33,10 @@ def median(values: Sequence[float]) -> float:
 
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
     """The mean of `values` without the lowest and the highest `cut` of them (a fraction,
-    rounded down to whole values); nan for none."""
+    rounded down to whole values, and at least one each where there are 3 or more: a run of
+    few steps times its first transfer once a step); nan for none."""
     ordered = sorted(values)
-    k = int(len(ordered) * cut)
+    k = max(int(len(ordered) * cut), 1 if len(ordered) >= 3 else 0)
     kept = ordered[k : len(ordered) - k]
     return float(statistics.fmean(kept)) if kept else float("nan")
 
@@ -194,7 +195,7 @@ def link_service_times(
         made: dict[tuple[int, str, int], float] = {}  # (chunk, kind, mb) -> its end
         last: dict[int, float] = {}  # rank -> its last action's end
         for e in st.events:
-            if e.kind in ("F", "B", "W", "FB"):
+            if e.kind in ("F", "B", "W", "FB") and 0 <= e.stage < layout.schedule.num_chunks:
                 made[(e.stage, e.kind, e.mb)] = e.end
                 r = rank_of(e.stage)
                 last[r] = max(last.get(r, e.end), e.end)
@@ -271,7 +272,7 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
     optimizer (A) times (the first micro-batch's extra apart: `Costs.forward_first`, ...) and
     its host's time between actions (`host_between_actions`); per
-    boundary the median time the link took a micro-batch's activations (those after the
+    boundary the time the link took a micro-batch's activations (those after the
     first; the first's extra is `comm_first`) and, apart, its gradients; the shared
     parameters' copies and gradients (all as `link_service_times` times them).
 

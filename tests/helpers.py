@@ -71,3 +71,12 @@ def owners(sharding, shape):
         for idx in itertools.product(*ranges):
             cells[idx].add(device.id)
     return cells
+
+
+def step_layout(schedule, *transfers: tuple[str, int, int]):
+    """What the profiler's measured costs read of a pipeline layout: its schedule and its
+    runtime transfers (name, src chunk, dst chunk)."""
+    import types
+
+    named = {n: types.SimpleNamespace(name=n, src_stage=s, dst_stage=d) for n, s, d in transfers}
+    return types.SimpleNamespace(schedule=schedule, transfers=named)

@@ -5,9 +5,8 @@ in `jaxreshard/profiler/_measured.py`)."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
+from helpers import step_layout
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.pipeline._costs import SharedCost
@@ -16,11 +15,6 @@ from jaxreshard.pipeline._schedule import PARAM_GRAD
 from jaxreshard.profiler._measured import measured_costs, trimmed_mean
 from jaxreshard.profiler._run import StepRecord
 from jaxreshard.runtime.engine._events import Event
-
-
-def _layout(schedule, *transfers: tuple[str, int, int]) -> types.SimpleNamespace:
-    named = {n: types.SimpleNamespace(name=n, src_stage=s, dst_stage=d) for n, s, d in transfers}
-    return types.SimpleNamespace(schedule=schedule, transfers=named)
 
 
 def _spans(timeline) -> dict[str, tuple[float, float]]:
@@ -92,7 +86,7 @@ def _step(first: float, later: float, arrive_first: float, arrive_later: float) 
 
 
 def test_measured_costs_time_the_first_micro_batch_apart():
-    layout = _layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
+    layout = step_layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
     # The first forward 3 s, the second 1 s; the first transfer 0.5 s, the second 2 s.
     costs = measured_costs([_step(3.0, 1.0, 3.5, 6.0)], layout)
     assert costs.forward[0] == pytest.approx(1.0) and costs.forward_first[0] == pytest.approx(2.0)
@@ -103,7 +97,7 @@ def test_measured_costs_time_the_first_micro_batch_apart():
 
 
 def test_an_unsplit_backward_measures_its_first_extra_whole():
-    layout = _layout(build_schedule("1f1b", 2, 2))
+    layout = step_layout(build_schedule("1f1b", 2, 2))
     events = [Event(0, "B", 0, 0.0, 3.0, "0B0"), Event(0, "B", 1, 3.0, 4.0, "0B1")]
     costs = measured_costs([StepRecord(4.0, 0.0, events)], layout)
     assert costs.backward[0] == pytest.approx(1.0) and costs.backward_first[0] == pytest.approx(2.0)
@@ -114,7 +108,7 @@ def test_transfer_times_are_means_without_the_rare_long_and_short_ones():
     assert trimmed_mean([1.0] * 6 + [3.0] * 3 + [50.0]) == pytest.approx(14 / 8)  # drops 1, 50
     assert trimmed_mean([4.0, 2.0]) == 3.0 and trimmed_mean([]) != trimmed_mean([])  # (nan)
     assert trimmed_mean([1.0, 2.0, 30.0, 3.0]) == 2.5  # (one each side from 3 values on)
-    layout = _layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
+    layout = step_layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
     later = [2.0] * 6 + [3.0] * 3 + [40.0]  # the second micro-batch's transfer, 10 steps
     steps = [_step(1.0, 1.0, 1.5, 2.0 + s) for s in later]
     assert measured_costs(steps, layout).comm == pytest.approx((19 / 8,))  # (median 2, mean 6.1)
@@ -137,7 +131,7 @@ def test_a_shared_gradient_leaves_after_the_last_action_of_its_users_rank():
 
 def test_a_shared_gradient_is_timed_from_the_end_of_its_users_rank():
     schedule = build_schedule("interleaved_1f1b", 2, 1, virtual_stages=2)
-    layout = _layout(schedule, ("param7 s0->s3", 0, 3), ("param_grad7 s3->s0", 3, 0))
+    layout = step_layout(schedule, ("param7 s0->s3", 0, 3), ("param_grad7 s3->s0", 3, 0))
     events = [
         Event(0, "send", -1, 0.0, 0.5, "param7 s0->s3", 8, 1),
         Event(3, "B", 0, 4.0, 5.0, "3B0"),

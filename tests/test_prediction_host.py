@@ -4,9 +4,8 @@ every host's step ([Note: host time between actions] in `jaxreshard/profiler/_ru
 
 from __future__ import annotations
 
-import types
-
 import pytest
+from helpers import step_layout
 
 from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.pipeline._formats import costs_from_json
@@ -18,12 +17,6 @@ from jaxreshard.profiler._measured import (
 )
 from jaxreshard.profiler._run import StepRecord
 from jaxreshard.runtime.engine._events import Event
-
-
-def _layout(schedule, *transfers: tuple[str, int, int]) -> types.SimpleNamespace:
-    """A pipeline layout's schedule and runtime transfers (name, src chunk, dst chunk)."""
-    named = {n: types.SimpleNamespace(name=n, src_stage=s, dst_stage=d) for n, s, d in transfers}
-    return types.SimpleNamespace(schedule=schedule, transfers=named)
 
 
 def _starts(timeline) -> dict[str, tuple[float, float]]:
@@ -107,7 +100,7 @@ def _two_stage_step(applies: list[tuple[int, float]], **where) -> StepRecord:
     ],
 )
 def test_optimizer_segments_run_after_their_hosts_ranks(applies, where, predicted):
-    layout = _layout(build_schedule("1f1b", 2, 1))
+    layout = step_layout(build_schedule("1f1b", 2, 1))
     step = _two_stage_step(applies, **where)
     seconds, costs = predicted_step([step], layout)
     assert costs.apply == (1.0, 1.0) and costs.host == (0.0, 0.0)
@@ -127,8 +120,9 @@ def test_gradients_take_their_own_time_back():
 
 
 def test_measured_transfers_are_timed_per_direction_and_shared_parameters_apart():
-    layout = _layout(build_schedule("1f1b", 2, 1), ("act0 s0->s1", 0, 1), ("grad0 s1->s0", 1, 0),
-                     ("param7 s0->s1", 0, 1), ("param_grad7 s1->s0", 1, 0))  # fmt: skip
+    layout = step_layout(build_schedule("1f1b", 2, 1), ("act0 s0->s1", 0, 1),
+                         ("grad0 s1->s0", 1, 0), ("param7 s0->s1", 0, 1),
+                         ("param_grad7 s1->s0", 1, 0))  # fmt: skip
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "send", -1, 0.0, 0.9, "param7 s0->s1", 8, 1),
@@ -149,7 +143,7 @@ def test_measured_transfers_are_timed_per_direction_and_shared_parameters_apart(
 
 
 def test_a_transfer_is_timed_from_the_end_of_the_action_that_made_it():
-    layout = _layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
+    layout = step_layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "F", 1, 1.0, 2.0, "0F1"),
@@ -168,7 +162,7 @@ def test_the_first_micro_batch_activations_take_their_measured_extra_time():
     schedule = build_schedule("gpipe", 2, 2)
     late = _starts(simulate(schedule, Costs.make(2, comm=0.5, comm_first=2.0)))
     assert late["1F0"][0] == 3.5 and late["1F1"][0] == 4.5  # 1 + 0.5 + 2; then 2 + 0.5 queued
-    layout = _layout(schedule, ("act0 s0->s1", 0, 1))
+    layout = step_layout(schedule, ("act0 s0->s1", 0, 1))
     events = [
         Event(0, "F", 0, 0.0, 1.0, "0F0"),
         Event(0, "F", 1, 1.0, 2.0, "0F1"),

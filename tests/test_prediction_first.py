@@ -12,7 +12,7 @@ from jaxreshard.pipeline import Costs, build_schedule, simulate
 from jaxreshard.pipeline._costs import SharedCost
 from jaxreshard.pipeline._formats import costs_from_json
 from jaxreshard.pipeline._schedule import PARAM_GRAD
-from jaxreshard.profiler._measured import measured_costs, trimmed_mean
+from jaxreshard.profiler._measured import measured_costs, trimmed_mean, typical_steps
 from jaxreshard.profiler._run import StepRecord
 from jaxreshard.runtime.engine._events import Event
 
@@ -94,6 +94,18 @@ def test_measured_costs_time_the_first_micro_batch_apart():
     # A first no slower than the rest: no extra, and every micro-batch's mean.
     costs = measured_costs([_step(1.0, 3.0, 2.0, 5.0)], layout)
     assert costs.forward[0] == pytest.approx(2.0) and costs.forward_first[0] == 0.0
+
+
+def test_a_stalled_step_is_left_out_of_the_costs():
+    """As the median of the measured steps leaves it out of the step time."""
+    layout = step_layout(build_schedule("gpipe", 2, 2), ("act0 s0->s1", 0, 1))
+    steps = [_step(1.0, 1.0, 1.5, 3.0)] * 3
+    stalled = StepRecord(20.0, 0.0, _step(15.0, 1.0, 15.5, 17.0).events)  # > 2 x 6.0
+    assert typical_steps([*steps, stalled]) == steps
+    costs = measured_costs([*steps, stalled], layout)
+    assert costs.forward == pytest.approx((1.0, 0.0)) and costs.forward_first[0] == 0.0
+    slow = StepRecord(12.0, 0.0, stalled.events)  # (at most twice the median: kept)
+    assert measured_costs([*steps, slow], layout).forward_first[0] == pytest.approx(3.5)
 
 
 def test_an_unsplit_backward_measures_its_first_extra_whole():

@@ -268,6 +268,17 @@ def _kind(name: str) -> str:
     return name.split(" ")[0].rstrip("0123456789")
 
 
+def typical_steps(steps: Sequence[StepRecord], factor: float = 2.0) -> list[StepRecord]:
+    """The steps at most `factor` times the median step. A stall (a tiny GPT's forward once
+    took 140 ms inside a 56 ms step) is left out of the costs, as the median of the measured
+    steps leaves it out of the step time: kept in, its one action set its chunk's mean
+    forward to 2.4x the others' and predicted a ZB-H1 step 20% long."""
+    if not steps:
+        return list(steps)
+    mid = median([st.seconds for st in steps])
+    return [st for st in steps if st.seconds <= factor * mid]
+
+
 def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     """The schedule cost model of a measured run (seconds): per stage the mean F, B, W and
     optimizer (A) times (the first micro-batch's extra apart: `Costs.forward_first`, ...) and
@@ -284,6 +295,7 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     up, so medians predicted steps short (the emulated cluster's median error over 30
     recorded runs: 3.5% with medians, 2.7% trimmed); a boundary's plain mean is set by its
     rare long ones (a U-Transformer skip's mean was 22x its median; plain means: 3.1%).
+    Steps over twice the median step are left out (`typical_steps`).
 
     [Note: the first micro-batch's actions]
     A chunk's first backward of a step starts its gradient accumulators in fresh buffers
@@ -297,6 +309,7 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
     recorded runs of ten configurations, the median error went from 3.9% to 3.5% with this
     and the fixes beside it (`comm_first` below zero, a shared gradient sent after its
     rank's last action), and to 2.7% with trimmed means for the transfers."""
+    steps = typical_steps(steps)
     schedule = layout.schedule
     n = schedule.num_chunks
     times: dict[tuple[int, str, bool], list[float]] = {}  # (chunk, kind, first mb?) -> times
@@ -422,6 +435,7 @@ class OptimizerPhase:
 
     @classmethod
     def measured(cls, steps: Sequence[StepRecord], schedule: Any) -> OptimizerPhase:
+        steps = typical_steps(steps)
         last = steps[-1] if steps else StepRecord(0.0, 0.0, [])
         on_driver = tuple(sorted(set(last.driver_stages)))
         n, p = schedule.num_chunks, schedule.num_stages

@@ -287,13 +287,13 @@ class Costs:
             | ({"shared": [x.to_json() for x in self.shared]} if self.shared else {})
             | ({"host": compact(self.host)} if any(self.host) else {})
             | ({"comm_first": compact(self.comm_first)} if any(self.comm_first) else {})
-            | {name: compact(getattr(self, name)) for name in FIRST if any(getattr(self, name))}
-            # (a reader defaults weight_grad_first to half of backward_first: say when it is not)
-            | (
-                {"weight_grad_first": compact(self.weight_grad_first)}
-                if any(self.backward_first)
-                else {}
-            )
+            # (weight_grad_first with backward_first: a reader defaults it to half of that)
+            | {
+                name: compact(getattr(self, name))
+                for name in FIRST
+                if any(getattr(self, name))
+                or (name == "weight_grad_first" and any(self.backward_first))
+            }
             | (
                 {"comm_back": compact(self.comm_back)}
                 if self.comm_back is not None and self.comm_back != self.comm

@@ -257,9 +257,8 @@ def _add_shared(
             use[of_user[0]][1].append(copy)
         t0 = t1 = 0.0
         if not schedule.is_local(copy):
-            link = (o, u)
-            t0 = link_free.get(link, 0.0)
-            t1 = link_free[link] = t0 + x.seconds
+            t0 = link_free.get((o, u), 0.0)
+            t1 = link_free[(o, u)] = t0 + x.seconds
         copies[copy] = (t0, t1)
         if x.grad and of_user:
             back = Transfer(PARAM_GRAD, -1, u, o)

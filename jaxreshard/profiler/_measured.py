@@ -328,10 +328,12 @@ def measured_costs(steps: Sequence[StepRecord], layout: Any) -> Costs:
         """Chunk s's mean `kind` time after the first micro-batch, and the first's extra
         over it (0.0 where it was no longer: then the mean of all)."""
         first, later = times.get((s, kind, True), []), times.get((s, kind, False), [])
-        every = statistics.fmean(first + later) if first or later else 0.0
-        if not first or not later or statistics.fmean(first) <= statistics.fmean(later):
-            return every, 0.0
-        return statistics.fmean(later), statistics.fmean(first) - statistics.fmean(later)
+        if not first or not later:
+            return (statistics.fmean(first + later) if first or later else 0.0), 0.0
+        extra = statistics.fmean(first) - statistics.fmean(later)
+        if extra <= 0:
+            return statistics.fmean(first + later), 0.0
+        return statistics.fmean(later), extra
 
     split = schedule.split_backward
     f, b, w = ([mean(s, kind) for s in range(n)] for kind in "FBW")

@@ -96,6 +96,7 @@ def main() -> None:
         parser.error(f"--only {unknown[0]!r}: the configurations are {list(CONFIGS)}")
     rows: list[dict[str, Any]] = []
     searched: list[dict[str, Any]] = []
+    refinements: list[dict[str, Any]] = []  # (the points --auto calibrated where it extrapolated)
     with jaxreshard.cluster.emulated(
         hosts=args.hosts,
         nic_gbps=args.gbps,
@@ -118,6 +119,7 @@ def main() -> None:
         if args.auto:
             flags = "--preset tiny --auto --auto-top " + str(args.auto_top)
             record = profile(cluster.address, args.auto, flags, args.steps)
+            refinements = record.get("refinements", [])
             for row in record["measured"]:
                 guess = row.get("search_predicted_seconds")
                 if guess is None:
@@ -127,6 +129,7 @@ def main() -> None:
                                  "search_predicted_seconds": guess,
                                  "own_predicted_seconds": row.get("predicted_seconds"),
                                  "measured_over_predicted": measured / guess,
+                                 "extrapolated": row.get("search_extrapolated"),
                                  "error": error(measured, guess)})  # fmt: skip
                 print(f"--auto {row['label'][:60]:<60} measured {measured * 1e3:8.1f} ms  "
                       f"search predicted {guess * 1e3:8.1f} ms  {measured / guess:.3f}",
@@ -152,6 +155,7 @@ def main() -> None:
             "auto_model": args.auto,
             "auto_rows": searched,
             "auto_median_error": search,
+            "auto_refinements": refinements,
         }
         Path(args.out).write_text(json.dumps(record, indent=2))
         print(f"wrote {args.out}")

@@ -26,7 +26,7 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     toml, out = tmp_path / "winner.toml", tmp_path / "auto.json"
     flags = ["--auto", "--auto-top", "1", "--auto-toml", str(toml), "--json", str(out),
              "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2",
-             "--auto-mixed", "1"]  # fmt: skip
+             "--auto-mixed", "1", "--auto-refine", "0"]  # fmt: skip
     assert main([*BASE, *flags]) == 0
     record = json.loads(out.read_text())
     labels = [row["label"] for row in record["measured"]]
@@ -59,6 +59,7 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     dp = record["measured"][-1]["plain_step_seconds"]
     assert record["speedup_over_data_parallel"] == dp / fastest["plain_step_seconds"] >= 1.0
     assert len(record["calibration"]["micro_batch_rows"]) == 2  # 4 and 8 micro-batches
+    assert record["refinements"] == []  # (--auto-refine 0)
     written = load_profile_config("gpt", toml).pipeline.to_dict()
     for key in ("schedule", "weight_delay", "num_micro_batches", "num_stages", "stage_mesh_shape"):
         assert json.loads(json.dumps(written[key])) == record["winner_pipeline"][key], key
@@ -147,6 +148,59 @@ def test_mixed_meshes_are_estimated_from_the_uniform_calibrations():
     assert len(found) == sum(len(set(m)) > 1 for m in held) == 90
 
 
+def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
+    """Calibrated at 4 and 8 micro-batches of a 16-row batch, a layout whose actions cost
+    1 ms a row on the line through them is predicted fastest at 16 micro-batches (1 row),
+    outside its points. The search calibrates 16: there the actions cost 10 ms, so the
+    prediction drops, a calibrated count wins and the refinement stops. One that fails is left
+    out of the ranking; with no budget nothing is calibrated."""
+    from jaxreshard.pipeline import Costs
+    from jaxreshard.profiler import _auto
+    from jaxreshard.profiler._auto_fit import CostModel, pair
+
+    def costs(ms):
+        return Costs.make(2, forward=ms / 1e3, backward=2 * ms / 1e3, comm=ms / 1e4)
+
+    pc = load_profile_config("gpt")
+    assert pc.run.batch_size == 16
+    calibrated = [{"layout": "2 x 1x2", "changes": {}, "memory": None,
+                   "measured": [(4, costs(4.0), 0.0), (2, costs(2.0), 0.0)]}]  # fmt: skip
+    ranked = _auto._ranked(pc, calibrated)
+    best = ranked.predictions[0]
+    assert (best.micro_batches, best.extrapolated) == (16, True)
+    assert all(p.extrapolated == (p.micro_batches not in (4, 8)) for p in ranked.predictions)
+    added = []
+
+    def add_point(pc_, entry, m, *args):
+        added.append(m)
+        entry["measured"].append((16 // m, costs(10.0 * 16 // m if m < 16 else 10.0), 0.0))
+
+    monkeypatch.setattr(_auto, "_add_point", add_point)
+    same, none = _auto._refine(pc, calibrated, ranked, 1, 0, None, None, False)
+    assert same is ranked and none == [] and added == []
+    after, done = _auto._refine(pc, calibrated, ranked, 1, 3, None, None, False)
+    assert added == [16] and [r["micro_batches"] for r in done] == [16]
+    assert done[0]["predicted_after"] > done[0]["predicted_before"]
+    assert after.predictions[0].micro_batches in (4, 8)
+    assert len(calibrated[0]["measured"]) == 3
+    # The fit between points takes the nearer pair: at 1 row the refined point as measured.
+    model = CostModel.fit(calibrated[0]["measured"])
+    assert model.at(1).forward == (0.010, 0.010) and model.at(3).forward == (0.003, 0.003)
+    assert pair([4, 2, 1], 3) == (1, 0) and pair([4, 2, 1], 8) == (1, 0)
+    assert pair([4, 2, 1], 1) == (2, 1)
+
+    def failing(pc_, entry, m, *args):
+        raise RuntimeError(f"no {m}")
+
+    monkeypatch.setattr(_auto, "_add_point", failing)
+    calibrated[0]["measured"] = calibrated[0]["measured"][:2]
+    after, done = _auto._refine(pc, calibrated, _auto._ranked(pc, calibrated), 1, 3, None,
+                                None, False)  # fmt: skip
+    assert [r["error"] for r in done][0].endswith("no 16")
+    assert 16 not in {p.micro_batches for p in after.predictions}
+    assert calibrated[0]["failed_points"].keys() >= {16}
+
+
 def test_auto_refuses_what_it_does_not_go_with(capsys):
     assert main([*BASE, "--auto", "--compare-schedules"]) == 2
     assert "--auto searches layouts on its own" in capsys.readouterr().err
@@ -185,7 +239,14 @@ def test_auto_chooses_the_cut_on_each_layout_and_searches_virtual_stages(tmp_pat
     for entry in (one, two):
         assert entry["changes"]["partition"] == "manual"
         assert entry["changes"]["cuts"] == entry["cuts"]
-        assert len(entry["micro_batch_rows"]) == 2
+        assert entry["micro_batch_rows"][:2] == [4, 2]  # 4 and 8 micro-batches of 16 rows
+    # Where the best prediction's micro-batches lay outside its layout's calibration points,
+    # the search calibrated that count too (at most 3 times), and re-ranked.
+    added = [r for r in record["refinements"] if "error" not in r]
+    assert len(one["micro_batch_rows"]) + len(two["micro_batch_rows"]) == 4 + len(added)
+    assert len(record["refinements"]) == 3 or not record["predicted"][0]["extrapolated"]
+    for r in record["refinements"]:
+        assert r["micro_batches"] not in (4, 8) and r["predicted_before"] > 0
     labels = [p["label"] for p in record["predicted"]]
     assert any(label.startswith("zbv (v=2)") for label in labels)
     assert any(label.startswith("eager_1f1b + weight delay,") for label in labels)

@@ -78,6 +78,7 @@ def _profile(args: argparse.Namespace) -> int:
             cuts=args.auto_cuts == "search",
             virtual=args.auto_virtual == "search",
             mixed=args.auto_mixed,
+            refine=args.auto_refine,
         )
         if args.json:
             write_json(args.json, record)
@@ -248,6 +249,15 @@ def add_profile_parser(commands: argparse._SubParsersAction, extra: Sequence[str
             help="with --auto and the mesh search: also calibrate the N mixes of stage meshes "
             "(stages on meshes of different shapes) that the uniform layouts' calibrations "
             "estimate fastest (default 2; 0: uniform meshes only)",
+        )
+        out.add_argument(
+            "--auto-refine",
+            type=_count,
+            default=3,
+            metavar="N",
+            help="with --auto: calibrate up to N more points where the best predictions' "
+            "micro-batch counts lie outside their layout's calibrated ones, so that the "
+            "shortlist rests on interpolated costs (default 3; 0: none)",
         )
         out.add_argument(
             "--auto-cuts",

@@ -4,6 +4,7 @@ fixed cost plus a cost per micro-batch row, fitted through the calibration point
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from jaxreshard.pipeline import Costs
@@ -13,8 +14,9 @@ from jaxreshard.pipeline._costs import SharedCost
 @dataclasses.dataclass
 class CostModel:
     """Per stage and action kind, seconds = fixed + per_row * micro-batch rows (fitted through
-    the calibration points; with one point, proportional to the rows); the optimizer as the
-    first point measured it. The transfers are fitted so too, also those that move no
+    the two calibration points either side of the rows, or the two nearest outside them: see
+    `pair`; with one point, proportional to the rows); the optimizer as the first point
+    measured it. The transfers are fitted so too, also those that move no
     micro-batch's rows (the first activation's delay, the shared parameters'): on a shaped
     link they change with what went before them (the 2-host emulated cluster's tied
     embedding gradient: 13.2 ms behind four 4-row micro-batches, 2.9 ms behind eight 2-row
@@ -33,7 +35,8 @@ class CostModel:
             if len(self.points) == 1:  # (what moves no rows stays as measured)
                 ((r0, c0),) = self.points
                 return tuple(v if flat else v * rows / r0 for v in get(c0))
-            (r0, c0), (r1, c1) = sorted(self.points, key=lambda p: p[0])[:2]
+            i, j = pair([r for r, _ in self.points], rows)
+            (r0, c0), (r1, c1) = self.points[i], self.points[j]
             return tuple(_fit(r0, v0, r1, v1, rows) for v0, v1 in zip(get(c0), get(c1)))
 
         def back(c: Costs) -> tuple[float, ...]:
@@ -79,6 +82,24 @@ class CostModel:
             dataclasses.replace(x, seconds=fitted[2 * i], back=fitted[2 * i + 1])
             for i, x in enumerate(first)
         )
+
+
+def pair(points: list[int], rows: int) -> tuple[int, int]:
+    """The indices of the two calibration points (by their rows, all different) whose line
+    predicts `rows`: the nearest either side of it, else (outside them all) the two nearest.
+    A third point where the search extrapolated replaces the extrapolation (`refine` in
+    `_auto.py`); between points the line through the nearer pair holds."""
+    order = sorted(range(len(points)), key=points.__getitem__)
+    for a, b in itertools.pairwise(order):
+        if points[a] <= rows <= points[b]:
+            return a, b
+    return (order[0], order[1]) if rows < points[order[0]] else (order[-2], order[-1])
+
+
+def calibrated_range(points: list[int], rows: int) -> bool:
+    """Whether `rows` lies between the calibration points' fewest and most rows (inclusive):
+    a prediction there interpolates, one outside extrapolates."""
+    return min(points) <= rows <= max(points)
 
 
 def _back(x: SharedCost) -> float:

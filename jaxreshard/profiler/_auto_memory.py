@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxreshard.frontend._graph import PARAM
+from jaxreshard.profiler._auto_fit import pair
 from jaxreshard.runtime.step._layout import pipeline_schedule
 from jaxreshard.runtime.step._memory import (
     SegmentMemory,
@@ -83,10 +84,11 @@ class LayoutMemory:
 
     def at(self, rows: int) -> tuple[list[SegmentMemory], list[int]]:
         """Each stage's memory and each boundary's bytes at `rows` rows per micro-batch: on
-        the line through the calibration points (the state does not change with the rows),
-        proportional to the rows with one point."""
-        (r0, m0, b0), *rest = sorted(self.points, key=lambda p: p[0])
-        if not rest:
+        the line through the calibration points either side of the rows (the two nearest
+        outside them: `pair`; the state does not change with the rows), proportional to the
+        rows with one point."""
+        if len(self.points) == 1:
+            ((r0, m0, b0),) = self.points
             scale = rows / r0
             stages = [
                 dataclasses.replace(
@@ -95,7 +97,8 @@ class LayoutMemory:
                 for m in m0
             ]
             return stages, [round(b * scale) for b in b0]
-        r1, m1, b1 = rest[0]
+        i, j = pair([r for r, _, _ in self.points], rows)
+        (r0, m0, b0), (r1, m1, b1) = self.points[i], self.points[j]
 
         def line(v0: int, v1: int) -> int:
             return max(0, round(v0 + (v1 - v0) * (rows - r0) / (r1 - r0)))

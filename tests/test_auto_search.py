@@ -188,6 +188,15 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     assert model.at(1).forward == (0.010, 0.010) and model.at(3).forward == (0.003, 0.003)
     assert pair([4, 2, 1], 3) == (1, 0) and pair([4, 2, 1], 8) == (1, 0)
     assert pair([4, 2, 1], 1) == (2, 1)
+    # The memory estimate takes the same pair: residuals 100 bytes a row from 2 rows up, 300
+    # at 1 row (a point the line through 2 and 4 would put at 100).
+    from jaxreshard.profiler._auto_memory import LayoutMemory
+    from jaxreshard.runtime.step._memory import SegmentMemory
+
+    memory = LayoutMemory([(r, [SegmentMemory(7, b, 0, 0)], [b]) for r, b in
+                           ((4, 400), (2, 200), (1, 300))])  # fmt: skip
+    assert [m.residuals for m in memory.at(3)[0]] == [300] and memory.at(1)[1] == [300]
+    assert memory.at(8)[0][0] == SegmentMemory(7, 800, 0, 0)
 
     def failing(pc_, entry, m, *args):
         raise RuntimeError(f"no {m}")
@@ -199,6 +208,34 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     assert [r["error"] for r in done][0].endswith("no 16")
     assert 16 not in {p.micro_batches for p in after.predictions}
     assert calibrated[0]["failed_points"].keys() >= {16}
+
+
+def test_the_fit_predicts_the_other_kind_of_backward_from_its_first_point():
+    """Calibrated with a split backward (B 6 ms + W 4 ms a micro-batch of 4 rows, half that
+    at 2), and once fused at the first point (8 ms: 2 ms less than B + W), a fused schedule's
+    backward is the fitted B + W less 2 ms at every row count; calibrated fused, a split
+    schedule's is the fused one plus that, its W the split run's share (40%)."""
+    from jaxreshard.pipeline import Costs
+    from jaxreshard.profiler._auto_fit import CostModel
+
+    def costs(b, w=0.0):
+        return Costs.make(1, forward=0.001, backward=b, weight_grad=w or b / 2)
+
+    def parts(c):
+        return c.forward, c.backward, c.weight_grad
+
+    split = [(4, costs(0.010, 0.004), 0.0), (2, costs(0.005, 0.002), 0.0)]
+    model = CostModel.fit(split, True, costs(0.008))
+    assert parts(model.at(4)) == parts(model.at(4, True)) == parts(split[0][1])
+    assert model.at(4, False).backward == (0.008,)
+    assert abs(model.at(2, False).backward[0] - 0.003) < 1e-12  # 5 ms less the 2 ms
+    assert model.at(2, False).forward == model.at(2).forward
+    assert parts(CostModel.fit(split).at(4, False)) == parts(split[0][1])  # (no other run)
+    fused = [(4, costs(0.008), 0.0), (2, costs(0.004), 0.0)]
+    model = CostModel.fit(fused, False, costs(0.010, 0.004))
+    at = model.at(2, True)
+    assert abs(at.backward[0] - 0.006) < 1e-12 and abs(at.weight_grad[0] - 0.0024) < 1e-12
+    assert model.at(2, False) == model.at(2)
 
 
 def test_auto_refuses_what_it_does_not_go_with(capsys):
@@ -240,6 +277,8 @@ def test_auto_chooses_the_cut_on_each_layout_and_searches_virtual_stages(tmp_pat
         assert entry["changes"]["partition"] == "manual"
         assert entry["changes"]["cuts"] == entry["cuts"]
         assert entry["micro_batch_rows"][:2] == [4, 2]  # 4 and 8 micro-batches of 16 rows
+        # Split backwards (eager + weight delay), and once with a fused one at 4.
+        assert entry["split_backward"] and entry["other_backward_costs"]["backward"]
     # Where the best prediction's micro-batches lay outside its layout's calibration points,
     # the search calibrated that count too (at most 3 times), and re-ranked.
     added = [r for r in record["refinements"] if "error" not in r]

@@ -19,7 +19,8 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    cuts the model into 2 model stages per mesh (1 for a config of more), whose calibration
    (with a split backward, so that W is measured) predicts the virtual-stage schedules.
    Each runs its warm-up and timed steps, recorded, at its micro-batch count and at twice
-   (or half) it; each stage's measured F, B, W and transfer times (`measured_costs`; a
+   (or half) it, and at the first count once more with the other kind of backward (fused
+   for a split one, split for a fused one: [Note: the other backward] in `_auto_fit.py`); each stage's measured F, B, W and transfer times (`measured_costs`; a
    stage's own collectives are inside its F, B and W) are fitted as
    `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
    fixed cost (the transfers that move no rows too: the shared parameters', the first
@@ -35,6 +36,10 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    for W, at each calibration point, fitted in the rows and walked along the schedule), and
    one over `memory_cap_gib` is not measured (JSON `over_memory_cap`; none fitting is an
    error). XLA's scratch is not in this estimate (the stages compile where they run).
+   Refine (`_refine`, at most `refine` times): while one of the `top` fastest predictions
+   has micro-batch rows outside its layout's calibration points (JSON `extrapolated`), that
+   layout is calibrated at that count too, and every prediction is made again, each from the
+   two points either side of its rows (`pair`). A count whose calibration fails is left out.
 4. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
    layout's devices, the batch split over the batch axis, one micro-batch: what a user would
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
@@ -250,7 +255,7 @@ def _ranked(pc: ProfileConfig, calibrated: list[dict[str, Any]]) -> Ranked:
         if "measured" not in entry:
             continue
         lpc = pc.replace_pipeline(**entry["changes"])
-        model = CostModel.fit(entry["measured"])
+        model = CostModel.fit(entry["measured"], entry.get("split"), entry.get("other"))
         entry["model"] = model
         points = [rows for rows, _, _ in entry["measured"]]
         where = f", meshes {entry['layout']}" if len(searched) > 1 else ""
@@ -266,7 +271,7 @@ def _ranked(pc: ProfileConfig, calibrated: list[dict[str, Any]]) -> Ranked:
                 if m in entry.get("failed_points", {}):
                     continue
                 rows = pc.run.batch_size // m
-                costs = model.at(rows)
+                costs = model.at(rows, lpc.pipeline.replace(**changes).split_backward)
                 seconds, schedule = _predict(costs, changes, m, entry.get("phase"))
                 run = dict(changes)
                 if placing:  # (the runtime places Ws as the prediction did)
@@ -348,9 +353,10 @@ def _calibrated(
     lpc = pc.replace_pipeline(**changes)
     entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
     try:
-        entry["measured"], entry["memory"], chosen, entry["phase"] = _calibrate(
+        entry["measured"], entry["memory"], chosen, entry["phase"], entry["other"] = _calibrate(
             lpc, runtime, console, progress
         )
+        entry["split"] = lpc.pipeline.split_backward
     except Exception as e:  # (a mesh the model does not shard on, say)
         if is_fatal(e) or required:  # (a host died: nothing more runs)
             raise
@@ -370,12 +376,18 @@ def _calibrated(
 def _calibrate(
     pc: ProfileConfig, runtime: Any, console: Any, progress: bool
 ) -> tuple[
-    list[tuple[int, Costs, float]], LayoutMemory | None, tuple[int, ...] | None, OptimizerPhase
+    list[tuple[int, Costs, float]],
+    LayoutMemory | None,
+    tuple[int, ...] | None,
+    OptimizerPhase,
+    Costs | None,
 ]:
     """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
     overhead) per point, the stages' memory estimate (None if it could not be made), the
-    cut `partition="auto"` chose (None: not asked to), and where and how long the optimizer
-    ran after the pipeline (the first point's: it does not change with the micro-batches).
+    cut `partition="auto"` chose (None: not asked to), where and how long the optimizer
+    ran after the pipeline (the first point's: it does not change with the micro-batches),
+    and the costs of a run at the first point with the other kind of backward
+    (`_other_backward`; None where it did not run).
     If no cut fits the memory cap at the first point's micro-batch count, the cut is chosen
     without it: the predictions, at every count, are checked against the cap (see [Note:
     configuration search])."""
@@ -396,7 +408,31 @@ def _calibrate(
             points = _memory_points(points, session, console)
         del session
     assert phase is not None  # (every layout has a calibration point)
-    return measured, LayoutMemory(points) if points else None, chosen, phase
+    first = pc.replace_pipeline(num_micro_batches=_calibration_points(pc)[0])
+    if chosen is not None:
+        first = first.replace_pipeline(partition="manual", cuts=chosen)
+    other = _other_backward(first, runtime, console, progress)
+    return measured, LayoutMemory(points) if points else None, chosen, phase, other
+
+
+def _other_backward(pc: ProfileConfig, runtime: Any, console: Any, progress: bool) -> Costs | None:
+    """`pc`'s layout run with the other kind of backward than its schedule's (fused for a
+    split one, split for a fused one: eager 1F1B, or eager interleaved 1F1B for more model
+    stages per mesh, without or with weight delay): its measured costs ([Note: the other
+    backward] in `_auto_fit.py`), or None (with a line why) where that schedule does not run."""
+    p = pc.pipeline
+    schedule = "eager_1f1b" if p.chunks_per_mesh == 1 else "eager_interleaved_1f1b"
+    opc = pc.replace_pipeline(schedule=schedule, weight_delay=not p.split_backward)
+    try:
+        return _point(_point_session(opc, runtime, console, progress))[1]
+    except Exception as e:  # (a micro-batch count the schedule does not take, say)
+        if is_fatal(e):
+            raise
+        if console is not None:
+            console.print(f"meshes {_layout_text(pc)}: no calibration of the other kind of "
+                          f"backward ({error_line(e)}); both kinds predicted with "
+                          f"{'B + W' if p.split_backward else 'the fused one'}")  # fmt: skip
+        return None
 
 
 def _point_session(cpc: ProfileConfig, runtime: Any, console: Any, progress: bool) -> Session:
@@ -512,6 +548,8 @@ def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
         **out,
         "micro_batch_rows": [rows for rows, _, _ in measured],
         "costs": [costs.to_json() for _, costs, _ in measured],
+        "split_backward": entry["split"],
+        "other_backward_costs": entry["other"] and entry["other"].to_json(),
         "step_overhead_seconds": model.overhead,
     }
 

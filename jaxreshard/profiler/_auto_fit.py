@@ -20,17 +20,57 @@ class CostModel:
     micro-batch's rows (the first activation's delay, the shared parameters'): on a shaped
     link they change with what went before them (the 2-host emulated cluster's tied
     embedding gradient: 13.2 ms behind four 4-row micro-batches, 2.9 ms behind eight 2-row
-    ones), and the fit predicts each calibration point as measured."""
+    ones), and the fit predicts each calibration point as measured.
+
+    The points measure one kind of backward (`split`: B and W apart, or one fused backward);
+    `other`, where given, is the other kind's costs at the first point, and `at(rows, split)`
+    gives that kind's backward from it (see [Note: the other backward]).
+
+    [Note: the other backward]
+    One fused backward takes less than its B and W run apart: one program and one dispatch
+    instead of two, nothing kept from B for W. `--auto` calibrates a layout with one kind and
+    predicts schedules of both; with the split kind's B + W for a fused backward, its unsplit
+    schedules came out 3-11% slower than their split ones against what they measured (the
+    tiny GPT on the 2-host emulated cluster, 2026-12-01). So the first calibration point runs
+    the other kind too, and per stage its difference, B + W less the fused backward (seconds,
+    taken as flat in the rows: it is an action's fixed cost more than a cost per row), moves
+    the fitted backward to the other kind's; a fused calibration's W is the split run's share
+    of its B + W."""
 
     points: list[tuple[int, Costs]]
     overhead: float
+    split: bool | None = None
+    other: Costs | None = None
 
     @classmethod
-    def fit(cls, measured: list[tuple[int, Costs, float]]) -> CostModel:
+    def fit(
+        cls,
+        measured: list[tuple[int, Costs, float]],
+        split: bool | None = None,
+        other: Costs | None = None,
+    ) -> CostModel:
         overhead = sum(o for _, _, o in measured) / len(measured)
-        return cls([(rows, costs) for rows, costs, _ in measured], overhead)
+        return cls([(rows, costs) for rows, costs, _ in measured], overhead, split, other)
 
-    def at(self, rows: int) -> Costs:
+    def at(self, rows: int, split: bool | None = None) -> Costs:
+        """The costs at `rows` rows a micro-batch, with the backward of the kind `split` says
+        (None: the kind the points measured)."""
+        costs = self._at(rows)
+        if split is None or self.other is None or self.split is None or split == self.split:
+            return costs
+        first = self.points[0][1]
+        apart, fused = (first, self.other) if self.split else (self.other, first)
+        extra = [b - f for b, f in zip(apart.backward, fused.backward)]
+        if not split:
+            backward = tuple(max(0.0, b - e) for b, e in zip(costs.backward, extra))
+            weight = tuple(min(w, b) for w, b in zip(costs.weight_grad, backward))  # (unused)
+            return dataclasses.replace(costs, backward=backward, weight_grad=weight)
+        backward = tuple(max(0.0, b + e) for b, e in zip(costs.backward, extra))
+        share = [w / b if b > 0 else 0.5 for w, b in zip(apart.weight_grad, apart.backward)]
+        weight = tuple(b * x for b, x in zip(backward, share))
+        return dataclasses.replace(costs, backward=backward, weight_grad=weight)
+
+    def _at(self, rows: int) -> Costs:
         def line(get: Any, flat: bool = False) -> tuple[float, ...]:
             if len(self.points) == 1:  # (what moves no rows stays as measured)
                 ((r0, c0),) = self.points

@@ -97,6 +97,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     searched: list[dict[str, Any]] = []
     refinements: list[dict[str, Any]] = []  # (the points --auto calibrated where it extrapolated)
+    auto_record: dict[str, Any] | None = None
     with jaxreshard.cluster.emulated(
         hosts=args.hosts,
         nic_gbps=args.gbps,
@@ -119,7 +120,7 @@ def main() -> None:
         if args.auto:
             flags = "--preset tiny --auto --auto-top " + str(args.auto_top)
             record = profile(cluster.address, args.auto, flags, args.steps)
-            refinements = record.get("refinements", [])
+            refinements, auto_record = record.get("refinements", []), record
             for row in record["measured"]:
                 guess = row.get("search_predicted_seconds")
                 if guess is None:
@@ -130,9 +131,12 @@ def main() -> None:
                                  "own_predicted_seconds": row.get("predicted_seconds"),
                                  "measured_over_predicted": measured / guess,
                                  "extrapolated": row.get("search_extrapolated"),
+                                 "calibration_step_seconds": row.get("calibration_step_seconds"),
                                  "error": error(measured, guess)})  # fmt: skip
+                before = row.get("calibration_step_seconds")
+                drift = f"  (calibrated at {before * 1e3:.1f} ms)" if before else ""
                 print(f"--auto {row['label'][:60]:<60} measured {measured * 1e3:8.1f} ms  "
-                      f"search predicted {guess * 1e3:8.1f} ms  {measured / guess:.3f}",
+                      f"search predicted {guess * 1e3:8.1f} ms  {measured / guess:.3f}{drift}",
                       flush=True)  # fmt: skip
     own = statistics.median(r["error"] for r in rows) if rows else None
     search = statistics.median(r["error"] for r in searched) if searched else None
@@ -156,6 +160,7 @@ def main() -> None:
             "auto_rows": searched,
             "auto_median_error": search,
             "auto_refinements": refinements,
+            "auto_record": auto_record,  # (the whole `profile --auto --json` record)
         }
         Path(args.out).write_text(json.dumps(record, indent=2))
         print(f"wrote {args.out}")

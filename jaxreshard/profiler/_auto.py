@@ -20,13 +20,14 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    (with a split backward, so that W is measured) predicts the virtual-stage schedules.
    Each runs its warm-up and timed steps, recorded, at its micro-batch count and at twice
    (or half) it, and at the first count once more with the other kind of backward (fused
-   for a split one, split for a fused one: [Note: the other backward] in `_auto_fit.py`); each stage's measured F, B, W and transfer times (`measured_costs`; a
-   stage's own collectives are inside its F, B and W) are fitted as
-   `fixed + per_row * rows` per micro-batch, so that smaller micro-batches pay their actions'
-   fixed cost (the transfers that move no rows too: the shared parameters', the first
-   activation's extra); the optimizer's, run after the pipeline as the calibration measured
-   it (`OptimizerPhase`), and the step's fixed cost are taken as measured. A layout that
-   does not build (a model axis the model's shapes do not divide) is reported and skipped.
+   for a split one, split for a fused one: [Note: the other backward] in `_auto_fit.py`);
+   each stage's measured F, B, W and transfer times (`measured_costs`; a stage's own
+   collectives are inside its F, B and W) are fitted as `fixed + per_row * rows` per
+   micro-batch, so that smaller micro-batches pay their actions' fixed cost (the transfers
+   that move no rows too: the shared parameters', the first activation's extra); the
+   optimizer's, run after the pipeline as the calibration measured it (`OptimizerPhase`),
+   and the step's fixed cost are taken as measured. A layout that does not build (a model
+   axis the model's shapes do not divide) is reported and skipped.
 3. Predict: per layout and cut, every schedule of `schedule_variants` for its model stages per
    mesh, with every micro-batch count that divides the batch into micro-batches its stages'
    batch axis splits evenly (1 to 32 of them), is simulated with the fitted costs at its
@@ -82,7 +83,12 @@ from jaxreshard.profiler._compare import (
     schedule_variants,
 )
 from jaxreshard.profiler._config import ProfileConfig
-from jaxreshard.profiler._measured import OptimizerPhase, measured_costs, step_overhead
+from jaxreshard.profiler._measured import (
+    OptimizerPhase,
+    measured_costs,
+    median,
+    step_overhead,
+)
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import places_weights
 from jaxreshard.profiler._run import Session, devices_needed, is_fatal, run_steps
@@ -170,6 +176,9 @@ def auto_search(
         finalist = predicted.get(row["label"])
         row["search_predicted_seconds"] = finalist and finalist.seconds
         row["search_extrapolated"] = finalist and finalist.extrapolated
+        row["calibration_step_seconds"] = finalist and _calibration_step(
+            pc, calibrated[finalist.entry], finalist
+        )
         row["estimated_peak_bytes"] = memory.get(row["label"])
     # Ranked by what training runs at, the plain steps, where every row has them.
     key = "plain_step_seconds" if all(r["plain_step_seconds"] for r in rows) else "step_seconds"
@@ -291,6 +300,19 @@ def _ranked(pc: ProfileConfig, calibrated: list[dict[str, Any]]) -> Ranked:
     return Ranked(predictions, memory, over_cap)
 
 
+def _calibration_step(pc: ProfileConfig, entry: dict[str, Any], p: Prediction) -> float | None:
+    """The median step a calibration run of `p`'s very configuration (its layout's schedule
+    at one of its calibration points) measured, else None: beside the measured row, how much
+    the machine's speed moved between calibrating and measuring."""
+    lp = pc.replace_pipeline(**entry["changes"]).pipeline
+    if (p.changes.get("schedule"), p.changes.get("weight_delay")) != (lp.schedule, lp.weight_delay):
+        return None
+    for (rows, _, _), seconds in zip(entry["measured"], entry["step_seconds"]):
+        if rows * p.micro_batches == pc.run.batch_size:
+            return seconds
+    return None
+
+
 def _refine(
     pc: ProfileConfig,
     calibrated: list[dict[str, Any]],
@@ -353,10 +375,7 @@ def _calibrated(
     lpc = pc.replace_pipeline(**changes)
     entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
     try:
-        entry["measured"], entry["memory"], chosen, entry["phase"], entry["other"] = _calibrate(
-            lpc, runtime, console, progress
-        )
-        entry["split"] = lpc.pipeline.split_backward
+        chosen = _calibrate(lpc, entry, runtime, console, progress)
     except Exception as e:  # (a mesh the model does not shard on, say)
         if is_fatal(e) or required:  # (a host died: nothing more runs)
             raise
@@ -374,26 +393,21 @@ def _calibrated(
 
 
 def _calibrate(
-    pc: ProfileConfig, runtime: Any, console: Any, progress: bool
-) -> tuple[
-    list[tuple[int, Costs, float]],
-    LayoutMemory | None,
-    tuple[int, ...] | None,
-    OptimizerPhase,
-    Costs | None,
-]:
-    """Run `pc`'s layout at its calibration points: (micro-batch rows, measured costs, step
-    overhead) per point, the stages' memory estimate (None if it could not be made), the
-    cut `partition="auto"` chose (None: not asked to), where and how long the optimizer
-    ran after the pipeline (the first point's: it does not change with the micro-batches),
-    and the costs of a run at the first point with the other kind of backward
-    (`_other_backward`; None where it did not run).
-    If no cut fits the memory cap at the first point's micro-batch count, the cut is chosen
-    without it: the predictions, at every count, are checked against the cap (see [Note:
-    configuration search])."""
-    measured: list[tuple[int, Costs, float]] = []
+    pc: ProfileConfig, entry: dict[str, Any], runtime: Any, console: Any, progress: bool
+) -> tuple[int, ...] | None:
+    """Run `pc`'s layout at its calibration points, into its search `entry`: `measured`
+    ((micro-batch rows, measured costs, step overhead) per point), `step_seconds` (each
+    point's median step), `memory` (the stages' memory estimate; None if it could not be
+    made), `phase` (where and how long the optimizer ran after the pipeline: the first
+    point's, as it does not change with the micro-batches), `split` (the kind of backward
+    the points ran) and `other` (the costs of a run at the first point with the other kind:
+    `_other_backward`; None where it did not run). Returns the cut `partition="auto"` chose
+    (None: not asked to). If no cut fits the memory cap at the first point's micro-batch
+    count, the cut is chosen without it: the predictions, at every count, are checked
+    against the cap (see [Note: configuration search])."""
+    entry["measured"], entry["step_seconds"] = [], []
     points: list[Any] | None = []
-    chosen, phase = None, None
+    chosen = None
     for m in _calibration_points(pc):
         cpc = pc.replace_pipeline(num_micro_batches=m)
         if chosen is not None:  # (every point measures the cut the first one chose)
@@ -401,18 +415,19 @@ def _calibrate(
         session = _point_session(cpc, runtime, console, progress)
         if cpc.pipeline.partition == "auto":
             chosen = session.cuts()
-        measured.append(_point(session))
-        if phase is None:
-            phase = OptimizerPhase.measured(session.steps, session.layout.schedule)
+        _record(entry, session)
+        if "phase" not in entry:
+            entry["phase"] = OptimizerPhase.measured(session.steps, session.layout.schedule)
         if points is not None:
             points = _memory_points(points, session, console)
         del session
-    assert phase is not None  # (every layout has a calibration point)
+    entry["memory"] = LayoutMemory(points) if points else None
     first = pc.replace_pipeline(num_micro_batches=_calibration_points(pc)[0])
     if chosen is not None:
         first = first.replace_pipeline(partition="manual", cuts=chosen)
-    other = _other_backward(first, runtime, console, progress)
-    return measured, LayoutMemory(points) if points else None, chosen, phase, other
+    entry["split"] = pc.pipeline.split_backward
+    entry["other"] = _other_backward(first, runtime, console, progress)
+    return chosen
 
 
 def _other_backward(pc: ProfileConfig, runtime: Any, console: Any, progress: bool) -> Costs | None:
@@ -424,7 +439,8 @@ def _other_backward(pc: ProfileConfig, runtime: Any, console: Any, progress: boo
     schedule = "eager_1f1b" if p.chunks_per_mesh == 1 else "eager_interleaved_1f1b"
     opc = pc.replace_pipeline(schedule=schedule, weight_delay=not p.split_backward)
     try:
-        return _point(_point_session(opc, runtime, console, progress))[1]
+        session = _point_session(opc, runtime, console, progress)
+        return measured_costs(session.steps, session.layout)
     except Exception as e:  # (a micro-batch count the schedule does not take, say)
         if is_fatal(e):
             raise
@@ -461,12 +477,13 @@ def _point_session(cpc: ProfileConfig, runtime: Any, console: Any, progress: boo
     return session
 
 
-def _point(session: Session) -> tuple[int, Costs, float]:
-    """A stepped calibration session's point: its micro-batch rows, measured costs and step
-    overhead."""
-    return (session.layout.micro_batch_rows,
-            measured_costs(session.steps, session.layout),
-            step_overhead(session.steps))  # fmt: skip
+def _record(entry: dict[str, Any], session: Session) -> None:
+    """A stepped calibration session's point, added to its layout's search entry: its
+    micro-batch rows, measured costs and step overhead (`measured`), and its median step."""
+    entry["measured"].append((session.layout.micro_batch_rows,
+                              measured_costs(session.steps, session.layout),
+                              step_overhead(session.steps)))  # fmt: skip
+    entry["step_seconds"].append(median([st.seconds for st in session.steps]))
 
 
 def _memory_points(points: list[Any], session: Session, console: Any) -> list[Any] | None:
@@ -488,7 +505,7 @@ def _add_point(
     fitted costs and of its memory estimate."""
     cpc = pc.replace_pipeline(**entry["changes"]).replace_pipeline(num_micro_batches=m)
     session = _point_session(cpc, runtime, console, progress)
-    entry["measured"].append(_point(session))
+    _record(entry, session)
     if entry["memory"] is not None:
         points = _memory_points(entry["memory"].points, session, console)
         entry["memory"] = LayoutMemory(points) if points else None
@@ -547,6 +564,7 @@ def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
     return {
         **out,
         "micro_batch_rows": [rows for rows, _, _ in measured],
+        "step_seconds": entry["step_seconds"],
         "costs": [costs.to_json() for _, costs, _ in measured],
         "split_backward": entry["split"],
         "other_backward_costs": entry["other"] and entry["other"].to_json(),

@@ -91,7 +91,7 @@ from jaxreshard.profiler._measured import (
 )
 from jaxreshard.profiler._profile import _bar, _emulating, _status, runtime_for
 from jaxreshard.profiler._report import places_weights
-from jaxreshard.profiler._run import Session, devices_needed, is_fatal, run_steps
+from jaxreshard.profiler._run import Session, devices_needed, droppable, is_fatal, run_steps
 from jaxreshard.runtime.step._partition import NoCutFits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -404,59 +404,79 @@ def _calibrate(
     `_other_backward`; None where it did not run). Returns the cut `partition="auto"` chose
     (None: not asked to). If no cut fits the memory cap at the first point's micro-batch
     count, the cut is chosen without it: the predictions, at every count, are checked
-    against the cap (see [Note: configuration search])."""
+    against the cap (see [Note: configuration search]).
+
+    The points step in turns, as `compare` does: on a shared machine a run's speed drifts by
+    10-20% from one ten-second spell to the next (the tiny GPT on the 2-host emulated
+    cluster: one point alone at 93.5 ms, the same configuration measured later at 82.1),
+    and the fit's slope and the two kinds' difference are small beside that."""
+    counts = _calibration_points(pc)
+    first = _warmed(pc.replace_pipeline(num_micro_batches=counts[0]), runtime, console)
+    chosen = first.cuts() if pc.pipeline.partition == "auto" else None
+
+    def at(m: int) -> ProfileConfig:  # (every point measures the cut the first one chose)
+        cpc = pc.replace_pipeline(num_micro_batches=m)
+        return cpc if chosen is None else cpc.replace_pipeline(partition="manual", cuts=chosen)
+
+    sessions = [first, *(_warmed(at(m), runtime, console) for m in counts[1:])]
+    other = _other_backward(at(counts[0]), runtime, console)
+
+    def dropped(session: Session, error: Exception) -> None:
+        if session is not other:
+            raise error
+        _no_other(at(counts[0]), error, console)
+
+    together = [*sessions, *([other] if other is not None else [])]
+    with _bar(console, progress, pc.run.steps * len(together)) as advance:
+        live = run_steps(together, pc.run.steps, on_step=advance, on_failure=dropped)
     entry["measured"], entry["step_seconds"] = [], []
     points: list[Any] | None = []
-    chosen = None
-    for m in _calibration_points(pc):
-        cpc = pc.replace_pipeline(num_micro_batches=m)
-        if chosen is not None:  # (every point measures the cut the first one chose)
-            cpc = cpc.replace_pipeline(partition="manual", cuts=chosen)
-        session = _point_session(cpc, runtime, console, progress)
-        if cpc.pipeline.partition == "auto":
-            chosen = session.cuts()
+    for session in sessions:
         _record(entry, session)
-        if "phase" not in entry:
-            entry["phase"] = OptimizerPhase.measured(session.steps, session.layout.schedule)
         if points is not None:
             points = _memory_points(points, session, console)
-        del session
+    entry["phase"] = OptimizerPhase.measured(first.steps, first.layout.schedule)
     entry["memory"] = LayoutMemory(points) if points else None
-    first = pc.replace_pipeline(num_micro_batches=_calibration_points(pc)[0])
-    if chosen is not None:
-        first = first.replace_pipeline(partition="manual", cuts=chosen)
     entry["split"] = pc.pipeline.split_backward
-    entry["other"] = _other_backward(first, runtime, console, progress)
+    entry["other"] = (
+        measured_costs(other.steps, other.layout) if other is not None and other in live else None
+    )
     return chosen
 
 
-def _other_backward(pc: ProfileConfig, runtime: Any, console: Any, progress: bool) -> Costs | None:
-    """`pc`'s layout run with the other kind of backward than its schedule's (fused for a
-    split one, split for a fused one: eager 1F1B, or eager interleaved 1F1B for more model
-    stages per mesh, without or with weight delay): its measured costs ([Note: the other
-    backward] in `_auto_fit.py`), or None (with a line why) where that schedule does not run."""
+def _other_backward(pc: ProfileConfig, runtime: Any, console: Any) -> Session | None:
+    """`pc`'s layout, warmed up with the other kind of backward than its schedule's (fused
+    for a split one, split for a fused one: eager 1F1B, or eager interleaved 1F1B for more
+    model stages per mesh, without or with weight delay; see [Note: the other backward] in
+    `_auto_fit.py`), or None (with a line why) where that schedule does not build."""
     p = pc.pipeline
     schedule = "eager_1f1b" if p.chunks_per_mesh == 1 else "eager_interleaved_1f1b"
     opc = pc.replace_pipeline(schedule=schedule, weight_delay=not p.split_backward)
     try:
-        session = _point_session(opc, runtime, console, progress)
-        return measured_costs(session.steps, session.layout)
+        return _warmed(opc, runtime, console)
     except Exception as e:  # (a micro-batch count the schedule does not take, say)
-        if is_fatal(e):
+        if not droppable(e):
             raise
-        if console is not None:
-            console.print(f"meshes {_layout_text(pc)}: no calibration of the other kind of "
-                          f"backward ({error_line(e)}); both kinds predicted with "
-                          f"{'B + W' if p.split_backward else 'the fused one'}")  # fmt: skip
+        _no_other(pc, e, console)
         return None
 
 
-def _point_session(cpc: ProfileConfig, runtime: Any, console: Any, progress: bool) -> Session:
-    """A calibration point of `cpc`'s layout at its micro-batch count: its session, warmed up
-    and stepped (with `partition="auto"`, its cut chosen: without the memory cap where no cut
-    fits under it, and printed)."""
+def _no_other(pc: ProfileConfig, error: Exception, console: Any) -> None:
+    if console is not None:
+        kind = "B + W" if pc.pipeline.split_backward else "the fused backward"
+        why = error_line(error)
+        console.print(f"meshes {_layout_text(pc)}: no calibration of the other kind of "
+                      f"backward ({why}); both kinds predicted with {kind}")  # fmt: skip
+
+
+def _warmed(cpc: ProfileConfig, runtime: Any, console: Any) -> Session:
+    """A calibration session of `cpc`'s layout at its micro-batch count, warmed up (with
+    `partition="auto"`, its cut chosen: without the memory cap where no cut fits under it,
+    and printed)."""
     m = cpc.pipeline.num_micro_batches
-    text = f"calibrating meshes {_layout_text(cpc)}{_chunks_text(cpc)} at {m} micro-batches"
+    kind = "split" if cpc.pipeline.split_backward else "fused"
+    text = (f"calibrating meshes {_layout_text(cpc)}{_chunks_text(cpc)} at {m} micro-batches "
+            f"({kind} backward)")  # fmt: skip
     with _status(console, text):
         session = Session(cpc, "calibration", runtime=runtime)
         try:
@@ -472,8 +492,6 @@ def _point_session(cpc: ProfileConfig, runtime: Any, console: Any, progress: boo
         where = f"meshes {_layout_text(cpc)}{_chunks_text(cpc)}"
         console.print(f"{where}: partition='auto' cuts after layers "
                       f"{list(session.cuts() or ())}", highlight=False)  # fmt: skip
-    with _bar(console, progress, cpc.run.steps) as advance:
-        run_steps([session], cpc.run.steps, on_step=advance)
     return session
 
 
@@ -504,7 +522,9 @@ def _add_point(
     """Calibrate `entry`'s layout (its chosen cut) at `m` micro-batches too: a point of its
     fitted costs and of its memory estimate."""
     cpc = pc.replace_pipeline(**entry["changes"]).replace_pipeline(num_micro_batches=m)
-    session = _point_session(cpc, runtime, console, progress)
+    session = _warmed(cpc, runtime, console)
+    with _bar(console, progress, cpc.run.steps) as advance:
+        run_steps([session], cpc.run.steps, on_step=advance)
     _record(entry, session)
     if entry["memory"] is not None:
         points = _memory_points(entry["memory"].points, session, console)

@@ -188,6 +188,10 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     assert model.at(1).forward == (0.010, 0.010) and model.at(3).forward == (0.003, 0.003)
     assert pair([4, 2, 1], 3) == (1, 0) and pair([4, 2, 1], 8) == (1, 0)
     assert pair([4, 2, 1], 1) == (2, 1)
+    # The step's fixed cost is fitted so too: each point's own where it was measured.
+    model = CostModel.fit([(4, costs(4.0), 0.010), (2, costs(2.0), 0.020)])
+    assert model.overhead_at(4) == 0.010 and model.overhead_at(2) == 0.020
+    assert model.overhead_at(3) == 0.015 and model.overhead_at(1) == 0.020  # (flat outside)
     # The memory estimate takes the same pair: residuals 100 bytes a row from 2 rows up, 300
     # at 1 row (a point the line through 2 and 4 would put at 100).
     from jaxreshard.profiler._auto_memory import LayoutMemory
@@ -205,7 +209,7 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     calibrated[0]["measured"] = calibrated[0]["measured"][:2]
     after, done = _auto._refine(pc, calibrated, _auto._ranked(pc, calibrated), 1, 3, None,
                                 None, False)  # fmt: skip
-    assert [r["error"] for r in done][0].endswith("no 16")
+    assert done[0]["error"].endswith("no 16")
     assert 16 not in {p.micro_batches for p in after.predictions}
     assert calibrated[0]["failed_points"].keys() >= {16}
 

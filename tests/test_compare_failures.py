@@ -145,3 +145,9 @@ def test_the_search_summary_lists_the_dropped_finalists():
     text = "\n".join(summary_lines(record))
     assert f"{DATA_PARALLEL}" in text and "failed, not ranked: a plain step failed" in text
     assert "no data-parallel baseline: it failed" in text
+    assert "calibrated at" not in text and "extrapolated" not in text
+    # A finalist measured once as a calibration point says at what; one predicted outside
+    # its calibrations says so.
+    row.update(calibration_step_seconds=0.125, search_extrapolated=True)
+    text = "\n".join(summary_lines(record))
+    assert "(extrapolated past its calibrations; calibrated at 125.0 ms)" in text

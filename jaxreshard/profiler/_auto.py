@@ -265,7 +265,6 @@ def _ranked(pc: ProfileConfig, calibrated: list[dict[str, Any]]) -> Ranked:
             continue
         lpc = pc.replace_pipeline(**entry["changes"])
         model = CostModel.fit(entry["measured"], entry.get("split"), entry.get("other"))
-        entry["model"] = model
         points = [rows for rows, _, _ in entry["measured"]]
         where = f", meshes {entry['layout']}" if len(searched) > 1 else ""
         if "cuts" in entry:
@@ -285,7 +284,7 @@ def _ranked(pc: ProfileConfig, calibrated: list[dict[str, Any]]) -> Ranked:
                 run = dict(changes)
                 if placing:  # (the runtime places Ws as the prediction did)
                     run.update(_placement(lpc.pipeline.replace(**changes), costs))
-                seconds += model.overhead
+                seconds += model.overhead_at(rows)
                 text = f"{label}, {m} micro-batches{where}"
                 peak = max(entry["memory"].peak(schedule, rows)) if entry["memory"] else None
                 memory[text] = peak
@@ -327,8 +326,8 @@ def _refine(
     micro-batch rows outside its layout's calibration points, and at most `budget` times,
     run that layout at that count as a calibration point of its own, refit, re-rank. The
     fitted line is right between its points and drifts outside them: on the 2-host emulated
-    cluster, a GPT calibrated at 4 and 8 micro-batches ran at 16 in 1.15-1.20x its
-    prediction, and the search had ranked it level with 8, which ran 20% faster (see
+    cluster, a tiny GPT calibrated at 4 and 8 micro-batches ran at 16 in 1.15-1.56x its
+    prediction, and the search had ranked it level with 8, which ran 20-40% faster (see
     docs/benchmarks.md). Returns the new ranking and a record per point added: its layout,
     micro-batch count, the prediction before, and the error where it did not run (its count
     is then left out of the layout's predictions: it would not run measured either)."""
@@ -580,7 +579,7 @@ def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
     out = {"layout": entry["layout"], "changes": entry["changes"], "cuts": entry.get("cuts")}
     if "error" in entry:
         return {**out, "error": entry["error"]}
-    measured, model = entry["measured"], entry["model"]
+    measured = entry["measured"]
     return {
         **out,
         "micro_batch_rows": [rows for rows, _, _ in measured],
@@ -588,7 +587,7 @@ def _calibration_json(entry: dict[str, Any]) -> dict[str, Any]:
         "costs": [costs.to_json() for _, costs, _ in measured],
         "split_backward": entry["split"],
         "other_backward_costs": entry["other"] and entry["other"].to_json(),
-        "step_overhead_seconds": model.overhead,
+        "step_overhead_seconds": [overhead for _, _, overhead in measured],
     }
 
 

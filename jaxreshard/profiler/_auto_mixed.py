@@ -128,7 +128,7 @@ def compose(models: Sequence[Any], rows: int) -> tuple[Costs, float]:
         comm_first=first,
         **{name: tuple(getattr(at[k], name)[k] for k in k_range) for name in FIRST},
     )
-    return costs, max(m.overhead for m in models)
+    return costs, max(m.overhead_at(rows) for m in models)
 
 
 def placeable(shapes: Sequence[Sequence[int]], devices: int, per_host: int) -> bool:

@@ -27,8 +27,16 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
         mem = f"{peak / (1 << 20):9.1f} MiB" if peak is not None else "        -    "
         plain = row.get("plain_step_seconds")
         trained = f" (plain {plain * 1e3:.1f} ms)" if plain else ""
-        lines.append(f"  {row['label']:<48} predicted {text}  measured "
-                     f"{row['step_seconds'] * 1e3:9.1f} ms{trained}  memory {mem}")  # fmt: skip
+        notes = []
+        if row.get("search_extrapolated"):
+            notes.append("extrapolated past its calibrations")
+        calibrated = row.get("calibration_step_seconds")
+        if calibrated:  # (how far the machine's speed moved since it was calibrated)
+            notes.append(f"calibrated at {calibrated * 1e3:.1f} ms")
+        aside = f"  ({'; '.join(notes)})" if notes else ""
+        measured = f"{row['step_seconds'] * 1e3:9.1f} ms{trained}"
+        lines.append(f"  {row['label']:<48} predicted {text}  measured {measured}  "
+                     f"memory {mem}{aside}")  # fmt: skip
     failed = record.get("failed") or []
     for f in failed:  # (dropped: a training loop could not run them either)
         lines.append(f"  {f['label']:<48} failed, not ranked: {f['error']}")

@@ -189,9 +189,13 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     assert pair([4, 2, 1], 3) == (1, 0) and pair([4, 2, 1], 8) == (1, 0)
     assert pair([4, 2, 1], 1) == (2, 1)
     # The step's fixed cost is fitted so too: each point's own where it was measured.
+    # (It grows with the micro-batch count: 10 ms at 4 micro-batches, 20 at 8, 40 at 16.)
     model = CostModel.fit([(4, costs(4.0), 0.010), (2, costs(2.0), 0.020)])
     assert model.overhead_at(4) == 0.010 and model.overhead_at(2) == 0.020
-    assert model.overhead_at(3) == 0.015 and model.overhead_at(1) == 0.020  # (flat outside)
+    assert abs(model.overhead_at(1) - 0.040) < 1e-12
+    assert abs(model.overhead_at(3) - 0.040 / 3) < 1e-12
+    noisy = CostModel.fit([(4, costs(4.0), 0.020), (2, costs(2.0), 0.010)])  # (fewer with more)
+    assert noisy.overhead_at(1) == 0.010 and noisy.overhead_at(8) == 0.020  # (flat outside)
     # The memory estimate takes the same pair: residuals 100 bytes a row from 2 rows up, 300
     # at 1 row (a point the line through 2 and 4 would put at 100).
     from jaxreshard.profiler._auto_memory import LayoutMemory
@@ -212,6 +216,61 @@ def test_the_search_calibrates_where_its_shortlist_extrapolates(monkeypatch):
     assert done[0]["error"].endswith("no 16")
     assert 16 not in {p.micro_batches for p in after.predictions}
     assert calibrated[0]["failed_points"].keys() >= {16}
+
+
+def test_a_layout_calibrates_its_points_in_turns_and_adds_one_where_asked(monkeypatch):
+    """On the local runtime: a layout's two points and its fused-backward run step together
+    (a point of each, its memory estimate, the other kind's costs); a refined point runs on
+    its own and joins them; the calibration's step is matched to a finalist run as
+    calibrated only. Where the second point does not build beside the first, the points run
+    one at a time; where the other kind fails in a step, it is left out and the layout kept."""
+    from jaxreshard import profiler
+    from jaxreshard.profiler import _auto
+
+    pc = load_profile_config("gpt", None, {"run": {"steps": 2, "warmup_steps": 1},
+                                           "model": {"layers": 2}})  # fmt: skip
+    entry = _auto._calibrated(pc, {}, None, None, False, required=True)
+    assert [rows for rows, _, _ in entry["measured"]] == [4, 2]
+    assert len(entry["step_seconds"]) == 2 and len(entry["memory"].points) == 2
+    assert entry["split"] and entry["other"].backward and "error" not in entry
+    _auto._add_point(pc, entry, 2, None, None, False)
+    assert [rows for rows, _, _ in entry["measured"]] == [4, 2, 8]
+    assert len(entry["step_seconds"]) == 3 and len(entry["memory"].points) == 3
+    split = {"schedule": "eager_1f1b", "weight_delay": True}
+    run_as_calibrated = _auto.Prediction(0.1, "x", split, 0, 2, False)
+    assert _auto._calibration_step(pc, entry, run_as_calibrated) == entry["step_seconds"][2]
+    placed = dict(split, cost_forward=[0.01, 0.01])  # (its Ws placed otherwise)
+    assert (
+        _auto._calibration_step(pc, entry, dataclasses.replace(run_as_calibrated, changes=placed))
+        is None
+    )
+    fused = {"schedule": "eager_1f1b", "weight_delay": False}
+    assert (
+        _auto._calibration_step(pc, entry, dataclasses.replace(run_as_calibrated, changes=fused))
+        is None
+    )
+
+    warm_up, step = profiler.Session.warm_up, profiler.Session.step
+
+    def no_second(self):
+        if self.pc.pipeline.num_micro_batches == 8 and not hasattr(no_second, "once"):
+            no_second.once = True
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return warm_up(self)
+
+    def fused_fails(self, **kwargs):
+        if not self.pc.pipeline.split_backward:
+            raise RuntimeError("a step failed")
+        return step(self, **kwargs)
+
+    monkeypatch.setattr(profiler.Session, "warm_up", no_second)
+    monkeypatch.setattr(profiler.Session, "step", fused_fails)
+    alone = _auto._calibrated(pc, {}, None, None, False, required=True)
+    assert no_second.once and [rows for rows, _, _ in alone["measured"]] == [4, 2]
+    assert alone["other"] is None and "error" not in alone
+    monkeypatch.setattr(profiler.Session, "warm_up", warm_up)
+    together = _auto._calibrated(pc, {}, None, None, False, required=True)
+    assert together["other"] is None and len(together["measured"]) == 2
 
 
 def test_the_fit_predicts_the_other_kind_of_backward_from_its_first_point():
@@ -287,6 +346,7 @@ def test_auto_chooses_the_cut_on_each_layout_and_searches_virtual_stages(tmp_pat
     # the search calibrated that count too (at most 3 times), and re-ranked.
     added = [r for r in record["refinements"] if "error" not in r]
     assert len(one["micro_batch_rows"]) + len(two["micro_batch_rows"]) == 4 + len(added)
+    assert len(record["refinements"]) <= 3  # (--auto-refine's default)
     assert len(record["refinements"]) == 3 or not record["predicted"][0]["extrapolated"]
     for r in record["refinements"]:
         assert r["micro_batches"] not in (4, 8) and r["predicted_before"] > 0

@@ -26,7 +26,9 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    micro-batch, so that smaller micro-batches pay their actions' fixed cost (the transfers
    that move no rows too: the shared parameters', the first activation's extra); the
    optimizer's, run after the pipeline as the calibration measured it (`OptimizerPhase`),
-   and the step's fixed cost are taken as measured. A layout that does not build (a model
+   and the step's fixed cost (fitted per point in the micro-batch count) are taken as
+   measured. A layout's points step in turns (one at a time where a later one does not
+   build beside the first). A layout that does not build (a model
    axis the model's shapes do not divide) is reported and skipped.
 3. Predict: per layout and cut, every schedule of `schedule_variants` for its model stages per
    mesh, with every micro-batch count that divides the batch into micro-batches its stages'
@@ -39,8 +41,9 @@ the calibrated simulator, measure the best few beside plain data parallelism, ke
    error). XLA's scratch is not in this estimate (the stages compile where they run).
    Refine (`_refine`, at most `refine` times): while one of the `top` fastest predictions
    has micro-batch rows outside its layout's calibration points (JSON `extrapolated`), that
-   layout is calibrated at that count too, and every prediction is made again, each from the
-   two points either side of its rows (`pair`). A count whose calibration fails is left out.
+   layout is calibrated at that count too (that point alone), and every prediction is made
+   again, each from the two points either side of its rows (`pair`). A count whose
+   calibration fails is left out.
 4. Measure: the `top` fastest predictions and plain data parallelism (one stage on all the
    layout's devices, the batch split over the batch axis, one micro-batch: what a user would
    write with `jax.jit` instead) run side by side (`compare`), and each prints predicted
@@ -61,6 +64,7 @@ layouts' calibrations, and the best few of them are calibrated and ranked like t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from pathlib import Path
 from typing import Any
@@ -306,6 +310,9 @@ def _calibration_step(pc: ProfileConfig, entry: dict[str, Any], p: Prediction) -
     lp = pc.replace_pipeline(**entry["changes"]).pipeline
     if (p.changes.get("schedule"), p.changes.get("weight_delay")) != (lp.schedule, lp.weight_delay):
         return None
+    placed = {k: v for k, v in p.changes.items() if k.startswith("cost_")}
+    if any(getattr(lp, k) != v for k, v in placed.items()):
+        return None  # (its Ws placed by the measured costs: maybe another order than calibrated)
     for (rows, _, _), seconds in zip(entry["measured"], entry["step_seconds"]):
         if rows * p.micro_batches == pc.run.batch_size:
             return seconds
@@ -347,7 +354,7 @@ def _refine(
         try:
             _add_point(pc, entry, m, runtime, console, progress)
         except Exception as e:  # (too small a micro-batch for the stages, out of memory, ...)
-            if is_fatal(e):
+            if not droppable(e):
                 raise
             record["error"] = error_line(e, 300)
             entry.setdefault("failed_points", {})[m] = record["error"]
@@ -374,7 +381,8 @@ def _calibrated(
     lpc = pc.replace_pipeline(**changes)
     entry: dict[str, Any] = {"layout": _layout_text(lpc), "changes": changes}
     try:
-        chosen = _calibrate(lpc, entry, runtime, console, progress)
+        chosen, fields = _calibrate(lpc, runtime, console, progress)
+        entry.update(fields)  # (all at once: a layout that failed has none of them)
     except Exception as e:  # (a mesh the model does not shard on, say)
         if is_fatal(e) or required:  # (a host died: nothing more runs)
             raise
@@ -392,23 +400,24 @@ def _calibrated(
 
 
 def _calibrate(
-    pc: ProfileConfig, entry: dict[str, Any], runtime: Any, console: Any, progress: bool
-) -> tuple[int, ...] | None:
-    """Run `pc`'s layout at its calibration points, into its search `entry`: `measured`
-    ((micro-batch rows, measured costs, step overhead) per point), `step_seconds` (each
-    point's median step), `memory` (the stages' memory estimate; None if it could not be
-    made), `phase` (where and how long the optimizer ran after the pipeline: the first
-    point's, as it does not change with the micro-batches), `split` (the kind of backward
-    the points ran) and `other` (the costs of a run at the first point with the other kind:
-    `_other_backward`; None where it did not run). Returns the cut `partition="auto"` chose
-    (None: not asked to). If no cut fits the memory cap at the first point's micro-batch
-    count, the cut is chosen without it: the predictions, at every count, are checked
-    against the cap (see [Note: configuration search]).
+    pc: ProfileConfig, runtime: Any, console: Any, progress: bool
+) -> tuple[tuple[int, ...] | None, dict[str, Any]]:
+    """Run `pc`'s layout at its calibration points. Returns the cut `partition="auto"` chose
+    (None: not asked to) and the layout's search entry fields: `measured` ((micro-batch
+    rows, measured costs, step overhead) per point), `step_seconds` (each point's median
+    step), `memory` (the stages' memory estimate; None if it could not be made), `phase`
+    (where and how long the optimizer ran after the pipeline: the first point's, as it does
+    not change with the micro-batches), `split` (the kind of backward the points ran) and
+    `other` (the costs of a run at the first point with the other kind: `_other_backward`;
+    None where it did not run). If no cut fits the memory cap at the first point's
+    micro-batch count, the cut is chosen without it: the predictions, at every count, are
+    checked against the cap (see [Note: configuration search]).
 
     The points step in turns, as `compare` does: on a shared machine a run's speed drifts by
-    10-20% from one ten-second spell to the next (the tiny GPT on the 2-host emulated
-    cluster: one point alone at 93.5 ms, the same configuration measured later at 82.1),
-    and the fit's slope and the two kinds' difference are small beside that."""
+    10-30% over minutes (the tiny GPT on the 2-host emulated cluster: one configuration
+    profiled twice, 99.0 and 81.2 ms), and the fit's slope and the two kinds' difference are
+    small beside that. Where a later point does not build beside the first (out of memory
+    with every point's state held at once, say), the points run one at a time instead."""
     counts = _calibration_points(pc)
     first = _warmed(pc.replace_pipeline(num_micro_batches=counts[0]), runtime, console)
     chosen = first.cuts() if pc.pipeline.partition == "auto" else None
@@ -417,30 +426,69 @@ def _calibrate(
         cpc = pc.replace_pipeline(num_micro_batches=m)
         return cpc if chosen is None else cpc.replace_pipeline(partition="manual", cuts=chosen)
 
-    sessions = [first, *(_warmed(at(m), runtime, console) for m in counts[1:])]
-    other = _other_backward(at(counts[0]), runtime, console)
-
-    def dropped(session: Session, error: Exception) -> None:
-        if session is not other:
-            raise error
-        _no_other(at(counts[0]), error, console)
-
-    together = [*sessions, *([other] if other is not None else [])]
-    with _bar(console, progress, pc.run.steps * len(together)) as advance:
-        live = run_steps(together, pc.run.steps, on_step=advance, on_failure=dropped)
-    entry["measured"], entry["step_seconds"] = [], []
+    fields: dict[str, Any] = {"measured": [], "step_seconds": [], "phase": None}
+    fields["split"] = pc.pipeline.split_backward
     points: list[Any] | None = []
-    for session in sessions:
-        _record(entry, session)
+
+    def record(session: Session) -> None:
+        nonlocal points
+        _record(fields, session)
+        if fields["phase"] is None:
+            fields["phase"] = OptimizerPhase.measured(session.steps, session.layout.schedule)
         if points is not None:
             points = _memory_points(points, session, console)
-    entry["phase"] = OptimizerPhase.measured(first.steps, first.layout.schedule)
-    entry["memory"] = LayoutMemory(points) if points else None
-    entry["split"] = pc.pipeline.split_backward
-    entry["other"] = (
-        measured_costs(other.steps, other.layout) if other is not None and other in live else None
-    )
-    return chosen
+
+    sessions = [first]
+    try:
+        sessions += [_warmed(at(m), runtime, console) for m in counts[1:]]
+    except Exception as e:
+        if not droppable(e):
+            raise
+        sessions = []
+        gc.collect()  # (what the later points built goes now, cycles too)
+        if console is not None:
+            console.print(f"meshes {_layout_text(pc)}: a second calibration point does not "
+                          f"build beside the first ({error_line(e)}); calibrating its points "
+                          "one at a time")  # fmt: skip
+    if sessions:
+        other = _other_backward(at(counts[0]), runtime, console)
+
+        def dropped(session: Session, error: Exception) -> None:
+            if session is not other:
+                raise error
+            _no_other(at(counts[0]), error, console)
+
+        together = [*sessions, *([other] if other is not None else [])]
+        with _bar(console, progress, pc.run.steps * len(together)) as advance:
+            live = run_steps(together, pc.run.steps, on_step=advance, on_failure=dropped)
+        for session in sessions:
+            record(session)
+        fields["other"] = (
+            measured_costs(other.steps, other.layout) if other is not None and other in live
+            else None
+        )  # fmt: skip
+    else:  # (one session at a time: the first, then each later point, then the other kind)
+        alone = [first]
+        for m in counts:
+            session = alone.pop() if alone else _warmed(at(m), runtime, console)
+            with _bar(console, progress, pc.run.steps) as advance:
+                run_steps([session], pc.run.steps, on_step=advance)
+            record(session)
+            del session
+        first = None  # (its devices' state goes before the next one's)
+        other = _other_backward(at(counts[0]), runtime, console)
+        fields["other"] = None
+        if other is not None:
+            try:
+                with _bar(console, progress, pc.run.steps) as advance:
+                    run_steps([other], pc.run.steps, on_step=advance)
+                fields["other"] = measured_costs(other.steps, other.layout)
+            except Exception as e:
+                if not droppable(e):
+                    raise
+                _no_other(at(counts[0]), e, console)
+    fields["memory"] = LayoutMemory(points) if points else None
+    return chosen, fields
 
 
 def _other_backward(pc: ProfileConfig, runtime: Any, console: Any) -> Session | None:

@@ -54,16 +54,17 @@ class CostModel:
 
     def overhead_at(self, rows: int) -> float:
         """The step's time outside its actions (`step_overhead`) at `rows` rows a micro-batch:
-        fitted through the points as the actions are. It changes with the micro-batch count
-        (the driver splits the batch and dispatches each): on the 2-host emulated cluster a
-        tiny GPT's mean over 4 and 8 micro-batches put one of them 12% above its own
-        calibration's measured step."""
+        fitted through the two points `pair` picks, in the micro-batch count (1 / rows: the
+        driver splits the batch and dispatches each micro-batch), as `_fit` fits an action
+        in its rows. On the 2-host emulated cluster a tiny GPT's mean over 4 and 8
+        micro-batches had put one of them 12% above its own calibration's measured step."""
         if isinstance(self.overhead, float | int):
             return float(self.overhead)
         if len(self.overhead) == 1:
             return self.overhead[0]
-        i, j = pair([r for r, _ in self.points], rows)
-        return _fit(self.points[i][0], self.overhead[i], self.points[j][0], self.overhead[j], rows)
+        i, j = pair([r for r, _ in self.points], rows)  # (fewer rows second: more batches)
+        (ri, _), (rj, _) = self.points[i], self.points[j]
+        return _fit(1 / rj, self.overhead[j], 1 / ri, self.overhead[i], 1 / rows)
 
     def at(self, rows: int, split: bool | None = None) -> Costs:
         """The costs at `rows` rows a micro-batch, with the backward of the kind `split` says
@@ -159,7 +160,7 @@ def _back(x: SharedCost) -> float:
     return x.seconds if x.back is None else x.back
 
 
-def _fit(r0: int, v0: float, r1: int, v1: float, rows: int) -> float:
+def _fit(r0: float, v0: float, r1: float, v1: float, rows: float) -> float:
     """A time at `rows` from two calibration points (r0 < r1): on the line through them where
     it has a fixed cost and a cost per row that are both >= 0; else (noise: more rows took
     less time, or more than proportionally more) between the points linearly, and outside them

@@ -90,7 +90,7 @@ def test_auto_measures_the_best_predictions_beside_data_parallelism(tmp_path, ca
     config.write_text(f"[pipeline]\nmemory_cap_gib = {cap / (1 << 30)!r}\n")
     flags = ["--auto", "--auto-meshes", "keep", "--auto-top", "1", "--json", str(out),
              "--auto-cuts", "keep", "--auto-virtual", "keep", "--layers", "2",
-             "--plain-steps", "0"]  # fmt: skip
+             "--plain-steps", "0", "--auto-refine", "0"]  # fmt: skip
     assert main([*BASE, "--config", str(config), *flags]) == 0
     capped = json.loads(out.read_text())
     assert capped["ranked_by"] == "step_seconds"

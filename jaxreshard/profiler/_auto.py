@@ -468,14 +468,13 @@ def _calibrate(
             else None
         )  # fmt: skip
     else:  # (one session at a time: the first, then each later point, then the other kind)
-        alone = [first]
+        alone, first = [first], None  # (the first point's state goes once it has run)
         for m in counts:
             session = alone.pop() if alone else _warmed(at(m), runtime, console)
             with _bar(console, progress, pc.run.steps) as advance:
                 run_steps([session], pc.run.steps, on_step=advance)
             record(session)
-            del session
-        first = None  # (its devices' state goes before the next one's)
+            del session  # (before the next point's is built)
         other = _other_backward(at(counts[0]), runtime, console)
         fields["other"] = None
         if other is not None:
